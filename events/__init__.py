@@ -1,0 +1,1 @@
+"""The log: msgpack codec, Redis Streams event store, consumer groups, dead letters, embedded Redis."""

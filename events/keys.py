@@ -1,0 +1,40 @@
+"""Redis key names of a run. Every key of a run shares the hash tag `{<run-id>}` so a Redis Cluster keeps it on one
+slot (multi-key Lua scripts then work)."""
+
+from __future__ import annotations
+
+
+def _k(run_id: str, suffix: str) -> str:
+    if "{" in run_id or "}" in run_id:
+        raise ValueError(f"run id {run_id!r} may not contain braces (they delimit the Redis Cluster hash tag)")
+    return f"rolledger:{{{run_id}}}:{suffix}"
+
+
+def log_key(run_id: str) -> str:
+    """The run's event log: the source of truth, never trimmed."""
+    return _k(run_id, "events")
+
+
+def dead_letter_key(run_id: str) -> str:
+    """Entries a consumer could not process (malformed, unknown type, newer schema, too many deliveries)."""
+    return _k(run_id, "deadletter")
+
+
+def dedupe_key(run_id: str) -> str:
+    """Hash event id -> stream id, for idempotent appends."""
+    return _k(run_id, "dedupe")
+
+
+def snapshots_key(run_id: str) -> str:
+    """Stream of reducer snapshots (state, digest, last event id)."""
+    return _k(run_id, "snapshots")
+
+
+def lease_key(run_id: str, role: str) -> str:
+    """Leader lease of a coordinator role."""
+    return _k(run_id, f"lease:{role}")
+
+
+def fence_key(run_id: str, role: str) -> str:
+    """Monotonic fencing-token counter of a coordinator role."""
+    return _k(run_id, f"fence:{role}")

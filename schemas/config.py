@@ -1,0 +1,141 @@
+"""The run configuration: sampling settings, group and partial policy, scheduler, admission caps, trainer, updates.
+
+Loaded from TOML/JSON/YAML or built in code; unknown or invalid fields raise a ValidationError naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from schemas.base import Model
+
+
+class SamplingParams(Model):
+    """What the engine is asked to sample with; stamped on every trajectory."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_tokens: int = Field(8, ge=1)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprob_mode: Literal["raw", "processed"] = "raw"
+
+
+class PartialPolicy(Model):
+    """When a group counts as finished: all N, at least k of N, or the first k with the rest cancelled.
+
+    `deadline_s`: a group still short of its policy at the deadline is cancelled (or completed as partial when
+    at least k samples finished under `at_least`).
+    """
+
+    kind: Literal["all", "at_least", "first_k"] = "all"
+    k: int | None = Field(None, ge=1)
+    deadline_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _k_needed(self) -> PartialPolicy:
+        if self.kind != "all" and self.k is None:
+            raise ValueError(f"partial_policy.k is required when kind={self.kind!r}")
+        return self
+
+    def required(self, n: int) -> int:
+        """How many finished samples make the group complete."""
+        return n if self.kind == "all" or self.k is None else min(self.k, n)
+
+
+class AdmissionConfig(Model):
+    """Caps on completed-but-untrained work, and the throttle to the trainer's drain rate."""
+
+    max_queued_bytes: int = Field(4 * 1024 * 1024, gt=0, description="cap on bytes of completed, untrained groups")
+    max_lag: int = Field(1, ge=0, description="cap on policy versions between the current one and the oldest untrained")
+    max_inflight_groups: int = Field(8, ge=1, description="groups admitted but not yet completed")
+    throttle_to_drain_rate: bool = True
+
+
+class TrainerConfig(Model):
+    lr: float = Field(3e-4, gt=0)
+    groups_per_step: int = Field(4, ge=1)
+    clip_eps: float = Field(0.2, gt=0)
+    warm_start_steps: int = Field(300, ge=0, description="supervised steps run before RL (a tiny model learns little from scratch)")
+    warm_start_lr: float = Field(3e-3, gt=0)
+
+
+class UpdateConfig(Model):
+    """The weight-update transaction."""
+
+    drain_mode: Literal["abort", "wait", "keep"] = "wait"
+    prepare_deadline_s: float = Field(30.0, gt=0)
+    drain_deadline_s: float = Field(30.0, gt=0)
+    commit_deadline_s: float = Field(30.0, gt=0)
+    staging_dir: Path | None = Field(None, description="defaults to runs/<run-id>/staging")
+
+
+class ModelConfig(Model):
+    """The tiny Qwen2-style policy the project builds itself (no hub)."""
+
+    hidden_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(256, ge=8)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(2, ge=1)
+    num_key_value_heads: int = Field(1, ge=1)
+    max_position_embeddings: int = Field(64, ge=8)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class TaskConfig(Model):
+    kind: Literal["addition"] = "addition"
+    max_operand: int = Field(49, ge=1)
+    num_prompts: int = Field(2000, ge=1)
+
+
+class RunConfig(Model):
+    """Everything a run declares up front; recorded in RunStarted so a replay knows the rules it ran under."""
+
+    seed: int = 0
+    steps: int = Field(30, ge=1, description="trainer steps (policy versions produced)")
+    engine: Literal["torch", "vllm"] = "torch"
+    ranks: int = Field(1, ge=1)
+    mode: Literal["colocated", "disaggregated"] = "disaggregated"
+    group_size: int = Field(8, ge=1, description="N samples per prompt")
+    partial_policy: PartialPolicy = PartialPolicy()
+    scheduler: Literal["fifo", "srgf"] = "fifo"
+    interruptible: bool = False
+    sleep_level: Literal[1, 2] = 1
+    sampling: SamplingParams = SamplingParams()
+    admission: AdmissionConfig = AdmissionConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    update: UpdateConfig = UpdateConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    vllm_urls: tuple[str, ...] = ()
+    allow_remote_engines: bool = Field(False, description="drive unauthenticated RL routes on non-private addresses")
+
+    @model_validator(mode="after")
+    def _partial_fits_group(self) -> RunConfig:
+        k = self.partial_policy.k
+        if k is not None and k > self.group_size:
+            raise ValueError(f"partial_policy.k={k} exceeds group_size={self.group_size}")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        """Read a TOML, JSON or YAML file; errors name the file and the field."""
+        p = Path(path)
+        text = p.read_text()
+        if p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            import yaml  # type: ignore[import-untyped]
+
+            data = yaml.safe_load(text) or {}
+        else:
+            import json
+
+            data = json.loads(text)
+        return cls.model_validate(data)

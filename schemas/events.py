@@ -1,0 +1,438 @@
+"""The event envelope and every event payload, as one pydantic discriminated union on `type`.
+
+Event names are the contract of ../shared/DESIGN.md; payloads are ours. Each payload type has a `schema_version`;
+an older version on the wire is upcast (see UPCASTERS) before validation, a newer one is refused.
+
+Conventions: group ids `g000017`; sample/trajectory ids `g000017/3` (group id, slash, index in the group); ranks are
+0-based ints; `fence` is the leader-lease fencing token of the coordinator that took a decision; wall times are unix
+seconds (float); `*_ms` are durations.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import Field, TypeAdapter
+
+from schemas.base import I32Array, Model
+from schemas.config import PartialPolicy, RunConfig, SamplingParams
+from schemas.trajectory import Trajectory
+
+
+class Payload(Model):
+    """Base of every event payload; `type` is the discriminator, SCHEMA_VERSION the current version of the type."""
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    type: str
+
+
+# ---------------------------------------------------------------- run
+class RunStarted(Payload):
+    type: Literal["RunStarted"] = "RunStarted"
+    config: RunConfig
+    initial_weights_digest: str
+    model_dir: str = ""
+
+
+class RunFinished(Payload):
+    type: Literal["RunFinished"] = "RunFinished"
+    status: Literal["completed", "failed", "aborted"]
+    reason: str = ""
+    steps: int = 0
+
+
+# ---------------------------------------------------------------- admission
+AdmissionReason = Literal["bytes", "lag", "update", "handoff", "manual", "rate"]
+
+
+class GroupAdmitted(Payload):
+    """A prompt admitted as a group of n samples; the command the rollout workers consume."""
+
+    type: Literal["GroupAdmitted"] = "GroupAdmitted"
+    group_id: str
+    prompt_id: str
+    prompt_token_ids: I32Array
+    n: int = Field(ge=1)
+    sampling: SamplingParams
+    partial_policy: PartialPolicy
+    answer: str = Field(description="ground truth for the reward checker")
+    est_remaining_tokens: int = Field(ge=0, description="scheduler telemetry: estimated tokens still to generate")
+    est_bytes: int = Field(ge=0)
+    queued_bytes: int = Field(ge=0, description="completed-but-untrained bytes at the moment of admission")
+    byte_cap: int = Field(ge=0)
+    deadline: float | None = Field(None, description="wall time after which the group is cut per its policy")
+
+
+class AdmissionPaused(Payload):
+    type: Literal["AdmissionPaused"] = "AdmissionPaused"
+    reason: AdmissionReason
+    queued_bytes: int = 0
+    lag: int = 0
+    detail: str = ""
+
+
+class AdmissionResumed(Payload):
+    type: Literal["AdmissionResumed"] = "AdmissionResumed"
+    reason: AdmissionReason
+
+
+# ---------------------------------------------------------------- rollout
+class SampleStarted(Payload):
+    type: Literal["SampleStarted"] = "SampleStarted"
+    sample_id: str
+    group_id: str
+    index: int
+    rank: int
+    policy_version: int
+    weights_digest: str
+
+
+class SampleFinished(Payload):
+    type: Literal["SampleFinished"] = "SampleFinished"
+    trajectory: Trajectory
+    gen_ms: float = 0.0
+
+
+class SampleFailed(Payload):
+    type: Literal["SampleFailed"] = "SampleFailed"
+    sample_id: str
+    group_id: str
+    index: int
+    rank: int
+    error: str
+
+
+class SampleCancelled(Payload):
+    type: Literal["SampleCancelled"] = "SampleCancelled"
+    sample_id: str
+    group_id: str
+    index: int
+    reason: str
+
+
+class GroupCompleted(Payload):
+    """The group satisfied its partial policy; `accepted` are the samples the trainer may use."""
+
+    type: Literal["GroupCompleted"] = "GroupCompleted"
+    group_id: str
+    accepted: tuple[str, ...]
+    status: Literal["complete", "partial"]
+    bytes: int = Field(ge=0)
+
+
+class GroupCancelled(Payload):
+    type: Literal["GroupCancelled"] = "GroupCancelled"
+    group_id: str
+    reason: str
+
+
+# ---------------------------------------------------------------- reward
+class SampleScored(Payload):
+    SCHEMA_VERSION: ClassVar[int] = 2  # v2 added `correct`
+    type: Literal["SampleScored"] = "SampleScored"
+    sample_id: str
+    group_id: str
+    reward: float
+    correct: bool
+
+
+# ---------------------------------------------------------------- trainer
+class BatchConsumed(Payload):
+    type: Literal["BatchConsumed"] = "BatchConsumed"
+    step: int
+    group_ids: tuple[str, ...]
+    versions: tuple[int, ...] = Field(description="policy version of each consumed group")
+    lags: tuple[int, ...] = Field(description="trainer version minus group version, per group")
+    trajectory_ids: tuple[str, ...]
+    bytes: int = 0
+
+
+class TrajectoryDropped(Payload):
+    """A completed group refused at consumption (over the lag cap); counted, never silently lost."""
+
+    type: Literal["TrajectoryDropped"] = "TrajectoryDropped"
+    group_id: str
+    trajectory_ids: tuple[str, ...]
+    reason: Literal["lag", "mixed_versions", "quarantined_rank"]
+    lag: int = 0
+
+
+class TrainStepFinished(Payload):
+    type: Literal["TrainStepFinished"] = "TrainStepFinished"
+    step: int
+    loss: float
+    reward_mean: float
+    logprob_gap_median: float
+    logprob_gap_p99: float
+    max_seq_ratio: float
+    clipped_frac: float
+    train_ms: float = 0.0
+
+
+# ---------------------------------------------------------------- weight update
+class UpdateStaged(Payload):
+    type: Literal["UpdateStaged"] = "UpdateStaged"
+    version: int
+    base_version: int
+    manifest_digest: str
+    weights_digest: str
+    uri: str
+    bytes: int
+    tensors: int
+
+
+class PrepareRequested(Payload):
+    """The coordinator's command to every participating rank: prepare `version` by `deadline`."""
+
+    type: Literal["PrepareRequested"] = "PrepareRequested"
+    version: int
+    manifest_digest: str
+    ranks: tuple[int, ...]
+    deadline: float
+    fence: int
+
+
+class RankPrepared(Payload):
+    type: Literal["RankPrepared"] = "RankPrepared"
+    version: int
+    rank: int
+    manifest_digest: str
+    staged_digest: str
+    prepare_ms: float = 0.0
+
+
+class RankPrepareFailed(Payload):
+    type: Literal["RankPrepareFailed"] = "RankPrepareFailed"
+    version: int
+    rank: int
+    phase: Literal["prepare", "transfer", "commit"]
+    tensor: str | None = None
+    reason: str
+
+
+class UpdateCommitted(Payload):
+    type: Literal["UpdateCommitted"] = "UpdateCommitted"
+    version: int
+    manifest_digest: str
+    ranks: tuple[int, ...]
+    fence: int
+
+
+class UpdateAborted(Payload):
+    type: Literal["UpdateAborted"] = "UpdateAborted"
+    version: int
+    reason: str
+    failed_ranks: tuple[int, ...] = ()
+    fence: int
+
+
+class RankCommitted(Payload):
+    type: Literal["RankCommitted"] = "RankCommitted"
+    version: int
+    rank: int
+    weights_digest: str
+    commit_ms: float = 0.0
+
+
+class CacheInvalidated(Payload):
+    type: Literal["CacheInvalidated"] = "CacheInvalidated"
+    rank: int
+    kind: Literal["prefix", "kv", "graph", "encoder"]
+    generation: int
+    version: int
+
+
+class HealthPassed(Payload):
+    type: Literal["HealthPassed"] = "HealthPassed"
+    rank: int
+    version: int
+    weights_digest: str
+    probe_digest: str = ""
+
+
+class HealthFailed(Payload):
+    type: Literal["HealthFailed"] = "HealthFailed"
+    rank: int
+    version: int
+    reason: str
+
+
+class PolicyPublished(Payload):
+    type: Literal["PolicyPublished"] = "PolicyPublished"
+    version: int
+    weights_digest: str
+    ranks: tuple[int, ...]
+    fence: int
+
+
+# ---------------------------------------------------------------- engine
+class EngineSlept(Payload):
+    type: Literal["EngineSlept"] = "EngineSlept"
+    rank: int
+    level: Literal[1, 2]
+    bytes_freed: int
+    verified: bool
+
+
+class EngineWoke(Payload):
+    type: Literal["EngineWoke"] = "EngineWoke"
+    rank: int
+    tags: tuple[Literal["weights", "kv_cache"], ...]
+    bytes_restored: int = 0
+
+
+class EnginePaused(Payload):
+    type: Literal["EnginePaused"] = "EnginePaused"
+    rank: int
+    mode: Literal["abort", "wait", "keep"]
+
+
+class EngineResumed(Payload):
+    type: Literal["EngineResumed"] = "EngineResumed"
+    rank: int
+
+
+class RankJoined(Payload):
+    type: Literal["RankJoined"] = "RankJoined"
+    rank: int
+    engine: str
+    policy_version: int
+    weights_digest: str
+    sleep_levels: tuple[int, ...] = ()
+    logprob_mode: Literal["raw", "processed"] = "raw"
+
+
+class RankQuarantined(Payload):
+    type: Literal["RankQuarantined"] = "RankQuarantined"
+    rank: int
+    version: int
+    reason: str
+
+
+class CommandRefused(Payload):
+    """An illegal order refused by a rank or coordinator (an update while asleep, a resume before health, ...)."""
+
+    type: Literal["CommandRefused"] = "CommandRefused"
+    command: str
+    reason: str
+    rank: int | None = None
+
+
+AnyPayload = Annotated[
+    Union[
+        RunStarted, RunFinished,
+        GroupAdmitted, AdmissionPaused, AdmissionResumed,
+        SampleStarted, SampleFinished, SampleFailed, SampleCancelled, GroupCompleted, GroupCancelled,
+        SampleScored,
+        BatchConsumed, TrajectoryDropped, TrainStepFinished,
+        UpdateStaged, PrepareRequested, RankPrepared, RankPrepareFailed, UpdateCommitted, UpdateAborted,
+        RankCommitted, CacheInvalidated, HealthPassed, HealthFailed, PolicyPublished,
+        EngineSlept, EngineWoke, EnginePaused, EngineResumed, RankJoined, RankQuarantined, CommandRefused,
+    ],
+    Field(discriminator="type"),
+]  # fmt: skip
+
+PAYLOAD_TYPES: dict[str, type[Payload]] = {
+    cls.model_fields["type"].default: cls for cls in Payload.__subclasses__()
+}
+
+
+class Event(Model):
+    """The envelope: identity, causality and the policy version in force, around one payload."""
+
+    event_id: str = Field(description="unique and sortable (ULID)")
+    schema_version: int = Field(ge=1)
+    run_id: str
+    producer: str
+    causation_id: str | None = None
+    correlation_id: str | None = None
+    policy_version: int = Field(ge=0, description="policy version in force when the event was produced")
+    wall_time: float
+    payload: AnyPayload
+
+    @property
+    def type(self) -> str:
+        return self.payload.type
+
+
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+# ---------------------------------------------------------------- upcasting
+# (type, from_version) -> function turning that version's payload dict into the next version's.
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+UPCASTERS: dict[tuple[str, int], Upcaster] = {
+    ("SampleScored", 1): lambda p: {**p, "correct": float(p.get("reward", 0.0)) >= 1.0},
+}
+
+
+class SchemaTooNew(ValueError):
+    """The event was written by a newer rolledger than this one."""
+
+
+def upcast(type_: str, version: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Bring a payload dict of `version` up to the current SCHEMA_VERSION of its type."""
+    cls = PAYLOAD_TYPES.get(type_)
+    if cls is None:
+        raise ValueError(f"unknown event type {type_!r}")
+    if version > cls.SCHEMA_VERSION:
+        raise SchemaTooNew(f"{type_} schema v{version} is newer than this rolledger's v{cls.SCHEMA_VERSION}")
+    while version < cls.SCHEMA_VERSION:
+        step = UPCASTERS.get((type_, version))
+        if step is None:
+            raise ValueError(f"no upcaster for {type_} v{version}")
+        payload = step(payload)
+        version += 1
+    return payload
+
+
+# ---------------------------------------------------------------- ids and construction
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_id_lock = threading.Lock()
+_last_ms = 0
+_last_rand = 0
+
+
+def new_event_id(now_ms: int | None = None) -> str:
+    """A ULID: 48 bits of milliseconds then 80 bits that are random per millisecond and incremented within one,
+    so ids from one process sort in creation order and ids from many processes sort by time."""
+    global _last_ms, _last_rand
+    with _id_lock:
+        ms = int(time.time() * 1000) if now_ms is None else now_ms
+        if ms <= _last_ms:
+            ms = _last_ms
+            _last_rand += 1
+        else:
+            _last_rand = int.from_bytes(os.urandom(10), "big") >> 1  # room to increment
+        _last_ms = ms
+        value = (ms << 80) | (_last_rand & ((1 << 80) - 1))
+    return "".join(_CROCKFORD[(value >> (5 * i)) & 31] for i in range(25, -1, -1))
+
+
+def make_event(
+    payload: Payload,
+    *,
+    run_id: str,
+    producer: str,
+    policy_version: int,
+    causation_id: str | None = None,
+    correlation_id: str | None = None,
+    wall_time: float | None = None,
+    event_id: str | None = None,
+) -> Event:
+    """Wrap a payload in an envelope with a fresh id and the current wall time (the edge's job, never the reducer's)."""
+    return Event(
+        event_id=event_id or new_event_id(),
+        schema_version=type(payload).SCHEMA_VERSION,
+        run_id=run_id,
+        producer=producer,
+        causation_id=causation_id,
+        correlation_id=correlation_id,
+        policy_version=policy_version,
+        wall_time=time.time() if wall_time is None else wall_time,
+        payload=payload,  # type: ignore[arg-type]
+    )

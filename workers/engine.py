@@ -1,0 +1,189 @@
+"""The Engine protocol: what a rollout rank can do, implemented by the built-in torch engine and the vLLM engine.
+
+An engine is one inference rank. It generates groups (one prompt, N samples sharing the prompt prefix), can be
+paused and resumed, put to sleep and woken by tags, and takes new weights in two steps: `stage_weights` validates
+into an inactive buffer (the live weights keep serving), `commit_weights` swaps them in and invalidates what the old
+weights produced. Everything it reports is plain data the workers stamp into events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+from schemas.config import SamplingParams
+
+PauseMode = Literal["abort", "wait", "keep"]
+WakeTag = Literal["weights", "kv_cache"]
+
+
+class EngineError(RuntimeError):
+    """An engine refused or failed an operation; the message says which and why."""
+
+
+class IllegalEngineOrder(EngineError):
+    """An operation out of the legal order: weights sent while asleep, resume before the health probe, ..."""
+
+
+class WeightValidationError(EngineError):
+    """Staged weights do not fit the live model; names the tensor."""
+
+    def __init__(self, tensor: str, reason: str) -> None:
+        super().__init__(f"tensor {tensor!r}: {reason}")
+        self.tensor = tensor
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    name: str  # "torch" | "vllm"
+    sleep_levels: tuple[int, ...]  # () when the engine cannot sleep (vLLM on CPU)
+    prefix_cache: bool
+    logprob_mode: Literal["raw", "processed"]
+    interruptible: bool = False
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # one per generated token, in the engine's logprob mode
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class GroupOutput:
+    samples: list[SampleOutput]
+    policy_version: int
+    weights_digest: str
+    cache_generation: int
+    graph_generation: int
+    prefill_tokens_computed: int = 0  # prompt tokens actually run through the model for this group
+    prefill_tokens_saved: int = 0  # prompt tokens served from the prefix cache instead
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    level: int
+    bytes_before: int
+    bytes_after: int
+    verified: bool  # True when measured memory dropped by what the level promises
+
+    @property
+    def bytes_freed(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    tags: tuple[str, ...]
+    bytes_restored: int
+
+
+@dataclass(frozen=True)
+class CommitReport:
+    policy_version: int
+    weights_digest: str
+    cache_generation: int
+    graph_generation: int
+    graphs_invalidated: bool  # False when the new shapes were proven identical
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    ok: bool
+    detail: str
+    probe_digest: str = ""  # digest of the probe's greedy tokens/logits, comparable across ranks
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str  # manifest dtype name, e.g. "bfloat16"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One inference rank. Methods are synchronous; a worker runs them on its own thread."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        should_cancel: Callable[[int], bool] | None = None,
+    ) -> GroupOutput:
+        """N samples sharing the prompt; the prompt is prefilled once when the engine has a prefix cache.
+
+        `should_cancel(i)` is polled between decode steps; a cancelled sample ends with finish_reason "abort".
+        Raises IllegalEngineOrder while paused or asleep.
+        """
+        ...
+
+    def pause(self, mode: PauseMode) -> None: ...
+
+    def resume(self) -> None: ...
+
+    @property
+    def is_paused(self) -> bool: ...
+
+    def sleep(self, level: int) -> SleepReport: ...
+
+    def wake(self, tags: Sequence[WakeTag]) -> WakeReport: ...
+
+    @property
+    def asleep_level(self) -> int:
+        """0 when awake (or woken by every tag)."""
+        ...
+
+    def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
+        """Name -> shape/dtype of the live weights, what staged tensors are validated against."""
+        ...
+
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
+        """Validate shapes/dtypes against the live model, copy into an inactive buffer; return its digest.
+
+        Raises WeightValidationError naming the tensor; the live weights are untouched either way.
+        """
+        ...
+
+    def commit_weights(self, version: int) -> CommitReport:
+        """Swap the staged buffer in, invalidate the prefix/KV cache (new generation) and graphs unless shapes are
+        identical. Refused (IllegalEngineOrder) while asleep or with nothing staged."""
+        ...
+
+    def discard_weights(self) -> None: ...
+
+    def reset_prefix_cache(self) -> int:
+        """Drop cached prefixes; returns the new cache generation."""
+        ...
+
+    def weights_digest(self) -> str:
+        """workers.weights.state_digest of the live weights."""
+        ...
+
+    def health(self) -> HealthReport:
+        """A forward pass on a fixed probe; fails on NaN/inf or an engine error."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    """Counters an engine keeps for telemetry and benchmarks."""
+
+    groups: int = 0
+    generated_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefill_tokens_saved: int = 0
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,50 @@
+"""Checksums and digests of weight tensors: one definition shared by trainer, staging, ranks and engines.
+
+A tensor's checksum is xxh3-128 over its raw bytes (dtype and shape are checked separately, from the manifest).
+A state digest is xxh3-128 over the sorted (name, dtype, shape, checksum) lines: two models have the same digest
+exactly when every tensor has the same name, dtype, shape and bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import xxhash
+
+CHECKSUM_ALGO = "xxh3_128"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor in C order, without copying when it is already contiguous on the CPU."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    # view as uint8 so bf16 (which numpy cannot hold) works too
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """xxh3-128 hex digest of a tensor's bytes."""
+    return xxhash.xxh3_128_hexdigest(tensor_bytes(t))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: the name used in manifests."""
+    return str(dtype).removeprefix("torch.")
+
+
+def digest_entries(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
+    """Digest of (name, dtype, shape, checksum) entries, order-independent."""
+    h = xxhash.xxh3_128()
+    for name, dtype, shape, checksum in sorted(entries):
+        h.update(f"{name}|{dtype}|{','.join(map(str, shape))}|{checksum}\n".encode())
+    return h.hexdigest()
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Digest of a whole state dict (live weights or a staged buffer)."""
+    return digest_entries(
+        (name, dtype_name(t.dtype), tuple(t.shape), tensor_checksum(t)) for name, t in tensors.items()
+    )
