@@ -94,6 +94,7 @@ class SampleStarted(Payload):
 class SampleFinished(Payload):
     type: Literal["SampleFinished"] = "SampleFinished"
     trajectory: Trajectory
+    answer: str = Field("", description="the group's ground truth, carried so the reward worker stays stateless")
     gen_ms: float = 0.0
 
 

@@ -10,6 +10,12 @@ from schemas.base import F32Array, I8Array, I32Array, Model
 from schemas.config import SamplingParams
 
 
+def trajectory_nbytes(prompt_tokens: int, generated_tokens: int) -> int:
+    """Bytes a queued trajectory holds: int32 prompt ids; per generated token an int32 id, int32 position, float32
+    logprob and int8 mask; plus a fixed overhead. The one formula admission, completion and the trainer share."""
+    return 4 * prompt_tokens + 13 * generated_tokens + 256
+
+
 class VersionSpan(Model):
     """Output tokens [start, end) generated under `policy_version` (interruptible generation stamps each span)."""
 
@@ -58,4 +64,4 @@ class Trajectory(Model):
     @property
     def nbytes(self) -> int:
         """Approximate bytes this trajectory holds while queued (token ids, masks, positions, logprobs)."""
-        return 4 * len(self.prompt_token_ids) + 13 * len(self.token_ids) + 256
+        return trajectory_nbytes(len(self.prompt_token_ids), len(self.token_ids))

@@ -1,0 +1,99 @@
+"""The coordinator process: follows the log, and under a leader lease appends the decisions of the pure coordinators
+(weight update, group completion, admission) conditionally on the log not having moved since it decided.
+
+Decisions are appended with `append_if(expected last entry)`: a decision taken on a stale view is refused and taken
+again on the fresh one, and a second coordinator without the lease never decides at all. Every update decision
+carries the lease's fencing token. A coordinator that starts after a crash rebuilds the state from the log and goes on
+from there: an update with no decision logged is aborted at its deadline; a committed one is rolled forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import redis
+
+from events.lease import LeaderLease
+from schemas import events as ev
+from workflows.admission import AdmissionInputs, decide_admission
+from workflows.groups import decide_groups
+from workflows.inject import Injector
+from workflows.scheduler import PromptItem
+from workflows.state import RunState
+from workflows.update import decide_update
+from workers.runtime import Follower, Worker, WorkerKilled
+
+
+def decide_run_end(state: RunState) -> list[ev.Payload]:
+    """Once the trainer has taken its last step and no update is open: cancel what is still in flight, then finish."""
+    cfg = state.config
+    if cfg is None or state.status != "running" or state.trainer.step < cfg.steps or state.open_update is not None:
+        return []
+    out: list[ev.Payload] = []
+    if "manual" not in state.admission.paused:
+        out.append(ev.AdmissionPaused(reason="manual", detail="run reached its last step"))
+    open_groups = [g for g in state.groups.values() if g.status in ("admitted", "generating")]
+    for g in open_groups:
+        out.append(ev.GroupCancelled(group_id=g.group_id, reason="run finished"))
+    unsettled = any(s.status == "started" for g in state.groups.values() for s in g.samples.values())
+    if not open_groups and not unsettled:
+        out.append(ev.RunFinished(status="completed", steps=state.trainer.step))
+    return out
+
+
+def decide(state: RunState, now: float, fence: int, inputs: AdmissionInputs) -> list[ev.Payload]:
+    """Every coordinator's decision on this state, in priority order (updates, groups, the run's end, admission)."""
+    if state.status != "running":
+        return []
+    out: list[ev.Payload] = decide_update(state, now, fence)
+    out += decide_groups(state, now)
+    end = decide_run_end(state)
+    out += end
+    if not out and not end:
+        out += decide_admission(state, inputs)
+    return out
+
+
+class Coordinator(Worker):
+    kind = "coordinator"
+
+    def __init__(self, client: redis.Redis, run_id: str, name: str, prompts: Sequence[PromptItem], *,
+                 lease_ttl_ms: int = 3000, injector: Injector | None = None) -> None:  # fmt: skip
+        super().__init__(client, run_id, name)
+        self.prompts = list(prompts)
+        self.follower = Follower(self.log)
+        self.lease = LeaderLease(client, run_id, "coordinator", name, ttl_ms=lease_ttl_ms)
+        self.injector = injector or Injector()
+        self.decisions = 0
+
+    def respawn(self) -> Coordinator:
+        """A new coordinator: it rebuilds the state from the log, takes the lease when the old one expires (a larger
+        fencing token) and finishes whatever the dead one left open."""
+        return Coordinator(self.client, self.run_id, self.next_name(), self.prompts,
+                           lease_ttl_ms=self.lease.ttl_ms, injector=self.injector)
+
+    def run(self) -> None:
+        renew_at = 0.0
+        while not self.stop_event.is_set():
+            self.follower.poll(block_ms=50)
+            state = self.follower.state
+            if state.status in ("completed", "failed", "aborted"):
+                break
+            now = time.time()
+            if self.lease.token is None or now >= renew_at:
+                if self.lease.acquire() is None:  # takes a free lease or extends ours
+                    continue  # another coordinator leads; keep following so we can take over
+                renew_at = now + self.lease.ttl_ms / 3000
+            fence = self.lease.token
+            assert fence is not None
+            payloads = decide(state, now, fence, AdmissionInputs(now=now, prompts=self.prompts))
+            if not payloads:
+                continue
+            if self.emitter.emit_if(payloads, expected_last_id=self.follower.last_id, policy_version=state.policy_version):
+                self.decisions += 1
+                kill = self.injector.peek("kill-worker", worker="coordinator")
+                if kill is not None and self.decisions >= kill.after:
+                    self.injector.take("kill-worker", worker="coordinator")
+                    raise WorkerKilled(f"coordinator killed after {self.decisions} decisions")
+        self.lease.release()

@@ -1,0 +1,169 @@
+"""`rolledger run`: the whole loop on one machine — Redis (embedded unless given), the policy, and every worker as a
+thread of this process, all talking only through the run's log. The same workers run as separate processes with
+`rolledger coordinator` / `rolledger worker KIND`.
+
+Steps: start Redis; build the tokenizer and the tiny policy, warm-start it (supervised) and save it to
+`runs/<run-id>/model`; append RunStarted; start the coordinator, one rank worker per rank (each with its own engine),
+the reward worker and the trainer; follow the log with a live display until RunFinished; write summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+import structlog
+import torch
+
+from events.connection import connect
+from events.embedded import EmbeddedRedis
+from events.store import EventLog
+from schemas import events as ev
+from schemas.config import RunConfig
+from workers.coordinator import Coordinator
+from workers.engines.torch_engine import TorchEngine
+from workers.grpo import warm_start
+from workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
+from workers.rank import RankWorker
+from workers.reward import RewardWorker
+from workers.runtime import Follower, Worker
+from workers.staging import DirectoryStagingStore
+from workers.tasks import make_prompts, supervised_examples
+from workers.trainer import TrainerWorker
+from workers.weights import state_digest
+from workflows.inject import Injection, Injector
+from workflows.scheduler import PromptItem
+from workflows.summary import Summary, summarize
+
+log = structlog.get_logger("run")
+
+
+@dataclass
+class RunOptions:
+    config: RunConfig
+    redis_url: str | None = None
+    run_id: str | None = None
+    runs_dir: Path = Path("runs")
+    injections: list[Injection] = field(default_factory=list)
+    deadline_s: float = 1800.0
+    on_progress: Callable[[Follower], None] | None = None
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def prompt_items(cfg: RunConfig, tokenizer: object) -> list[PromptItem]:
+    """The run's prompts, tokenised; one completion is expected to be the answer's digits plus <eos>."""
+    items = []
+    for i, p in enumerate(make_prompts(cfg.task, cfg.seed)):
+        ids = tuple(tokenizer(p.text)["input_ids"])  # type: ignore[operator]
+        items.append(PromptItem(i, p.prompt_id, ids, p.answer, len(p.answer) + 1))
+    return items
+
+
+def prepare_policy(cfg: RunConfig, model_dir: Path) -> tuple[torch.nn.Module, object]:
+    """Build the tiny policy and warm-start it (or reuse the one already saved in model_dir)."""
+    if (model_dir / "config.json").is_file():
+        return load_policy(model_dir)
+    torch.manual_seed(cfg.seed)
+    tokenizer = build_tokenizer()
+    model = build_model(cfg.model, len(tokenizer), cfg.seed)
+    if cfg.trainer.warm_start_steps:
+        examples = supervised_examples(cfg.task, cfg.seed, 4096)
+        warm_start(model, tokenizer, examples, cfg.trainer.warm_start_steps, cfg.trainer.warm_start_lr, cfg.seed)
+    save_policy(model_dir, model, tokenizer)
+    return model, tokenizer
+
+
+class LocalRun:
+    """Owns the Redis connection and the worker threads of one run in this process."""
+
+    def __init__(self, opts: RunOptions) -> None:
+        self.opts = opts
+        self.cfg = opts.config
+        self.run_id = opts.run_id or new_run_id()
+        self.run_dir = (opts.runs_dir / self.run_id).absolute()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.embedded: EmbeddedRedis | None = None
+        self.client: redis.Redis | None = None
+        self.workers: list[Worker] = []
+
+    def connect(self) -> redis.Redis:
+        url = self.opts.redis_url or os.environ.get("REDIS_URL")
+        if url is None:
+            self.embedded = EmbeddedRedis(self.run_dir)
+            url = self.embedded.start()
+        (self.run_dir / "redis_url").write_text(url + "\n")
+        self.client = connect(url)
+        return self.client
+
+    def execute(self) -> Summary:
+        client = self.connect()
+        try:
+            return self._execute(client)
+        finally:
+            for w in self.workers:
+                w.stop()
+            for w in self.workers:
+                w.join(timeout=30)
+            if self.embedded is not None:
+                self.embedded.stop()
+
+    def _execute(self, client: redis.Redis) -> Summary:
+        cfg = self.cfg
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+        model, tokenizer = prepare_policy(cfg, self.run_dir / "model")
+        logbook = EventLog(client, self.run_id)
+        if logbook.length() == 0:
+            logbook.append(ev.make_event(
+                ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model)),
+                              model_dir=str(self.run_dir / "model")),
+                run_id=self.run_id, producer="run", policy_version=0))  # fmt: skip
+        injector = Injector(self.opts.injections)
+        staging = DirectoryStagingStore(cfg.update.staging_dir or self.run_dir / "staging")
+        self.workers.append(Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer), injector=injector))
+        initial = {k: v.clone() for k, v in policy_state(model).items()}
+        for r in range(cfg.ranks):
+            engine_model, _ = load_policy(self.run_dir / "model")
+            engine = TorchEngine(engine_model, tokenizer, rank=r)
+            self.workers.append(RankWorker(client, self.run_id, r, engine, injector=injector,
+                                           initial_weights=lambda: dict(initial)))  # fmt: skip
+        self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer, injector=injector))
+        self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging, injector=injector))
+        for w in self.workers:
+            w.start()
+        follower = Follower(logbook)
+        deadline = time.monotonic() + self.opts.deadline_s
+        while follower.state.status == "running" or follower.state.status == "pending":
+            follower.poll(block_ms=200)
+            if self.opts.on_progress is not None:
+                self.opts.on_progress(follower)
+            self._restart_dead()
+            if time.monotonic() > deadline:
+                logbook.append(ev.make_event(ev.RunFinished(status="aborted", reason="run deadline passed",
+                                                            steps=follower.state.trainer.step),
+                                             run_id=self.run_id, producer="run", policy_version=follower.state.policy_version))  # fmt: skip
+                follower.poll(block_ms=200)
+                break
+        summary = summarize(follower.state, (s.event for s in logbook.read()))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        return summary
+
+    def _restart_dead(self) -> None:
+        """A worker thread killed by an injection is replaced by a fresh one under a new name (a restarted process),
+        which reclaims what the dead one left pending."""
+        for i, w in enumerate(self.workers):
+            if w.alive or w.error is None or w.stop_event.is_set():
+                continue
+            replacement = w.respawn()
+            if replacement is not None:
+                log.warning("replacing dead worker", worker=w.name, replacement=replacement.name)
+                self.workers[i] = replacement
+                replacement.start()

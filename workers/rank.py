@@ -1,0 +1,346 @@
+"""The rank worker: one inference rank. Generates the groups it takes from the `rollout` consumer group, and takes
+part in every weight-update transaction as that rank's agent.
+
+Two threads share one engine:
+- the control thread follows the log and acts on what concerns this rank: PrepareRequested (read the staged update,
+  verify every checksum, validate into the engine's inactive buffer -> RankPrepared | RankPrepareFailed),
+  AdmissionPaused(update) (stop starting groups, drain, pause -> EnginePaused), UpdateCommitted (swap, invalidate the
+  prefix cache and graphs, health probe -> RankCommitted, CacheInvalidated, HealthPassed | HealthFailed),
+  PolicyPublished / UpdateAborted (discard what is staged, resume -> EngineResumed), RankQuarantined (reload the
+  published version from the staging store and rejoin -> RankJoined);
+- the rollout thread reads GroupAdmitted entries (acking every other entry type at once), waits until the rank may
+  serve, and generates the group: SampleStarted for each sample, then SampleFinished with the whole trajectory or
+  SampleCancelled when the coordinator closed the group meanwhile. A group reclaimed from a dead worker first has its
+  orphaned samples closed with SampleFailed, so no sample is counted twice and none is left without a terminal event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from events.consumer import Delivery, GroupConsumer
+from schemas import events as ev
+from schemas.trajectory import Trajectory
+from workers.engine import Engine, GroupOutput, SampleOutput
+from workers.runtime import Follower, Worker, WorkerKilled
+from workers.staging import StagingError, load_verified, read_manifest
+from workflows.inject import Injector
+
+WeightsLoader = Callable[[int], dict]  # type: ignore[type-arg]
+
+
+class RankWorker(Worker):
+    kind = "rank"
+
+    def __init__(self, client: redis.Redis, run_id: str, rank: int, engine: Engine, *, injector: Injector | None = None,
+                 claim_idle_ms: int = 5000, initial_weights: Callable[[], dict] | None = None) -> None:  # type: ignore[type-arg]  # fmt: skip
+        super().__init__(client, run_id, f"rank-{rank}")
+        self.rank = rank
+        self.engine = engine
+        self.injector = injector or Injector()
+        self.claim_idle_ms = claim_idle_ms
+        self.initial_weights = initial_weights
+        self.follower = Follower(self.log)
+        self._gate = threading.Condition()
+        self._serving = False  # may the rollout thread start a group?
+        self._busy = False  # is it generating one?
+        self._drained_for: int | None = None  # version whose drain this rank has reported
+        self._claim: tuple[int, str] | None = None  # stale-weights injection: the (version, digest) the rank claims
+        self._rollout: threading.Thread | None = None
+        self._rollout_incarnation = 0
+        self.groups_done = 0
+
+    # ------------------------------------------------------------------ control thread
+    def run(self) -> None:
+        self.follower.catch_up()
+        state = self.follower.state
+        if self.rank not in state.ranks:
+            caps = self.engine.capabilities
+            self._emit(ev.RankJoined(rank=self.rank, engine=caps.name, policy_version=self.engine.policy_version,
+                                     weights_digest=self.engine.weights_digest(), sleep_levels=caps.sleep_levels,
+                                     logprob_mode=caps.logprob_mode))  # fmt: skip
+        self._set_serving(True)
+        self._start_rollout()
+        while not self.stop_event.is_set():
+            for stored in self.follower.poll(block_ms=100):
+                self._react(stored.event)
+            self._report_drained()
+            if self._rollout is not None and not self._rollout.is_alive() and not self.stop_event.is_set():
+                self._start_rollout()  # a killed rollout thread is replaced; the new one reclaims its entries
+            if self.follower.state.status in ("completed", "failed", "aborted"):
+                break
+        self._set_serving(False)
+        if self._rollout is not None:
+            self._rollout.join(timeout=30)
+
+    def _emit(self, *payloads: ev.Payload, causation_id: str | None = None) -> None:
+        self.emitter.emit(list(payloads), policy_version=self.engine.policy_version, causation_id=causation_id)
+
+    def _set_serving(self, serving: bool) -> None:
+        with self._gate:
+            self._serving = serving
+            self._gate.notify_all()
+
+    def _mine(self, ranks: tuple[int, ...] | list[int]) -> bool:
+        return self.rank in ranks
+
+    def _react(self, e: ev.Event) -> None:
+        p = e.payload
+        if isinstance(p, ev.PrepareRequested) and self._mine(p.ranks):
+            self._prepare(p, e.event_id)
+        elif isinstance(p, ev.AdmissionPaused) and p.reason == "update":
+            u = self.follower.state.open_update
+            if u is not None and self._mine(u.ranks):
+                self._set_serving(False)
+                if self.follower.state.config and self.follower.state.config.update.drain_mode == "abort":
+                    self.engine.pause("abort")
+        elif isinstance(p, ev.UpdateCommitted) and self._mine(p.ranks):
+            self._commit(p, e.event_id)
+        elif isinstance(p, ev.PolicyPublished) and self._mine(p.ranks):
+            self._resume(e.event_id)
+        elif isinstance(p, ev.UpdateAborted):
+            self.engine.discard_weights()
+            if self.follower.state.ranks.get(self.rank) and self.follower.state.ranks[self.rank].status != "quarantined":
+                self._resume(e.event_id)
+        elif isinstance(p, ev.RankQuarantined) and p.rank == self.rank:
+            self._rejoin(e.event_id)
+
+    def _prepare(self, p: ev.PrepareRequested, cause: str) -> None:
+        u = self.follower.state.updates[p.version]
+        started = time.perf_counter()
+        fail = self.injector.take("fail-rank", rank=self.rank, phase="prepare")
+        if fail is not None:
+            self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase="prepare", reason=f"injected ({fail.spec})"), causation_id=cause)
+            return
+        try:
+            manifest = read_manifest(u.uri, expected_digest=p.manifest_digest)
+            fail = self.injector.take("fail-rank", rank=self.rank, phase="transfer")
+            if fail is not None:
+                raise StagingError(None, f"transfer interrupted (injected {fail.spec})", kind="unreadable", version=p.version)
+            corrupt = self.injector.take("corrupt-rank", rank=self.rank)
+            tensors = load_verified(u.uri, manifest, corrupt=manifest.tensors[0].name if corrupt else None)
+            staged = self.engine.stage_weights(p.version, dict(tensors))
+        except StagingError as exc:
+            phase = "transfer" if exc.kind in ("unreadable", "truncated") else "prepare"
+            self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)), causation_id=cause)  # type: ignore[arg-type]
+            return
+        except Exception as exc:  # the engine refused (shape/dtype) or anything else: fail closed
+            self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase="prepare",
+                                            tensor=getattr(exc, "tensor", None), reason=str(exc)), causation_id=cause)  # fmt: skip
+            return
+        self._emit(ev.RankPrepared(version=p.version, rank=self.rank, manifest_digest=p.manifest_digest,
+                                   staged_digest=staged, prepare_ms=(time.perf_counter() - started) * 1e3), causation_id=cause)  # fmt: skip
+
+    def _report_drained(self) -> None:
+        """Once generation stopped for the open update: pause the engine and say so (the coordinator commits then)."""
+        u = self.follower.state.open_update
+        if u is None or u.status != "preparing" or "update" not in self.follower.state.admission.paused:
+            return
+        if not self._mine(u.ranks) or self._drained_for == u.version:
+            return
+        with self._gate:
+            if self._busy:
+                return
+        mode = self.follower.state.config.update.drain_mode if self.follower.state.config else "wait"
+        if not self.engine.is_paused:
+            self.engine.pause(mode)
+        self._drained_for = u.version
+        self._emit(ev.EnginePaused(rank=self.rank, mode=mode))
+
+    def _commit(self, p: ev.UpdateCommitted, cause: str) -> None:
+        started = time.perf_counter()
+        fail = self.injector.take("fail-rank", rank=self.rank, phase="commit")
+        if fail is not None:
+            self.engine.discard_weights()
+            self._emit(ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed (injected {fail.spec})"), causation_id=cause)
+            return
+        if self.injector.take("stale-weights", rank=self.rank) is not None or self._claim is not None:
+            # the fault: claim the manifest's version and digest, keep serving the old weights
+            self._claim = (p.version, self.follower.state.updates[p.version].weights_digest)
+        try:
+            if self._claim is not None:
+                self.engine.discard_weights()
+                events: list[ev.Payload] = [ev.RankCommitted(version=p.version, rank=self.rank, weights_digest=self._claim[1])]
+            else:
+                report = self.engine.commit_weights(p.version)
+                events = [
+                    ev.RankCommitted(version=p.version, rank=self.rank, weights_digest=report.weights_digest,
+                                     commit_ms=(time.perf_counter() - started) * 1e3),
+                    ev.CacheInvalidated(rank=self.rank, kind="prefix", generation=report.cache_generation, version=p.version),
+                ]  # fmt: skip
+                if report.graphs_invalidated:
+                    events.append(ev.CacheInvalidated(rank=self.rank, kind="graph", generation=report.graph_generation, version=p.version))
+        except Exception as exc:
+            self._emit(ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed: {exc}"), causation_id=cause)
+            return
+        health = self.engine.health()
+        if health.ok:
+            events.append(ev.HealthPassed(rank=self.rank, version=p.version, weights_digest=self._stamp()[1],
+                                          probe_digest=health.probe_digest))  # fmt: skip
+        else:
+            events.append(ev.HealthFailed(rank=self.rank, version=p.version, reason=health.detail))
+        self._emit(*events, causation_id=cause)
+
+    def _stamp(self) -> tuple[int, str]:
+        """The (policy version, weights digest) this rank stamps on its work: the engine's, unless it is lying."""
+        return self._claim if self._claim is not None else (self.engine.policy_version, self.engine.weights_digest())
+
+    def _resume(self, cause: str) -> None:
+        was_paused = self.engine.is_paused
+        if was_paused:
+            self.engine.resume()
+            self._emit(ev.EngineResumed(rank=self.rank), causation_id=cause)
+        self._drained_for = None
+        self._set_serving(True)
+
+    def _rejoin(self, cause: str) -> None:
+        """Quarantined: stop serving, load the published version through the same verified path, rejoin."""
+        self._set_serving(False)
+        self._claim = None
+        state = self.follower.state
+        version = state.policy_version
+        try:
+            if version == 0:
+                if self.initial_weights is None:
+                    raise RuntimeError("no source for the initial weights")
+                tensors = self.initial_weights()
+            else:
+                u = state.updates[version]
+                tensors = dict(load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest)))
+            self.engine.stage_weights(version, tensors)
+            report = self.engine.commit_weights(version)
+        except Exception as exc:
+            self.logger.error("rejoin failed; rank stays quarantined", error=str(exc))
+            return
+        if self.engine.is_paused:
+            self.engine.resume()
+        self._drained_for = None
+        self._emit(ev.RankJoined(rank=self.rank, engine=self.engine.capabilities.name, policy_version=version,
+                                 weights_digest=report.weights_digest, sleep_levels=self.engine.capabilities.sleep_levels,
+                                 logprob_mode=self.engine.capabilities.logprob_mode), causation_id=cause)  # fmt: skip
+        self._set_serving(True)
+
+    # ------------------------------------------------------------------ rollout thread
+    def _start_rollout(self) -> None:
+        self._rollout_incarnation += 1
+        name = self.name if self._rollout_incarnation == 1 else f"{self.name}.{self._rollout_incarnation}"
+        consumer = GroupConsumer(self.client, self.run_id, "rollout", name, claim_idle_ms=self.claim_idle_ms)
+        consumer.ensure_group()
+        self._rollout = threading.Thread(target=self._rollout_main, args=(consumer,), name=f"{name}-rollout", daemon=True)
+        self._rollout.start()
+
+    def _rollout_main(self, consumer: GroupConsumer) -> None:
+        try:
+            while not self.stop_event.is_set():
+                for d in consumer.read(count=1, block_ms=100):
+                    if not isinstance(d.event.payload, ev.GroupAdmitted):
+                        consumer.ack(d.stream_id)
+                        continue
+                    if not self._generate_group(d, consumer):
+                        return
+        except WorkerKilled as exc:
+            self.logger.warning("rollout thread killed by injection", reason=str(exc))
+        except Exception:
+            self.logger.exception("rollout thread crashed")
+
+    def _wait_to_serve(self) -> bool:
+        with self._gate:
+            while not self._serving:
+                if self.stop_event.is_set():
+                    return False
+                self._gate.wait(timeout=0.2)
+            self._busy = True
+            return True
+
+    def _generate_group(self, d: Delivery, consumer: GroupConsumer) -> bool:
+        p = d.event.payload
+        assert isinstance(p, ev.GroupAdmitted)
+        state = self.follower.state
+        while p.group_id not in state.groups:  # our follower may lag the consumer group by a few entries
+            if self.stop_event.is_set():
+                return False
+            time.sleep(0.01)  # the control thread is folding; this is a bounded wait on its progress
+        g = state.groups[p.group_id]
+        ids = [f"{p.group_id}/{i}" for i in range(p.n)]
+        if g.samples:  # reclaimed from a dead worker: close what it left open, never run a sample twice
+            orphans = [ev.SampleFailed(sample_id=ids[s.index], group_id=p.group_id, index=s.index, rank=self.rank,
+                                       error="worker lost before the sample finished")
+                       for s in g.samples.values() if s.status == "started"]  # fmt: skip
+            self._emit(*orphans, causation_id=d.event.event_id)
+            consumer.ack(d.stream_id)
+            return True
+        if g.status not in ("admitted", "generating"):
+            self._emit(*[ev.SampleCancelled(sample_id=ids[i], group_id=p.group_id, index=i, reason=f"group {g.status}") for i in range(p.n)],
+                       causation_id=d.event.event_id)  # fmt: skip
+            consumer.ack(d.stream_id)
+            return True
+        if not self._wait_to_serve():
+            return False
+        try:
+            version, digest = self._stamp()
+            self._emit(*[ev.SampleStarted(sample_id=ids[i], group_id=p.group_id, index=i, rank=self.rank,
+                                          policy_version=version, weights_digest=digest) for i in range(p.n)],
+                       causation_id=d.event.event_id)  # fmt: skip
+            kill = self.injector.peek("kill-worker", worker="rollout")
+            if kill is not None and self.groups_done + 1 >= kill.after:
+                self.injector.take("kill-worker", worker="rollout")
+                raise WorkerKilled(f"rollout on rank {self.rank} killed mid-group {p.group_id}")
+            started = time.perf_counter()
+
+            def should_cancel(_: int) -> bool:
+                group = state.groups.get(p.group_id)
+                return group is None or group.status not in ("admitted", "generating")
+
+            try:
+                out = self.engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
+            except Exception as exc:
+                self._emit(*[ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=self.rank, error=str(exc))
+                             for i in range(p.n)], causation_id=d.event.event_id)  # fmt: skip
+                consumer.ack(d.stream_id)
+                return True
+            gen_ms = (time.perf_counter() - started) * 1e3
+            self._emit(*self._results(p, out, gen_ms), causation_id=d.event.event_id)
+            consumer.ack(d.stream_id)
+            self.groups_done += 1
+            return True
+        finally:
+            with self._gate:
+                self._busy = False
+                self._gate.notify_all()
+
+    def _results(self, p: ev.GroupAdmitted, out: GroupOutput, gen_ms: float) -> list[ev.Payload]:
+        results: list[ev.Payload] = []
+        for i, s in enumerate(out.samples):
+            sid = f"{p.group_id}/{i}"
+            if s.finish_reason == "abort":
+                results.append(ev.SampleCancelled(sample_id=sid, group_id=p.group_id, index=i, reason="cancelled while generating"))
+                continue
+            results.append(ev.SampleFinished(trajectory=self._trajectory(p, i, s, out), answer=p.answer, gen_ms=gen_ms))
+        return results
+
+    def _trajectory(self, p: ev.GroupAdmitted, i: int, s: SampleOutput, out: GroupOutput) -> Trajectory:
+        start = len(p.prompt_token_ids)
+        return Trajectory(
+            trajectory_id=f"{p.group_id}/{i}",
+            group_id=p.group_id,
+            prompt_id=p.prompt_id,
+            index=i,
+            prompt_token_ids=p.prompt_token_ids,
+            token_ids=s.token_ids,
+            loss_mask=[1] * len(s.token_ids),
+            positions=list(range(start, start + len(s.token_ids))),
+            logprobs=s.logprobs,
+            logprob_mode=self.engine.capabilities.logprob_mode,
+            finish_reason=s.finish_reason,
+            sampling=p.sampling,
+            policy_version=self._claim[0] if self._claim else out.policy_version,
+            weights_digest=self._claim[1] if self._claim else out.weights_digest,
+            rank=self.rank,
+            engine=self.engine.capabilities.name,
+            cache_generation=out.cache_generation,
+            graph_generation=out.graph_generation,
+        )

@@ -1,0 +1,70 @@
+"""The reward worker: scores every finished sample with the task's checker (SampleFinished -> SampleScored).
+
+Stateless apart from a follower used to skip samples already scored (a reclaimed entry is never scored twice).
+The answer travels in SampleFinished, so no lookup is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from events.consumer import GroupConsumer
+from schemas import events as ev
+from workers.runtime import Follower, Worker, WorkerKilled
+from workers.tasks import score
+from workflows.inject import Injector
+
+
+class RewardWorker(Worker):
+    kind = "reward"
+
+    def __init__(self, client: redis.Redis, run_id: str, name: str, tokenizer: Any, *,
+                 injector: Injector | None = None, claim_idle_ms: int = 5000) -> None:  # fmt: skip
+        super().__init__(client, run_id, name)
+        self.tokenizer = tokenizer
+        self.injector = injector or Injector()
+        self.consumer = GroupConsumer(client, run_id, "reward", name, claim_idle_ms=claim_idle_ms)
+        self.follower = Follower(self.log)
+        self.scored = 0
+
+    def respawn(self) -> RewardWorker:
+        return RewardWorker(self.client, self.run_id, self.next_name(), self.tokenizer, injector=self.injector,
+                            claim_idle_ms=self.consumer.claim_idle_ms)
+
+    def completion_text(self, token_ids: list[int]) -> str:
+        eos = self.tokenizer.eos_token_id
+        if eos in token_ids:
+            token_ids = token_ids[: token_ids.index(eos)]
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def run(self) -> None:
+        self.consumer.ensure_group()
+        while not self.stop_event.is_set():
+            deliveries = self.consumer.read(count=64, block_ms=100)
+            if not deliveries:
+                if self.follower.state.status in ("completed", "failed", "aborted"):
+                    break
+                self.follower.catch_up()
+                continue
+            self.follower.catch_up()
+            out: list[ev.Payload] = []
+            for d in deliveries:
+                p = d.event.payload
+                if isinstance(p, ev.SampleFinished) and not self._already_scored(p):
+                    t = p.trajectory
+                    reward = score(self.completion_text(list(t.token_ids)), p.answer)
+                    out.append(ev.SampleScored(sample_id=t.trajectory_id, group_id=t.group_id, reward=reward, correct=reward >= 1.0))
+            kill = self.injector.peek("kill-worker", worker="reward")
+            if out and kill is not None and self.scored + len(out) >= kill.after:
+                self.injector.take("kill-worker", worker="reward")
+                raise WorkerKilled(f"reward worker killed with {len(deliveries)} entries unacknowledged")
+            self.emitter.emit(out, policy_version=self.follower.state.policy_version)
+            self.consumer.ack(*(d.stream_id for d in deliveries))
+            self.scored += len(out)
+
+    def _already_scored(self, p: ev.SampleFinished) -> bool:
+        g = self.follower.state.groups.get(p.trajectory.group_id)
+        smp = g.samples.get(p.trajectory.index) if g else None
+        return smp is not None and smp.reward is not None

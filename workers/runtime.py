@@ -1,0 +1,136 @@
+"""What every worker and coordinator shares: following the log into a RunState, and appending stamped events.
+
+A `Follower` tails the run's log from its first entry and folds every event through the reducer, so a process that
+restarts rebuilds exactly the state it had. An `Emitter` wraps payloads into envelopes (id, producer, causation,
+policy version in force) and appends them. `Worker` is the small base class with the stop flag and the loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import redis
+import structlog
+
+from events.store import ConcurrencyConflict, EventLog, StoredEvent
+from schemas import events as ev
+from workflows.reducer import fold
+from workflows.state import RunState
+
+
+class Follower:
+    """Tails the log and folds it; `state` is always the fold of everything up to `last_id`."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.state = RunState()
+        self.last_id = "0-0"
+
+    def poll(self, block_ms: int = 100) -> list[StoredEvent]:
+        got = self.log.tail(self.last_id, block_ms=block_ms)
+        for stored in got:
+            fold(self.state, stored.event)
+            self.last_id = stored.stream_id
+        return got
+
+    def catch_up(self) -> None:
+        """Fold everything appended so far without blocking."""
+        for stored in self.log.read("(" + self.last_id if self.last_id != "0-0" else "-"):
+            fold(self.state, stored.event)
+            self.last_id = stored.stream_id
+
+
+class Emitter:
+    """Appends events from one producer, stamped with the policy version in force."""
+
+    def __init__(self, log: EventLog, producer: str) -> None:
+        self.log = log
+        self.producer = producer
+
+    def wrap(self, payload: ev.Payload, *, policy_version: int, causation_id: str | None = None,
+             correlation_id: str | None = None) -> ev.Event:  # fmt: skip
+        return ev.make_event(
+            payload,
+            run_id=self.log.run_id,
+            producer=self.producer,
+            policy_version=policy_version,
+            causation_id=causation_id,
+            correlation_id=correlation_id,
+        )
+
+    def emit(self, payloads: Sequence[ev.Payload], *, policy_version: int, causation_id: str | None = None,
+             correlation_id: str | None = None) -> list[str]:  # fmt: skip
+        if not payloads:
+            return []
+        events = [self.wrap(p, policy_version=policy_version, causation_id=causation_id, correlation_id=correlation_id)
+                  for p in payloads]  # fmt: skip
+        return self.log.append_many(events)
+
+    def emit_if(self, payloads: Sequence[ev.Payload], *, expected_last_id: str, policy_version: int,
+                causation_id: str | None = None) -> bool:  # fmt: skip
+        """Append only if nothing was appended since `expected_last_id`; False on a conflict (re-decide and retry)."""
+        events = [self.wrap(p, policy_version=policy_version, causation_id=causation_id) for p in payloads]
+        try:
+            self.log.append_if(events, None if expected_last_id == "0-0" else expected_last_id)
+        except ConcurrencyConflict:
+            return False
+        return True
+
+
+class WorkerKilled(RuntimeError):
+    """Raised inside a worker by a kill-worker injection: the thread dies without acknowledging its work."""
+
+
+class Worker:
+    """A stoppable loop on its own thread (or the main thread of a `rolledger worker` process)."""
+
+    kind = "worker"
+
+    def __init__(self, client: redis.Redis, run_id: str, name: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.name = name
+        self.log = EventLog(client, run_id)
+        self.emitter = Emitter(self.log, name)
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        self.logger = structlog.get_logger(self.kind).bind(run=run_id, worker=name)
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def respawn(self) -> Worker | None:
+        """A fresh incarnation under a new name, as a restarted process would be; None if this kind is not restarted."""
+        return None
+
+    def next_name(self) -> str:
+        base, _, n = self.name.partition("#")
+        return f"{base}#{int(n or 1) + 1}"
+
+    def _main(self) -> None:
+        try:
+            self.run()
+        except WorkerKilled as exc:
+            self.error = exc
+            self.logger.warning("worker killed by injection", reason=str(exc))
+        except BaseException as exc:  # a crash is reported, never swallowed
+            self.error = exc
+            self.logger.exception("worker crashed")
+
+    def start(self) -> threading.Thread:
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

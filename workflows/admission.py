@@ -1,0 +1,143 @@
+"""The admission controller: `decide_admission(state, inputs) -> [payloads]`, pure.
+
+Three gates, each a pause reason the controller owns (the update and handoff coordinators own theirs):
+- bytes: completed-but-untrained bytes plus the estimated bytes of groups in flight plus the new group must stay
+  within `admission.max_queued_bytes`: admission stops *before* the queue outgrows its cap.
+- lag: a group admitted now is consumed around trainer step floor(C / groups_per_step), C the groups admitted and not
+  cancelled; the published version then is at most that step, so admission stops when that step minus the current
+  version would exceed `admission.max_lag` (the bounded-staleness rule AReaL uses, counted in groups).
+- rate: generation is throttled to the trainer's drain rate: completed-or-in-flight groups ahead of the trainer are
+  kept to two batches (one being trained on, one ready). By Little's law the queue is the surplus rate times the
+  update period; this cap keeps the surplus from accumulating.
+Transitions only: AdmissionPaused when a gate closes, AdmissionResumed when it opens; while every gate is open,
+GroupAdmitted for the next prompts up to `max_inflight_groups`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from schemas import events as ev
+from schemas.config import RunConfig
+from schemas.trajectory import trajectory_nbytes
+from workflows.scheduler import PromptItem, order_candidates
+from workflows.state import RunState
+
+OWNED_REASONS: tuple[ev.AdmissionReason, ...] = ("bytes", "lag", "rate")
+
+
+@dataclass(frozen=True)
+class AdmissionInputs:
+    """What the controller needs beyond the state, supplied by the edge (the clock, the dataset)."""
+
+    now: float
+    prompts: Sequence[PromptItem]  # the run's prompt sequence (cycled by index)
+    window: int = 16  # how many not-yet-admitted prompts the scheduler chooses among
+
+
+def bytes_estimate(prompt_tokens: int, completion_tokens: int, n: int) -> int:
+    """Bytes a group will hold once completed: what Trajectory.nbytes counts, for n samples."""
+    return n * trajectory_nbytes(prompt_tokens, completion_tokens)
+
+
+@dataclass(frozen=True)
+class Gates:
+    """Each gate's verdict for admitting `extra_groups` more groups holding `extra_bytes`, and why."""
+
+    bytes_ok: bool
+    lag_ok: bool
+    rate_ok: bool
+    projected_bytes: int
+    projected_lag: int
+    untrained: int
+
+    def verdicts(self, cfg: RunConfig) -> list[tuple[ev.AdmissionReason, bool, str]]:
+        adm = cfg.admission
+        return [
+            ("bytes", self.bytes_ok, f"projected {self.projected_bytes} B > cap {adm.max_queued_bytes} B"),
+            ("lag", self.lag_ok, f"projected lag {self.projected_lag} > cap {adm.max_lag}"),
+            ("rate", self.rate_ok, f"{self.untrained} groups ahead of the trainer (cap {2 * cfg.trainer.groups_per_step})"),
+        ]
+
+
+def gates(state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int) -> Gates:
+    """The three gates, as if `extra_groups` more groups of `extra_bytes` in all were admitted now."""
+    adm = cfg.admission
+    inflight_bytes = sum(g.est_bytes for g in state.groups.values() if g.status in ("admitted", "generating"))
+    projected_bytes = state.admission.queued_bytes + inflight_bytes + extra_bytes
+    live = sum(1 for g in state.groups.values() if g.status not in ("cancelled", "dropped")) + extra_groups
+    projected_lag = (live - 1) // cfg.trainer.groups_per_step - state.policy_version if live else 0
+    untrained = sum(1 for g in state.groups.values() if g.untrained) + extra_groups
+    return Gates(
+        bytes_ok=projected_bytes <= adm.max_queued_bytes,
+        lag_ok=projected_lag <= adm.max_lag,
+        rate_ok=not adm.throttle_to_drain_rate or untrained <= 2 * cfg.trainer.groups_per_step,
+        projected_bytes=projected_bytes,
+        projected_lag=projected_lag,
+        untrained=untrained,
+    )
+
+
+def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payload]:
+    cfg = state.config
+    if cfg is None or state.status != "running" or not inputs.prompts:
+        return []
+    n = cfg.group_size
+    admitted_prompts = {g.prompt_id for g in state.groups.values()}
+    start = state.admission.admitted
+    candidates = [
+        p for i in range(start, start + inputs.window * 4) if (p := _item(inputs.prompts, i)).prompt_id not in admitted_prompts
+    ][: inputs.window]
+    ordered = order_candidates(candidates, cfg.scheduler, n)
+
+    out: list[ev.Payload] = []
+    paused = list(state.admission.paused)
+    # Pause/resume on the owned gates as they stand for the next group.
+    first = ordered[0] if ordered else None
+    first_bytes = bytes_estimate(len(first.token_ids), first.est_completion_tokens, n) if first else 0
+    for reason, ok, detail in gates(state, cfg, 1, first_bytes).verdicts(cfg):
+        if not ok and reason not in paused:
+            out.append(ev.AdmissionPaused(reason=reason, queued_bytes=state.admission.queued_bytes, lag=state.lag, detail=detail))
+            paused.append(reason)
+        elif ok and reason in paused:
+            out.append(ev.AdmissionResumed(reason=reason))
+            paused.remove(reason)
+    if paused:
+        return out
+    # Admit in scheduler order while every gate stays open and the in-flight cap allows.
+    admitted, admitted_bytes = 0, 0
+    for item in ordered:
+        if state.admission.inflight + admitted >= cfg.admission.max_inflight_groups:
+            break
+        group_bytes = bytes_estimate(len(item.token_ids), item.est_completion_tokens, n)
+        g = gates(state, cfg, admitted + 1, admitted_bytes + group_bytes)
+        if not (g.bytes_ok and g.lag_ok and g.rate_ok):
+            break  # the next tick pauses on the gate that closed
+        out.append(
+            ev.GroupAdmitted(
+                group_id=f"g{start + admitted:06d}",
+                prompt_id=item.prompt_id,
+                prompt_token_ids=list(item.token_ids),
+                n=n,
+                sampling=cfg.sampling,
+                partial_policy=cfg.partial_policy,
+                answer=item.answer,
+                est_remaining_tokens=item.est_completion_tokens * n,
+                est_bytes=group_bytes,
+                queued_bytes=g.projected_bytes,
+                byte_cap=cfg.admission.max_queued_bytes,
+                deadline=inputs.now + cfg.partial_policy.deadline_s if cfg.partial_policy.deadline_s else None,
+            )
+        )
+        admitted += 1
+        admitted_bytes += group_bytes
+    return out
+
+
+def _item(prompts: Sequence[PromptItem], i: int) -> PromptItem:
+    """The i-th prompt of the run: the dataset cycled, later epochs with their own prompt ids."""
+    base = prompts[i % len(prompts)]
+    if i < len(prompts):
+        return base
+    return PromptItem(i, f"{base.prompt_id}@{i // len(prompts)}", base.token_ids, base.answer, base.est_completion_tokens)

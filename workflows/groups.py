@@ -1,0 +1,56 @@
+"""Group completion by the algorithm's partial policy: `decide_groups(state, now) -> [payloads]`, pure.
+
+- all: complete when all N finished; cancelled when a sample failed or was cancelled (N can no longer be reached).
+- at_least k: complete (status "complete" if all N finished, else "partial") once every sample is terminal and at
+  least k finished; cancelled when fewer than k can still finish.
+- first_k: complete with the first k finished samples as soon as k finished; the rest are cancelled.
+- deadline (any policy): at the deadline a group with at least k finished completes as partial, the rest of its
+  samples are cancelled; a group short of k is cancelled.
+Cancelling is a decision here (GroupCompleted/GroupCancelled); the rollout worker that holds the samples sees it and
+ends each unfinished sample with SampleCancelled, so every dispatched sample reaches a terminal event.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from schemas import events as ev
+from schemas.trajectory import trajectory_nbytes
+from workflows.state import GroupState, RunState, SampleState
+
+
+def decide_groups(state: RunState, now: float) -> list[ev.Payload]:
+    """Decisions for every group still admitted/generating."""
+    out: list[ev.Payload] = []
+    for g in state.groups.values():
+        if g.status not in ("admitted", "generating"):
+            continue
+        decision = decide_group(g, now, g.deadline)
+        if decision is not None:
+            out.append(decision)
+    return out
+
+
+def decide_group(g: GroupState, now: float, deadline: float | None) -> ev.Payload | None:
+    finished = [s for s in sorted(g.samples.values(), key=lambda s: s.index) if s.status == "finished"]
+    terminal = sum(1 for s in g.samples.values() if s.status != "started")
+    lost = terminal - len(finished)  # failed or cancelled
+    k = g.required
+    if g.policy_kind == "first_k" and len(finished) >= k:
+        return _complete(g, finished[:k], "complete" if k == g.n else "partial")
+    if g.policy_kind == "all" and len(finished) == g.n:
+        return _complete(g, finished, "complete")
+    if g.policy_kind == "at_least" and terminal == g.n and len(finished) >= k:
+        return _complete(g, finished, "complete" if len(finished) == g.n else "partial")
+    if g.n - lost < k:
+        return ev.GroupCancelled(group_id=g.group_id, reason=f"only {g.n - lost} of the {k} required samples can finish")
+    if deadline is not None and now >= deadline:
+        if len(finished) >= k and g.policy_kind != "all":
+            return _complete(g, finished, "partial")
+        return ev.GroupCancelled(group_id=g.group_id, reason=f"deadline passed with {len(finished)} of {k} finished")
+    return None
+
+
+def _complete(g: GroupState, accepted: list[SampleState], status: Literal["complete", "partial"]) -> ev.GroupCompleted:
+    nbytes = sum(trajectory_nbytes(g.prompt_tokens, s.tokens) for s in accepted)
+    return ev.GroupCompleted(group_id=g.group_id, accepted=tuple(s.sample_id for s in accepted), status=status, bytes=nbytes)

@@ -1,0 +1,212 @@
+"""The state of a run, as typed dataclasses the reducer folds events into.
+
+Groups (admitted -> generating -> complete | partial | cancelled -> scored -> consumed), samples, the weight-update
+transaction per version, each rank's engine, admission, and the trainer. Snapshots serialise this state through
+pydantic (`to_dict` / `from_dict`); `digest` is xxh3-128 over its canonical msgpack form, so two replays of one log
+give the same digest exactly when they give the same state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgpack
+import xxhash
+from pydantic import TypeAdapter
+
+from schemas.config import RunConfig
+
+GroupStatus = Literal["admitted", "generating", "complete", "partial", "cancelled", "scored", "consumed", "dropped"]
+SampleStatus = Literal["started", "finished", "failed", "cancelled"]
+UpdateStatus = Literal["staged", "preparing", "committed", "aborted", "invalidated", "healthy", "published"]
+EngineStatus = Literal["awake", "paused", "asleep", "quarantined"]
+
+
+@dataclass(slots=True)
+class SampleState:
+    sample_id: str
+    index: int
+    status: SampleStatus
+    rank: int
+    policy_version: int
+    weights_digest: str = ""
+    tokens: int = 0
+    reward: float | None = None
+    correct: bool | None = None
+
+
+@dataclass(slots=True)
+class GroupState:
+    group_id: str
+    prompt_id: str
+    n: int
+    required: int
+    policy_kind: str
+    admitted_event: str
+    admitted_version: int
+    est_remaining_tokens: int
+    est_bytes: int
+    prompt_tokens: int
+    deadline: float | None = None
+    status: GroupStatus = "admitted"
+    samples: dict[int, SampleState] = field(default_factory=dict)
+    accepted: list[str] = field(default_factory=list)
+    bytes: int = 0
+    scored: int = 0
+    versions: list[int] = field(default_factory=list)  # policy versions that produced its samples (sorted, unique)
+    consumed_step: int | None = None
+
+    @property
+    def finished(self) -> int:
+        return sum(1 for s in self.samples.values() if s.status == "finished")
+
+    @property
+    def untrained(self) -> bool:
+        """Admitted and neither consumed, dropped nor cancelled."""
+        return self.status not in ("consumed", "dropped", "cancelled")
+
+
+@dataclass(slots=True)
+class UpdateState:
+    version: int
+    base_version: int
+    manifest_digest: str
+    weights_digest: str
+    uri: str
+    bytes: int
+    staged_event: str
+    status: UpdateStatus = "staged"
+    ranks: list[int] = field(default_factory=list)
+    fence: int = 0
+    deadline: float = 0.0
+    prepared: dict[int, str] = field(default_factory=dict)  # rank -> staged digest
+    failed: dict[int, str] = field(default_factory=dict)  # rank -> reason
+    committed: dict[int, str] = field(default_factory=dict)  # rank -> live weights digest after the swap
+    invalidated: dict[int, int] = field(default_factory=dict)  # rank -> new cache generation
+    healthy: list[int] = field(default_factory=list)
+    probe_digests: dict[int, str] = field(default_factory=dict)  # rank -> digest of its health probe's output
+    abort_reason: str = ""
+    decided_event: str = ""
+    paused_at: float = 0.0  # wall time of the AdmissionPaused(update) that started the drain
+    committed_at: float = 0.0
+    quarantined: list[int] = field(default_factory=list)
+
+    @property
+    def all_prepared(self) -> bool:
+        return bool(self.ranks) and all(r in self.prepared for r in self.ranks)
+
+    @property
+    def open(self) -> bool:
+        """Neither aborted nor published: the transaction is still in flight."""
+        return self.status not in ("aborted", "published")
+
+
+@dataclass(slots=True)
+class RankState:
+    rank: int
+    engine: str
+    status: EngineStatus = "awake"
+    committed_version: int = 0
+    weights_digest: str = ""
+    cache_generation: int = 0
+    graph_generation: int = 0
+    sleep_level: int = 0
+    woke: list[str] = field(default_factory=list)
+    sleep_levels: list[int] = field(default_factory=list)
+    logprob_mode: str = "raw"
+    groups_generated: int = 0
+
+
+@dataclass(slots=True)
+class AdmissionState:
+    paused: list[str] = field(default_factory=list)  # reasons currently holding admission closed
+    queued_bytes: int = 0  # bytes of completed, untrained groups
+    max_queued_bytes: int = 0  # high-water mark
+    admitted: int = 0
+    inflight: int = 0  # admitted and not yet complete/cancelled
+
+    @property
+    def open(self) -> bool:
+        return not self.paused
+
+
+@dataclass(slots=True)
+class TrainerState:
+    step: int = 0
+    consumed_groups: int = 0
+    consumed_trajectories: int = 0
+    dropped_trajectories: int = 0
+    lag_histogram: dict[int, int] = field(default_factory=dict)
+    max_lag: int = 0
+    rewards: list[float] = field(default_factory=list)  # reward mean per step
+    logprob_gaps: list[float] = field(default_factory=list)  # median |gap| per step
+
+
+@dataclass(slots=True)
+class Anomaly:
+    event_id: str
+    event_type: str
+    message: str
+
+
+@dataclass(slots=True)
+class RunState:
+    run_id: str = ""
+    config: RunConfig | None = None
+    status: Literal["pending", "running", "completed", "failed", "aborted"] = "pending"
+    policy_version: int = 0  # the last published version
+    weights_digest: str = ""
+    groups: dict[str, GroupState] = field(default_factory=dict)
+    updates: dict[int, UpdateState] = field(default_factory=dict)
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    admission: AdmissionState = field(default_factory=AdmissionState)
+    trainer: TrainerState = field(default_factory=TrainerState)
+    anomalies: list[Anomaly] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # events applied, per type
+    events_applied: int = 0
+    last_event_id: str = ""
+    recent_ids: dict[str, None] = field(default_factory=dict)  # bounded, ordered window for duplicate detection
+    first_wall_time: float = 0.0
+    last_wall_time: float = 0.0
+
+    # ------------------------------------------------------------ derived views (pure)
+    @property
+    def open_update(self) -> UpdateState | None:
+        """The newest update still in flight, if any."""
+        for v in sorted(self.updates, reverse=True):
+            if self.updates[v].open:
+                return self.updates[v]
+        return None
+
+    @property
+    def lag(self) -> int:
+        """Current version minus the oldest version among untrained groups (0 when nothing is untrained)."""
+        versions = [g.admitted_version for g in self.groups.values() if g.untrained]
+        return self.policy_version - min(versions) if versions else 0
+
+    def ready_groups(self) -> list[GroupState]:
+        """Groups completed (and scored) but not yet consumed, oldest first."""
+        return [g for g in self.groups.values() if g.status == "scored"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return _ADAPTER.dump_python(self, mode="json")  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunState:
+        return _ADAPTER.validate_python(data)
+
+    def digest(self) -> str:
+        """xxh3-128 of the canonical form; excludes nothing, so any divergence shows."""
+        return xxhash.xxh3_128_hexdigest(msgpack.packb(_canonical(self.to_dict())))
+
+
+def _canonical(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return [[str(k), _canonical(v)] for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))]
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    return obj
+
+
+_ADAPTER: TypeAdapter[RunState] = TypeAdapter(RunState)

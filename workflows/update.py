@@ -1,0 +1,96 @@
+"""The weight-update coordinator: `decide_update(state, now, fence) -> [payloads]`, pure.
+
+The transaction for version v, one at a time:
+  UpdateStaged -> PrepareRequested(ranks in service, deadline) -> every rank RankPrepared (each validated the staged
+  tensors into an inactive buffer while still serving v-1) -> AdmissionPaused(update) -> every rank drains and
+  reports EnginePaused -> UpdateCommitted -> each rank swaps, invalidates caches, runs its health probe ->
+  PolicyPublished -> AdmissionResumed(update).
+Any RankPrepareFailed, or a missed prepare or drain deadline, gives UpdateAborted: nothing was swapped, every rank
+keeps v-1. After the commit the decision stands (roll forward): a rank that fails its swap or health probe, reports
+a digest other than the manifest's, or misses the commit deadline is quarantined, and v is published on the rest.
+Every decision carries the fencing token of the coordinator's lease.
+"""
+
+from __future__ import annotations
+
+from schemas import events as ev
+from workflows.state import RunState, UpdateState
+
+
+def in_service(state: RunState) -> tuple[int, ...]:
+    """Ranks that take part in updates: joined and not quarantined."""
+    return tuple(sorted(r.rank for r in state.ranks.values() if r.status != "quarantined"))
+
+
+def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
+    cfg = state.config
+    if cfg is None:
+        return []
+    out: list[ev.Payload] = []
+    open_updates = sorted(v for v, u in state.updates.items() if u.open)
+    for v in open_updates[:-1]:  # a newer version was staged: the older transaction can no longer win
+        if state.updates[v].status in ("staged", "preparing"):
+            out.append(ev.UpdateAborted(version=v, reason=f"superseded by v{open_updates[-1]}", fence=fence))
+    if open_updates:
+        out.extend(_decide_one(state, state.updates[open_updates[-1]], now, fence))
+    elif "update" in state.admission.paused:
+        out.append(ev.AdmissionResumed(reason="update"))
+    return out
+
+
+def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list[ev.Payload]:
+    cfg = state.config
+    assert cfg is not None
+    up = cfg.update
+    if u.status == "staged":
+        ranks = in_service(state)
+        if not ranks:
+            return [ev.UpdateAborted(version=u.version, reason="no rank in service", fence=fence)]
+        return [
+            ev.PrepareRequested(
+                version=u.version, manifest_digest=u.manifest_digest, ranks=ranks, deadline=now + up.prepare_deadline_s, fence=fence
+            )
+        ]
+    if u.status == "preparing":
+        if u.failed:
+            reasons = "; ".join(f"rank {r}: {why}" for r, why in sorted(u.failed.items()))
+            return [ev.UpdateAborted(version=u.version, reason=reasons, failed_ranks=tuple(sorted(u.failed)), fence=fence)]
+        if not u.all_prepared:
+            if now > u.deadline:
+                late = tuple(r for r in u.ranks if r not in u.prepared)
+                return [ev.UpdateAborted(version=u.version, reason=f"prepare deadline passed for ranks {list(late)}", failed_ranks=late, fence=fence)]
+            return []
+        if "update" not in state.admission.paused:
+            return [ev.AdmissionPaused(reason="update", queued_bytes=state.admission.queued_bytes, lag=state.lag, detail=f"committing v{u.version}")]
+        drained = all(state.ranks[r].status in ("paused", "asleep") for r in u.ranks if r in state.ranks)
+        if drained:
+            return [ev.UpdateCommitted(version=u.version, manifest_digest=u.manifest_digest, ranks=tuple(u.ranks), fence=fence)]
+        if u.paused_at and now > u.paused_at + up.drain_deadline_s:
+            return [ev.UpdateAborted(version=u.version, reason="drain deadline passed", fence=fence)]
+        return []
+    # committed -> roll forward
+    out: list[ev.Payload] = []
+    bad: dict[int, str] = {}
+    for r in u.ranks:
+        if r in u.quarantined:
+            continue
+        digest = u.committed.get(r)
+        if r in u.failed:
+            bad[r] = u.failed[r]
+        elif digest is not None and digest != u.weights_digest:
+            bad[r] = f"live digest {digest} differs from the manifest's {u.weights_digest}"
+        elif r not in u.healthy and now > u.committed_at + up.commit_deadline_s:
+            bad[r] = "commit deadline passed"
+    probes = {r: d for r, d in u.probe_digests.items() if r not in bad and r not in u.quarantined}
+    if len(set(probes.values())) > 1:  # ranks disagree on the probe: quarantine the minority
+        values = list(probes.values())
+        majority = max(set(values), key=lambda d: (values.count(d), d))
+        for r, d in probes.items():
+            if d != majority:
+                bad[r] = "health probe differs from the other ranks (stale weights?)"
+    for r, why in sorted(bad.items()):
+        out.append(ev.RankQuarantined(rank=r, version=u.version, reason=why))
+    serving = [r for r in u.ranks if r not in bad and r not in u.quarantined]
+    if serving and all(r in u.healthy for r in serving) and not bad:
+        out.append(ev.PolicyPublished(version=u.version, weights_digest=u.weights_digest, ranks=tuple(serving), fence=fence))
+    return out
