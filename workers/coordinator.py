@@ -20,6 +20,7 @@ from workflows.admission import AdmissionInputs, decide_admission
 from workflows.groups import decide_groups
 from workflows.inject import Injector
 from workflows.scheduler import PromptItem
+from workflows.replay import take_snapshot
 from workflows.state import RunState
 from workflows.update import decide_update
 from workers.runtime import Follower, Worker, WorkerKilled
@@ -37,6 +38,7 @@ def decide_run_end(state: RunState) -> list[ev.Payload]:
     for g in open_groups:
         out.append(ev.GroupCancelled(group_id=g.group_id, reason="run finished"))
     unsettled = any(s.status == "started" for g in state.groups.values() for s in g.samples.values())
+    unsettled |= any(r.status == "paused" for r in state.ranks.values())  # let ranks resume after the last publish
     if not open_groups and not unsettled:
         out.append(ev.RunFinished(status="completed", steps=state.trainer.step))
     return out
@@ -59,13 +61,15 @@ class Coordinator(Worker):
     kind = "coordinator"
 
     def __init__(self, client: redis.Redis, run_id: str, name: str, prompts: Sequence[PromptItem], *,
-                 lease_ttl_ms: int = 3000, injector: Injector | None = None) -> None:  # fmt: skip
+                 lease_ttl_ms: int = 3000, injector: Injector | None = None, snapshot_every: int = 500) -> None:  # fmt: skip
         super().__init__(client, run_id, name)
         self.prompts = list(prompts)
         self.follower = Follower(self.log)
         self.lease = LeaderLease(client, run_id, "coordinator", name, ttl_ms=lease_ttl_ms)
         self.injector = injector or Injector()
         self.decisions = 0
+        self.snapshot_every = snapshot_every
+        self._snapshot_at = 0
 
     def respawn(self) -> Coordinator:
         """A new coordinator: it rebuilds the state from the log, takes the lease when the old one expires (a larger
@@ -80,6 +84,9 @@ class Coordinator(Worker):
             state = self.follower.state
             if state.status in ("completed", "failed", "aborted"):
                 break
+            if self.lease.token is not None and state.events_applied - self._snapshot_at >= self.snapshot_every:
+                take_snapshot(self.client, self.run_id, state, self.follower.last_id)
+                self._snapshot_at = state.events_applied
             now = time.time()
             if self.lease.token is None or now >= renew_at:
                 if self.lease.acquire() is None:  # takes a free lease or extends ours

@@ -38,6 +38,7 @@ from workers.tasks import make_prompts, supervised_examples
 from workers.trainer import TrainerWorker
 from workers.weights import state_digest
 from workflows.inject import Injection, Injector
+from workflows.replay import take_snapshot
 from workflows.scheduler import PromptItem
 from workflows.summary import Summary, summarize
 
@@ -152,6 +153,7 @@ class LocalRun:
                                              run_id=self.run_id, producer="run", policy_version=follower.state.policy_version))  # fmt: skip
                 follower.poll(block_ms=200)
                 break
+        take_snapshot(client, self.run_id, follower.state, follower.last_id)
         summary = summarize(follower.state, (s.event for s in logbook.read()))
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
         return summary

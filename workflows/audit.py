@@ -216,8 +216,12 @@ class UpdateTracker:
         if isinstance(p, UpdateStaged):
             return self._new(p.version)
         if isinstance(p, (PrepareRequested, RankPrepared, RankPrepareFailed, UpdateCommitted)):
+            # a failure reported after the commit (phase="commit") belongs to the committed attempt
             cur = self.current(p.version)
-            return cur if cur is not None and not cur.resolved else self._new(p.version)
+            live = cur is not None and cur.aborted is None and cur.published is None
+            if isinstance(p, UpdateCommitted):
+                live = live and cur is not None and cur.committed is None
+            return cur if live and cur is not None else self._new(p.version)
         if isinstance(p, UpdateAborted):
             cur = self.current(p.version)
             return cur if cur is not None and cur.aborted is None else self._new(p.version)
@@ -331,6 +335,7 @@ class _Auditor:
         self.ranks: dict[int, _Rank] = {}
         self.last_event: Event | None = None
         self.order: dict[str, int] = {}  # event id -> position of its first occurrence in the log
+        self.warned_no_start = False
 
     # ------------------------------------------------ helpers
     def violate(self, invariant: int, message: str, *events: Event | None) -> None:
@@ -352,7 +357,9 @@ class _Auditor:
         prior = self.seen.get(event.event_id)
         if prior is not None:
             if prior == event:
-                self.warn("duplicate", f"event {event.event_id} ({event.type}) appears twice; the copy is ignored", event)
+                self.warn(
+                    "duplicate", f"event {event.event_id} ({event.type}) appears twice; the copy is ignored", event
+                )
             else:
                 self.warn(
                     "conflicting_duplicate",
@@ -368,9 +375,9 @@ class _Auditor:
             )
         else:
             self.max_id = event.event_id
-        if self.run_started is None and not isinstance(event.payload, RunStarted):
-            if not any(w.kind == "malformed" and "before RunStarted" in w.message for w in self.warnings):
-                self.warn("malformed", f"{event.type} before RunStarted; defaults assumed until it comes", event)
+        if self.run_started is None and not isinstance(event.payload, RunStarted) and not self.warned_no_start:
+            self.warned_no_start = True
+            self.warn("malformed", f"{event.type} before RunStarted; defaults assumed until it comes", event)
         if self.run_finished is not None:
             self.warn("malformed", f"{event.type} after RunFinished {self.run_finished.event_id}", event)
         if self.run_id is not None and event.run_id != self.run_id:
@@ -379,7 +386,7 @@ class _Auditor:
         if handler is not None:
             try:
                 handler(event, event.payload)
-            except Exception as exc:  # an auditor must report on any log, never crash on one
+            except Exception as exc:  # noqa: BLE001 - an auditor reports on any log, never crashes on one
                 self.warn("internal", f"could not check {event.type}: {type(exc).__name__}: {exc}", event)
         self.last_event = event
 
@@ -449,9 +456,7 @@ class _Auditor:
     def on_SampleStarted(self, e: Event, p: SampleStarted) -> None:
         prior = self.samples.get(p.sample_id)
         if prior is not None and prior.terminal is None:
-            self.warn(
-                "restart", f"sample {p.sample_id} started again before its first attempt ended", prior.start, e
-            )
+            self.warn("restart", f"sample {p.sample_id} started again before its first attempt ended", prior.start, e)
         self.samples[p.sample_id] = _Unit(e)
         if p.group_id not in self.groups:
             self.warn("orphan", f"SampleStarted {p.sample_id} for group {p.group_id} never admitted", e)
@@ -566,7 +571,10 @@ class _Auditor:
         started_at = self._index(start)
         before = [i for i in st.invalidations if self._index(i) <= started_at]
         during = [i for i in st.invalidations if self._index(i) > started_at]
-        for kinds, got, label in ((_CACHE_KINDS, t.cache_generation, "cache"), (("graph",), t.graph_generation, "graph")):
+        for kinds, got, label in (
+            (_CACHE_KINDS, t.cache_generation, "cache"),
+            (("graph",), t.graph_generation, "graph"),
+        ):
             relevant = [
                 i for i in before
                 if isinstance(i.payload, CacheInvalidated) and i.payload.kind in kinds
@@ -610,6 +618,8 @@ class _Auditor:
 
     def _sample_terminal(self, e: Event, sample_id: str) -> None:
         unit = self.samples.get(sample_id)
+        if unit is None and isinstance(e.payload, SampleCancelled):
+            return  # cancelled before it was dispatched (first_k, a cancelled group): nothing was started
         if unit is None:
             self.warn("orphan", f"{e.type} {sample_id} without a SampleStarted", e, invariant=7)
         else:
@@ -662,15 +672,20 @@ class _Auditor:
             if tid in self.consumed:
                 self.warn("duplicate", f"trajectory {tid} consumed twice", self.consumed[tid], e)
             self.consumed[tid] = e
-        for gid in by_group:
+        for gid, listed in by_group.items():
             if gid not in p.group_ids:
-                self.violate(5, f"BatchConsumed step {p.step} trains {by_group[gid]} of group {gid} it does not list", e)
+                self.violate(5, f"BatchConsumed step {p.step} trains {listed} of group {gid} it does not list", e)
         for i, gid in enumerate(p.group_ids):
             self.checked[5] += 1
             g = self.groups.get(gid)
             lag = p.lags[i] if i < len(p.lags) else None
             if lag is not None and lag > cfg.admission.max_lag:
-                self.violate(5, f"group {gid} consumed at step {p.step} with lag {lag} > max_lag {cfg.admission.max_lag}", g.admitted if g else None, e)
+                self.violate(
+                    5,
+                    f"group {gid} consumed at step {p.step} with lag {lag} > max_lag {cfg.admission.max_lag}",
+                    g.admitted if g else None,
+                    e,
+                )
             if g is None:
                 self.violate(5, f"BatchConsumed step {p.step} consumes group {gid}, never admitted", e)
                 continue
@@ -743,7 +758,9 @@ class _Auditor:
     def on_UpdateStaged(self, e: Event, p: UpdateStaged) -> None:
         cur = self.updates.current(p.version)
         if cur is not None and not cur.resolved:
-            self.warn("unresolved_update", f"v{p.version} staged again before its previous attempt resolved", cur.staged, e)
+            self.warn(
+                "unresolved_update", f"v{p.version} staged again before its previous attempt resolved", cur.staged, e
+            )
         self.updates.apply(e)
 
     def on_PrepareRequested(self, e: Event, p: PrepareRequested) -> None:
@@ -765,14 +782,14 @@ class _Auditor:
             return
         a = self.updates.route(e)
         assert a is not None
-        if a.staged is not None and isinstance(a.staged.payload, UpdateStaged):
-            if a.staged.payload.manifest_digest != p.manifest_digest:
-                self.violate(
-                    3,
-                    f"v{p.version} committed manifest {p.manifest_digest} but staged {a.staged.payload.manifest_digest}",
-                    a.staged,
-                    e,
-                )
+        staged = a.staged.payload if a.staged is not None else None
+        if isinstance(staged, UpdateStaged) and staged.manifest_digest != p.manifest_digest:
+            self.violate(
+                3,
+                f"v{p.version} committed manifest {p.manifest_digest} but staged {staged.manifest_digest}",
+                a.staged,
+                e,
+            )
         for r in p.ranks:
             prep = a.prepared.get(r)
             if prep is None:
@@ -793,7 +810,9 @@ class _Auditor:
                 self.violate(3, f"v{p.version} committed without requested ranks {left_out}", a.requested, e)
         UpdateTracker.record(a, e)
         if self.window is None:
-            self.warn("malformed", f"v{p.version} committed while admission was not paused for an update", e, invariant=2)
+            self.warn(
+                "malformed", f"v{p.version} committed while admission was not paused for an update", e, invariant=2
+            )
             self.window = _Window(e, p.version)
         elif self.window.version is None:
             self.window.version = p.version
@@ -859,8 +878,14 @@ class _Auditor:
                     rc,
                     e,
                 )
+            if r in a.prepare_failed:
+                self.violate(
+                    4, f"v{p.version} published with rank {r}, which reported a failure", a.prepare_failed[r], e
+                )
             if r in a.health_failed:
-                self.violate(4, f"v{p.version} published with rank {r}, whose health check failed", a.health_failed[r], e)
+                self.violate(
+                    4, f"v{p.version} published with rank {r}, whose health check failed", a.health_failed[r], e
+                )
             elif r not in a.health_passed:
                 self.violate(4, f"v{p.version} published with rank {r}, which never passed a health check", e)
             else:
@@ -880,15 +905,14 @@ class _Auditor:
                         4, f"rank {r} committed v{p.version} but was left out of PolicyPublished without quarantine",
                         a.committed, e,
                     )  # fmt: skip
-        if a.staged is not None and isinstance(a.staged.payload, UpdateStaged):
-            if a.staged.payload.weights_digest != p.weights_digest:
-                self.violate(
-                    4,
-                    f"v{p.version} published weights {p.weights_digest} but the trainer staged "
-                    f"{a.staged.payload.weights_digest}",
-                    a.staged,
-                    e,
-                )
+        staged = a.staged.payload if a.staged is not None else None
+        if isinstance(staged, UpdateStaged) and staged.weights_digest != p.weights_digest:
+            self.violate(
+                4,
+                f"v{p.version} published weights {p.weights_digest} but the trainer staged {staged.weights_digest}",
+                a.staged,
+                e,
+            )
         UpdateTracker.record(a, e)
         if p.version <= self.current_version and p.version in self.version_digest:
             self.warn("malformed", f"v{p.version} published again (current v{self.current_version})", e)

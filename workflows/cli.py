@@ -69,6 +69,112 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary.status == "completed" else 1
 
 
+def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from events.open_run import open_run
+
+    return open_run(args.run, args.redis, Path(args.runs_dir))
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from workflows.replay import verify
+
+    with _open(args) as (client, run_id):
+        report = verify(client, run_id, until=args.until)
+    state = report.state
+    out = {
+        "run_id": run_id,
+        "digest": report.digest,
+        "deterministic": report.digest == report.digest_again,
+        "last_stream_id": report.last_stream_id,
+        "snapshots": [{"event_id": e, "recorded": a, "replayed": b, "ok": a == b} for e, a, b in report.snapshot_checks],
+        "state": state.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        from workflows.progress import status_table
+        from rich.console import Console
+
+        Console().print(status_table(state))
+        print(f"digest {report.digest} (replayed twice: {'same' if out['deterministic'] else 'DIFFERENT'})")
+        bad = [c for c in out["snapshots"] if not c["ok"]]  # type: ignore[index,union-attr]
+        print(f"snapshots checked: {len(report.snapshot_checks)}, mismatched: {len(bad)}")
+        for c in bad:
+            print(f"  snapshot at {c['event_id']}: recorded {c['recorded']} != replayed {c['replayed']}")  # type: ignore[index]
+        print(f"anomalies: {len(state.anomalies)}")
+        for a in state.anomalies[:20]:
+            print(f"  {a.event_id} {a.event_type}: {a.message}")
+    return 0 if report.ok else 1
+
+
+def _events(client, run_id):  # type: ignore[no-untyped-def]
+    from events.store import EventLog
+
+    return [s.event for s in EventLog(client, run_id).read()]
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from workflows.audit import audit
+    from workflows.replay import verify
+
+    with _open(args) as (client, run_id):
+        events = _events(client, run_id)
+        rep = verify(client, run_id)
+    report = audit(events, replay_digests=(rep.digest, rep.digest_again), snapshot_checks=rep.snapshot_checks)
+    print(report.to_json() if args.json else report.render())
+    return 0 if report.ok else 1
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from workflows.lineage import lineage
+
+    with _open(args) as (client, run_id):
+        events = _events(client, run_id)
+    try:
+        chain = lineage(events, args.trajectory_id)
+    except KeyError as exc:
+        print(f"rolledger lineage: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 1
+    print(chain.to_json() if args.json else chain.render())
+    return 0
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from workflows.timeline import build_timeline, write_timeline
+
+    with _open(args) as (client, run_id):
+        events = _events(client, run_id)
+    out = Path(args.out)
+    write_timeline(build_timeline(events), out)
+    print(out)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from workflows.progress import status_table
+    from workflows.replay import rebuild
+    from events.store import EventLog
+
+    with _open(args) as (client, run_id):
+        state, _ = rebuild(EventLog(client, run_id))
+    Console().print(status_table(state))
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from workers.processes import run_coordinator
+
+    return run_coordinator(args.redis, args.run)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from workers.processes import run_worker
+
+    return run_worker(args.kind, args.redis, args.run, rank=args.rank, name=args.name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolledger", description=__doc__)
     parser.add_argument("--json-logs", action="store_true", help="structured JSON logs (default when not a terminal)")
@@ -88,6 +194,50 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--vllm-url", action="append", help="an already running vLLM server (one per rank)")
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     run.set_defaults(func=cmd_run)
+
+    def run_ref(p: argparse.ArgumentParser) -> None:
+        p.add_argument("run", metavar="RUN", help="run id or run directory")
+        p.add_argument("--redis", help="Redis URL; default: REDIS_URL, the run directory's server or its AOF")
+        p.add_argument("--runs-dir", default="runs")
+
+    replay = sub.add_parser("replay", help="rebuild a run's state from its log; check snapshots and determinism")
+    run_ref(replay)
+    replay.add_argument("--until", metavar="EVENT_ID", help="stop after this event id (or stream id)")
+    replay.add_argument("--json", action="store_true")
+    replay.set_defaults(func=cmd_replay)
+
+    audit = sub.add_parser("audit", help="check the invariants of DESIGN.md over a run's log (exit 1 on violations)")
+    run_ref(audit)
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=cmd_audit)
+
+    lineage = sub.add_parser("lineage", help="the provenance chain of one trajectory")
+    run_ref(lineage)
+    lineage.add_argument("trajectory_id", metavar="TRAJECTORY_ID")
+    lineage.add_argument("--json", action="store_true")
+    lineage.set_defaults(func=cmd_lineage)
+
+    timeline = sub.add_parser("timeline", help="draw the run: groups, updates, handoffs, bubbles")
+    run_ref(timeline)
+    timeline.add_argument("--out", required=True, help="FILE.png or FILE.html")
+    timeline.set_defaults(func=cmd_timeline)
+
+    status = sub.add_parser("status", help="live state of a running run")
+    run_ref(status)
+    status.set_defaults(func=cmd_status)
+
+    coord = sub.add_parser("coordinator", help="run the coordinator process")
+    coord.add_argument("--redis", required=True)
+    coord.add_argument("--run", required=True)
+    coord.set_defaults(func=cmd_coordinator)
+
+    worker = sub.add_parser("worker", help="run one worker process")
+    worker.add_argument("kind", choices=["rollout", "rank", "reward", "trainer"])
+    worker.add_argument("--redis", required=True)
+    worker.add_argument("--run", required=True)
+    worker.add_argument("--rank", type=int, default=0, help="rank of a rollout/rank worker")
+    worker.add_argument("--name", help="consumer name (default: KIND-RANK or KIND)")
+    worker.set_defaults(func=cmd_worker)
     return parser
 
 

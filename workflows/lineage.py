@@ -209,7 +209,10 @@ class Lineage:
                     f"({p.bytes} bytes, base v{p.base_version})",
                 )
                 for pr in p.prepared:
-                    node(2, f"rank {pr.rank} prepared {pr.event_id} (manifest {pr.manifest_digest}, staged {pr.staged_digest})")
+                    node(
+                        2,
+                        f"rank {pr.rank} prepared {pr.event_id} (manifest {pr.manifest_digest}, staged {pr.staged_digest})",
+                    )
                 node(2, f"committed {p.committed_event_id or '?'} on ranks {list(p.committed_ranks)} (fence {p.fence})")
                 node(2, f"published {p.published_event_id or '?'} on ranks {list(p.published_ranks)}")
             for a in p.aborted_attempts:
@@ -248,12 +251,14 @@ def _policy_link(version: int, attempts: list[UpdateAttempt], run_started: Event
         if a.aborted is not None and isinstance(a.aborted.payload, UpdateAborted)
     )
     if version == 0:
-        digest = run_started.payload.initial_weights_digest if run_started and isinstance(
-            run_started.payload, RunStarted) else None  # fmt: skip
+        rs = run_started.payload if run_started is not None else None
         return PolicyLink(
-            0, "initial", digest, run_started_event_id=run_started.event_id if run_started else None,
+            0,
+            "initial",
+            rs.initial_weights_digest if isinstance(rs, RunStarted) else None,
+            run_started_event_id=run_started.event_id if run_started is not None else None,
             aborted_attempts=aborted,
-        )  # fmt: skip
+        )
     published = [a for a in attempts if a.published is not None and a.aborted is None]
     chosen = published[-1] if published else next((a for a in reversed(attempts) if a.committed is not None), None)
     if chosen is None:
@@ -261,8 +266,12 @@ def _policy_link(version: int, attempts: list[UpdateAttempt], run_started: Event
     st = chosen.staged.payload if chosen.staged is not None else None
     cm = chosen.committed.payload if chosen.committed is not None else None
     pb = chosen.published.payload if chosen.published is not None else None
-    manifest = cm.manifest_digest if isinstance(cm, UpdateCommitted) else (
-        st.manifest_digest if isinstance(st, UpdateStaged) else None)  # fmt: skip
+    manifest = st.manifest_digest if isinstance(st, UpdateStaged) else None
+    if isinstance(cm, UpdateCommitted):
+        manifest = cm.manifest_digest
+    weights = st.weights_digest if isinstance(st, UpdateStaged) else None
+    if isinstance(pb, PolicyPublished):
+        weights = pb.weights_digest
     prepared = tuple(
         PreparedRank(r, e.event_id, e.payload.manifest_digest, e.payload.staged_digest)
         for r, e in sorted(chosen.prepared.items())
@@ -271,8 +280,7 @@ def _policy_link(version: int, attempts: list[UpdateAttempt], run_started: Event
     return PolicyLink(
         version=version,
         source="update",
-        weights_digest=pb.weights_digest if isinstance(pb, PolicyPublished) else (
-            st.weights_digest if isinstance(st, UpdateStaged) else None),  # fmt: skip
+        weights_digest=weights,
         staged_event_id=chosen.staged.event_id if chosen.staged is not None else None,
         base_version=st.base_version if isinstance(st, UpdateStaged) else None,
         manifest_digest=manifest,
@@ -298,10 +306,13 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
             log.append(e)
 
     finished_at = next(
-        (i for i, e in enumerate(log)
-         if isinstance(e.payload, SampleFinished) and e.payload.trajectory.trajectory_id == trajectory_id),
+        (
+            i
+            for i, e in enumerate(log)
+            if isinstance(e.payload, SampleFinished) and e.payload.trajectory.trajectory_id == trajectory_id
+        ),
         None,
-    )  # fmt: skip
+    )
     if finished_at is None:
         started = any(isinstance(e.payload, SampleStarted) and e.payload.sample_id == trajectory_id for e in log)
         why = "it started but never finished" if started else "no such sample in the log"
@@ -368,6 +379,7 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
 
     adm = admitted.payload if admitted is not None else None
     out_p = outcome.payload if outcome is not None else None
+    outcome_name: str
     if isinstance(out_p, GroupCompleted):
         outcome_name, accepted = out_p.status, trajectory_id in out_p.accepted
     elif isinstance(out_p, GroupCancelled):

@@ -1,0 +1,79 @@
+"""Open a run's log for reading, given a run id or a run directory (DESIGN: `RUN` is either).
+
+Order: an explicit --redis URL or REDIS_URL; else the run directory's live embedded server (its `redis_url` file,
+if something answers there); else start an embedded server over the directory's AOF (a finished run), and stop it
+when done.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from events.connection import connect
+from events.embedded import EmbeddedRedis
+
+
+@dataclass(frozen=True)
+class RunRef:
+    run_id: str
+    run_dir: Path | None
+
+
+def resolve(ref: str, runs_dir: Path = Path("runs")) -> RunRef:
+    p = Path(ref)
+    if p.is_dir() and ((p / "redis_url").exists() or any(p.glob("appendonly*"))):
+        return RunRef(p.resolve().name, p.resolve())
+    candidate = runs_dir / ref
+    if candidate.is_dir():
+        return RunRef(ref, candidate.resolve())
+    return RunRef(p.name if p.is_dir() else ref, None)
+
+
+@contextmanager
+def open_run(ref: str, redis_url: str | None = None, runs_dir: Path = Path("runs")) -> Iterator[tuple[redis.Redis, str]]:
+    run = resolve(ref, runs_dir)
+    url = redis_url or os.environ.get("REDIS_URL")
+    if url:
+        client = connect(url)
+        try:
+            yield client, run.run_id
+        finally:
+            client.close()
+        return
+    if run.run_dir is None:
+        raise FileNotFoundError(f"no run directory for {ref!r} (looked in {runs_dir}/) and no --redis/REDIS_URL given")
+    live = _live_url(run.run_dir)
+    if live is not None:
+        client = connect(live)
+        try:
+            yield client, run.run_id
+        finally:
+            client.close()
+        return
+    embedded = EmbeddedRedis(run.run_dir)
+    client = connect(embedded.start())
+    try:
+        yield client, run.run_id
+    finally:
+        client.close()
+        embedded.stop()
+
+
+def _live_url(run_dir: Path) -> str | None:
+    f = run_dir / "redis_url"
+    if not f.exists():
+        return None
+    url = f.read_text().strip()
+    try:
+        client = connect(url)
+        client.ping()
+        client.close()
+        return url
+    except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError):
+        return None

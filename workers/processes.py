@@ -1,0 +1,85 @@
+"""Entry points of the distributed processes (`rolledger coordinator`, `rolledger worker KIND`).
+
+Each process reads what it needs from the run's log (RunStarted: the config and the model directory), builds its
+part, and runs until the run finishes or it receives SIGTERM/SIGINT. `rollout` and `rank` are the same worker: an
+inference rank generates and takes part in updates through one engine.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import os
+from pathlib import Path
+
+import structlog
+
+from events.connection import connect
+from events.store import EventLog
+from schemas import events as ev
+from schemas.config import RunConfig
+from workers.runtime import Worker
+
+log = structlog.get_logger("process")
+
+
+def _run_started(client, run_id: str) -> ev.RunStarted:  # type: ignore[no-untyped-def]
+    for stored in EventLog(client, run_id).read():
+        if isinstance(stored.event.payload, ev.RunStarted):
+            return stored.event.payload
+    raise SystemExit(f"run {run_id} has no RunStarted event yet; start it with `rolledger run` first")
+
+
+def _serve(worker: Worker) -> int:
+    def stop(signum: int, _frame: object) -> None:
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker._main()
+    return 0 if worker.error is None else 1
+
+
+def run_coordinator(redis_url: str, run_id: str) -> int:
+    from workers.coordinator import Coordinator
+    from workers.local_run import prompt_items
+    from workers.policy_model import load_policy
+
+    client = connect(redis_url)
+    started = _run_started(client, run_id)
+    _, tokenizer = load_policy(Path(started.model_dir))
+    name = f"coordinator@{socket.gethostname()}:{os.getpid()}"
+    return _serve(Coordinator(client, run_id, name, prompt_items(started.config, tokenizer)))
+
+
+def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None) -> int:
+    from workers.policy_model import load_policy
+
+    client = connect(redis_url)
+    started = _run_started(client, run_id)
+    cfg: RunConfig = started.config
+    model, tokenizer = load_policy(Path(started.model_dir))
+    worker: Worker
+    if kind in ("rollout", "rank"):
+        from workers.engines.torch_engine import TorchEngine
+        from workers.rank import RankWorker
+
+        if cfg.engine != "torch":
+            raise SystemExit("`rolledger worker rank` drives the torch engine; vLLM ranks are driven by `rolledger run --engine vllm`")
+        worker = RankWorker(client, run_id, rank, TorchEngine(model, tokenizer, rank=rank))
+        if name:
+            worker.name = name
+    elif kind == "reward":
+        from workers.reward import RewardWorker
+
+        worker = RewardWorker(client, run_id, name or "reward", tokenizer)
+    elif kind == "trainer":
+        from workers.staging import DirectoryStagingStore
+        from workers.trainer import TrainerWorker
+
+        staging = DirectoryStagingStore(cfg.update.staging_dir or Path(started.model_dir).parent / "staging")
+        worker = TrainerWorker(client, run_id, name or "trainer", model, staging)
+    else:
+        raise SystemExit(f"unknown worker kind {kind!r}")
+    log.info("worker starting", kind=kind, run=run_id, name=worker.name)
+    return _serve(worker)
