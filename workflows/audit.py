@@ -866,6 +866,10 @@ class _Auditor:
         elif a.committed is None:
             self.violate(3, f"v{p.version} published without UpdateCommitted", e)
         for r in p.ranks:
+            if r in a.prepare_failed:
+                self.violate(
+                    4, f"v{p.version} published with rank {r}, which reported a failure", a.prepare_failed[r], e
+                )
             rc = a.rank_committed.get(r)
             if rc is None or not isinstance(rc.payload, RankCommitted):
                 self.violate(4, f"v{p.version} published for rank {r}, which never committed it", e)
@@ -877,10 +881,6 @@ class _Auditor:
                     f"{rc.payload.weights_digest}",
                     rc,
                     e,
-                )
-            if r in a.prepare_failed:
-                self.violate(
-                    4, f"v{p.version} published with rank {r}, which reported a failure", a.prepare_failed[r], e
                 )
             if r in a.health_failed:
                 self.violate(
@@ -956,7 +956,8 @@ class _Auditor:
         for tries in self.updates.attempts.values():
             a = tries[-1]
             if a.committed is not None and a.published is None:
-                self.warn("unresolved_update", f"v{a.version} committed but never published", a.committed, invariant=4)
+                when = "never published" if end is not None else "not published yet"
+                self.warn("unresolved_update", f"v{a.version} committed but {when}", a.committed, invariant=4)
             elif not a.resolved and end is not None:
                 first = a.staged or a.requested or next(iter(a.prepared.values()), None)
                 self.warn("unresolved_update", f"v{a.version} neither committed nor aborted by RunFinished", first)

@@ -40,7 +40,7 @@ from schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
-from workflows.audit import UpdateAttempt, UpdateTracker
+from workflows.audit import UpdateTracker
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class PreparedRank:
 
 @dataclass(frozen=True)
 class AbortedAttempt:
+    version: int
     event_id: str
     reason: str
     failed_ranks: tuple[int, ...]
@@ -216,7 +217,11 @@ class Lineage:
                 node(2, f"committed {p.committed_event_id or '?'} on ranks {list(p.committed_ranks)} (fence {p.fence})")
                 node(2, f"published {p.published_event_id or '?'} on ranks {list(p.published_ranks)}")
             for a in p.aborted_attempts:
-                node(2, f"earlier attempt aborted {a.event_id}: {a.reason} (failed ranks {list(a.failed_ranks)})")
+                node(
+                    2,
+                    f"before it: update to v{a.version} aborted {a.event_id}: {a.reason} "
+                    f"(failed ranks {list(a.failed_ranks)})",
+                )
         node(0, f"rank {r.rank} ({r.engine}): weights {r.weights_digest}")
         node(1, f"rank weights from {r.rank_weights_event_id or '?'} ({r.rank_weights_digest})")
         node(1, f"cache generation {r.cache_generation} from {r.cache_event_id or 'start'}")
@@ -237,9 +242,17 @@ class Lineage:
         return "\n".join(out)
 
 
-def _policy_link(version: int, attempts: list[UpdateAttempt], run_started: Event | None) -> PolicyLink:
+def _policy_link(version: int, tracker: UpdateTracker, run_started: Event | None) -> PolicyLink:
+    """Where `version` came from; `aborted_attempts` are the aborted updates since the previous published version
+    (earlier tries at this version, or versions that never made it in between)."""
+    attempts = tracker.attempts.get(version, [])
+    previous = max(
+        (v for v, tries in tracker.attempts.items() if v < version and any(a.published for a in tries)), default=0
+    )
+    between = [a for v in sorted(tracker.attempts) if previous < v <= version for a in tracker.attempts[v]]
     aborted = tuple(
         AbortedAttempt(
+            version=a.version,
             event_id=a.aborted.event_id,
             reason=a.aborted.payload.reason,
             failed_ranks=a.aborted.payload.failed_ranks,
@@ -247,7 +260,7 @@ def _policy_link(version: int, attempts: list[UpdateAttempt], run_started: Event
             if a.staged is not None and isinstance(a.staged.payload, UpdateStaged)
             else None,
         )
-        for a in attempts
+        for a in between
         if a.aborted is not None and isinstance(a.aborted.payload, UpdateAborted)
     )
     if version == 0:
@@ -331,7 +344,6 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
     dropped: Event | None = None
     train_step: Event | None = None
     tracker = UpdateTracker()
-    attempts_by_version: dict[int, list[UpdateAttempt]] = tracker.attempts
     rank_weights: Event | None = None  # newest RankCommitted/RankJoined of t.rank before the sample started
     cache_event: Event | None = None
     graph_event: Event | None = None
@@ -375,7 +387,7 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
             health = e
 
     versions = tuple(sorted(t.versions | {t.policy_version}))
-    policies = tuple(_policy_link(v, attempts_by_version.get(v, []), run_started) for v in versions)
+    policies = tuple(_policy_link(v, tracker, run_started) for v in versions)
 
     adm = admitted.payload if admitted is not None else None
     out_p = outcome.payload if outcome is not None else None

@@ -333,7 +333,8 @@ def _train_step(s: RunState, e: ev.Event) -> None:
     assert isinstance(p, ev.TrainStepFinished)
     s.trainer.step = p.step
     s.trainer.rewards.append(p.reward_mean)
-    s.trainer.logprob_gaps.append(p.logprob_gap_median)
+    if p.agreement_tokens:
+        s.trainer.logprob_gaps.append(p.logprob_gap_median)
 
 
 # ---------------------------------------------------------------- weight update

@@ -140,7 +140,7 @@ class TrainerState:
     lag_histogram: dict[int, int] = field(default_factory=dict)
     max_lag: int = 0
     rewards: list[float] = field(default_factory=list)  # reward mean per step
-    logprob_gaps: list[float] = field(default_factory=list)  # median |gap| per step
+    logprob_gaps: list[float] = field(default_factory=list)  # median |gap| per step that had on-policy tokens
 
 
 @dataclass(slots=True)

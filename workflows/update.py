@@ -8,7 +8,9 @@ The transaction for version v, one at a time:
 Any RankPrepareFailed, or a missed prepare or drain deadline, gives UpdateAborted: nothing was swapped, every rank
 keeps v-1. After the commit the decision stands (roll forward): a rank that fails its swap or health probe, reports
 a digest other than the manifest's, or misses the commit deadline is quarantined, and v is published on the rest.
-Every decision carries the fencing token of the coordinator's lease.
+Every decision carries the fencing token of the coordinator's lease. A coordinator that takes over (a larger token)
+finds an open transaction prepared under another token with no decision logged: it aborts it at its deadline, never
+commits it; a transaction whose commit is logged is rolled forward by whoever holds the lease.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
             )
         ]
     if u.status == "preparing":
+        if u.fence != fence:  # a coordinator that died mid-transaction: no decision was logged, so abort at its deadline
+            if now > u.deadline:
+                return [ev.UpdateAborted(version=u.version, reason=f"coordinator with fence {u.fence} lost before deciding", fence=fence)]
+            return []
         if u.failed:
             reasons = "; ".join(f"rank {r}: {why}" for r, why in sorted(u.failed.items()))
             return [ev.UpdateAborted(version=u.version, reason=reasons, failed_ranks=tuple(sorted(u.failed)), fence=fence)]

@@ -1,0 +1,189 @@
+"""Consumer groups over the run log: crash-safe at-least-once delivery, reclaiming from dead consumers, dead letters.
+
+The read loop (`GroupConsumer.read`), in order:
+
+1. After (re)start, this consumer's own pending entries (XREADGROUP from id 0): what it read before a crash and never
+   acknowledged. Read until empty, then never again (later leftovers are reclaimed by step 2).
+2. XAUTOCLAIM of entries pending longer than `claim_idle_ms` in any consumer of the group (dead or slow ones, and this
+   one's own unacknowledged failures). One scan step per read, the cursor kept between reads.
+3. New entries (XREADGROUP `>`), blocking up to `block_ms`.
+
+Delivery is at least once: a handler must be idempotent or record its completion atomically with the XACK (MULTI,
+or a Lua script; see tests/_consumer_proc.py). Entries are never fatal to the consumer:
+
+- delivered more than `max_deliveries` times -> dead letter "delivered N times", acknowledged;
+- malformed (garbage bytes, unknown type, newer schema, invalid field) -> dead letter with the DecodeError reason,
+  acknowledged;
+- body gone (trimmed or deleted while pending; redis-py shows `{}`) -> dead letter "payload lost ...", acknowledged.
+
+Within a group entries are balanced by readiness, not partitioned: two consumers may process one aggregate's events
+out of order. Per-key order needs a stream (and one consumer) per key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import redis
+
+from events.codec import DecodeError, decode
+from events.keys import log_key
+from events.store import PAYLOAD_FIELD, PAYLOAD_LOST, as_str, dead_letter
+from schemas.events import Event
+
+
+class Delivery(NamedTuple):
+    """One delivered entry; `deliveries` counts this delivery (1 the first time)."""
+
+    stream_id: str
+    event: Event
+    deliveries: int
+
+
+class GroupConsumer:
+    """One consumer of a consumer group on the run log."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        group: str,
+        consumer: str,
+        *,
+        max_deliveries: int = 5,
+        claim_idle_ms: int = 30_000,
+        start_id: str = "0",
+    ) -> None:
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        if claim_idle_ms < 0:
+            raise ValueError(f"claim_idle_ms must be >= 0, got {claim_idle_ms}")
+        self.client = client
+        self.run_id = run_id
+        self.key = log_key(run_id)
+        self.group = group
+        self.consumer = consumer
+        self.max_deliveries = max_deliveries
+        self.claim_idle_ms = claim_idle_ms
+        self.start_id = start_id
+        self._own_cursor: str | None = "0"  # None once the own pending list has been drained
+        self._claim_cursor = "0-0"
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}/{self.consumer}"
+
+    def ensure_group(self) -> None:
+        """Create the group (and the stream) if missing; an existing group is left as it is."""
+        try:
+            self.client.xgroup_create(self.key, self.group, id=self.start_id, mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ------------------------------------------------------------------ reading
+    def read(self, *, count: int = 100, block_ms: int = 1000) -> list[Delivery]:
+        """Up to `count` deliveries: own leftovers first, then reclaimed ones, then new ones (waiting up to block_ms).
+
+        Returns [] when nothing arrived within block_ms. Dead-lettered entries are acknowledged and not returned.
+        """
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        while self._own_cursor is not None:
+            reply: Any = self.client.xreadgroup(self.group, self.consumer, {self.key: self._own_cursor}, count=count)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                self._own_cursor = None
+                break
+            self._own_cursor = as_str(entries[-1][0])
+            out = self._deliver(entries, self._delivery_counts([as_str(e[0]) for e in entries]))
+            if out:
+                return out
+
+        claimed = self._autoclaim(count)
+        if claimed:
+            return claimed
+
+        reply = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block_ms)
+        entries = reply[0][1] if reply else []  # type: ignore[index]
+        return self._deliver(entries, {})
+
+    def _autoclaim(self, count: int) -> list[Delivery]:
+        reply: Any = self.client.xautoclaim(
+            self.key, self.group, self.consumer, self.claim_idle_ms, self._claim_cursor, count=count
+        )
+        self._claim_cursor = as_str(reply[0])
+        entries = [e for e in reply[1] if e[0] is not None]
+        if len(entries) < len(reply[1]):
+            # Redis 6.2 claims deleted entries as nil without their ids: re-read the own pending list to find them.
+            self._own_cursor = "0"
+        for gone in reply[2] if len(reply) > 2 else []:  # 7.0+: dangling ids XAUTOCLAIM dropped from the PEL
+            dead_letter(
+                self.client, self.run_id, stream_id=as_str(gone), raw=None, reason=PAYLOAD_LOST, consumer=self.name
+            )
+        if not entries:
+            return []
+        return self._deliver(entries, self._delivery_counts([as_str(e[0]) for e in entries]))
+
+    def _delivery_counts(self, ids: Sequence[str]) -> dict[str, int]:
+        """Delivery counters of entries this consumer now holds (XPENDING over their id range, then one by one)."""
+        rows = self.client.xpending_range(self.key, self.group, ids[0], ids[-1], len(ids), consumername=self.consumer)
+        counts = {as_str(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        for missing in (i for i in ids if i not in counts):
+            row = self.client.xpending_range(self.key, self.group, missing, missing, 1)
+            counts[missing] = int(row[0]["times_delivered"]) if row else 1
+        return counts
+
+    def _deliver(self, entries: Sequence[Any], counts: dict[str, int]) -> list[Delivery]:
+        out: list[Delivery] = []
+        for raw_id, fields in entries:
+            stream_id = as_str(raw_id)
+            n = counts.get(stream_id, 1)
+            data = fields.get(PAYLOAD_FIELD) if fields else None
+            if n > self.max_deliveries:
+                self._dead_letter(stream_id, data, f"delivered {n} times", once=f"{self.group}/{stream_id}")
+                continue
+            if data is None:
+                reason = PAYLOAD_LOST if not fields else f"entry has no {PAYLOAD_FIELD!r} field"
+                self._dead_letter(stream_id, None, reason, once=stream_id)
+                continue
+            try:
+                event = decode(data)
+            except DecodeError as exc:
+                self._dead_letter(stream_id, data, exc.reason, once=stream_id)
+                continue
+            out.append(Delivery(stream_id, event, n))
+        return out
+
+    def _dead_letter(self, stream_id: str, raw: bytes | None, reason: str, *, once: str) -> None:
+        dead_letter(
+            self.client, self.run_id, stream_id=stream_id, raw=raw, reason=reason, consumer=self.name, once_key=once
+        )
+        self.ack(stream_id)
+
+    # ------------------------------------------------------------------ acknowledging
+    def ack(self, *stream_ids: str) -> None:
+        """Mark entries processed (XACK); unknown or already acknowledged ids are ignored by Redis."""
+        if stream_ids:
+            self.client.xack(self.key, self.group, *stream_ids)
+
+    def nack(self, *stream_ids: str) -> None:
+        """Give entries back for redelivery at the next read of any consumer in the group, without waiting for
+        claim_idle_ms (sets their idle time to claim_idle_ms; the delivery counter is left as it is)."""
+        if stream_ids:
+            self.client.xclaim(
+                self.key, self.group, self.consumer, 0, list(stream_ids), idle=self.claim_idle_ms, justid=True
+            )
+            self._claim_cursor = "0-0"
+
+    def pending(self) -> int:
+        """Entries delivered to the whole group and not yet acknowledged (XPENDING summary)."""
+        return int(self.client.xpending(self.key, self.group)["pending"])
+
+    def pending_mine(self) -> int:
+        """Entries delivered to this consumer and not yet acknowledged."""
+        for row in self.client.xpending(self.key, self.group)["consumers"]:
+            if as_str(row["name"]) == self.consumer:
+                return int(row["pending"])
+        return 0

