@@ -50,6 +50,7 @@ class RankWorker(Worker):
         self._busy = False  # is it generating one?
         self._drained_for: int | None = None  # version whose drain this rank has reported
         self._claim: tuple[int, str] | None = None  # stale-weights injection: the (version, digest) the rank claims
+        self._resume_when_closed = False  # rejoined mid-transaction: serve again once it is published or aborted
         self._rollout: threading.Thread | None = None
         self._rollout_incarnation = 0
         self.groups_done = 0
@@ -100,7 +101,7 @@ class RankWorker(Worker):
                     self.engine.pause("abort")
         elif isinstance(p, ev.UpdateCommitted) and self._mine(p.ranks):
             self._commit(p, e.event_id)
-        elif isinstance(p, ev.PolicyPublished) and self._mine(p.ranks):
+        elif isinstance(p, ev.PolicyPublished) and (self._mine(p.ranks) or self._resume_when_closed):
             self._resume(e.event_id)
         elif isinstance(p, ev.UpdateAborted):
             self.engine.discard_weights()
@@ -195,6 +196,7 @@ class RankWorker(Worker):
             self.engine.resume()
             self._emit(ev.EngineResumed(rank=self.rank), causation_id=cause)
         self._drained_for = None
+        self._resume_when_closed = False
         self._set_serving(True)
 
     def _rejoin(self, cause: str) -> None:
@@ -202,7 +204,9 @@ class RankWorker(Worker):
         self._set_serving(False)
         self._claim = None
         state = self.follower.state
-        version = state.policy_version
+        # the version to rejoin on: the newest one whose commit is decided (roll forward), else the published one
+        committed = [v for v, u in state.updates.items() if u.status in ("committed", "invalidated", "healthy", "published")]
+        version = max([*committed, state.policy_version])
         try:
             if version == 0:
                 if self.initial_weights is None:
@@ -216,13 +220,14 @@ class RankWorker(Worker):
         except Exception as exc:
             self.logger.error("rejoin failed; rank stays quarantined", error=str(exc))
             return
-        if self.engine.is_paused:
-            self.engine.resume()
         self._drained_for = None
         self._emit(ev.RankJoined(rank=self.rank, engine=self.engine.capabilities.name, policy_version=version,
                                  weights_digest=report.weights_digest, sleep_levels=self.engine.capabilities.sleep_levels,
                                  logprob_mode=self.engine.capabilities.logprob_mode), causation_id=cause)  # fmt: skip
-        self._set_serving(True)
+        if state.open_update is not None:  # generation stays stopped until the open transaction is closed
+            self._resume_when_closed = True
+        else:
+            self._resume(cause)
 
     # ------------------------------------------------------------------ rollout thread
     def _start_rollout(self) -> None:
@@ -281,6 +286,11 @@ class RankWorker(Worker):
         if not self._wait_to_serve():
             return False
         try:
+            if g.status not in ("admitted", "generating"):  # closed while we waited to serve
+                self._emit(*[ev.SampleCancelled(sample_id=ids[i], group_id=p.group_id, index=i, reason=f"group {g.status}")
+                             for i in range(p.n)], causation_id=d.event.event_id)  # fmt: skip
+                consumer.ack(d.stream_id)
+                return True
             version, digest = self._stamp()
             self._emit(*[ev.SampleStarted(sample_id=ids[i], group_id=p.group_id, index=i, rank=self.rank,
                                           policy_version=version, weights_digest=digest) for i in range(p.n)],

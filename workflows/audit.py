@@ -312,6 +312,7 @@ def _span_versions(t: Trajectory) -> list[tuple[int, str]]:
 
 class _Auditor:
     def __init__(self) -> None:
+        self.quarantined_in: dict[int, set[int]] = {}
         self.violations: list[Violation] = []
         self.warnings: list[AuditWarning] = []
         self.checked: Counter[int] = Counter()
@@ -900,7 +901,7 @@ class _Auditor:
         if a.committed is not None and isinstance(a.committed.payload, UpdateCommitted):
             for r in sorted(set(a.committed.payload.ranks) - set(p.ranks)):
                 st = self.ranks.get(r)
-                if st is None or st.quarantined is None:
+                if (st is None or st.quarantined is None) and r not in self.quarantined_in.get(p.version, set()):
                     self.violate(
                         4, f"rank {r} committed v{p.version} but was left out of PolicyPublished without quarantine",
                         a.committed, e,
@@ -932,6 +933,8 @@ class _Auditor:
             )  # fmt: skip
 
     def on_RankQuarantined(self, e: Event, p: RankQuarantined) -> None:
+        # remembered per version: a rank may rejoin (RankJoined) before the version is published without it
+        self.quarantined_in.setdefault(p.version, set()).add(p.rank)
         st = self.ranks.get(p.rank)
         if st is None:
             self.ranks[p.rank] = _Rank(p.version, "", e, quarantined=e)

@@ -88,12 +88,18 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
         elif r not in u.healthy and now > u.committed_at + up.commit_deadline_s:
             bad[r] = "commit deadline passed"
     probes = {r: d for r, d in u.probe_digests.items() if r not in bad and r not in u.quarantined}
-    if len(set(probes.values())) > 1:  # ranks disagree on the probe: quarantine the minority
+    expected = [r for r in u.ranks if r not in bad and r not in u.quarantined]
+    if set(probes) == set(expected) and len(set(probes.values())) > 1:
+        # every rank ran the same probe on what should be the same weights, and they disagree: a strict majority
+        # names the odd ones out (stale weights that passed their own digest check). A tie names nobody; the
+        # trainer's logprob agreement is the check that catches it then.
         values = list(probes.values())
-        majority = max(set(values), key=lambda d: (values.count(d), d))
-        for r, d in probes.items():
-            if d != majority:
-                bad[r] = "health probe differs from the other ranks (stale weights?)"
+        counts = {d: values.count(d) for d in set(values)}
+        majority, votes = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+        if votes * 2 > len(values):
+            for r, d in probes.items():
+                if d != majority:
+                    bad[r] = "health probe differs from the other ranks (stale weights?)"
     for r, why in sorted(bad.items()):
         out.append(ev.RankQuarantined(rank=r, version=u.version, reason=why))
     serving = [r for r in u.ranks if r not in bad and r not in u.quarantined]

@@ -658,17 +658,20 @@ class TorchEngine:
                 return HealthReport(ok=False, detail="engine is closed")
             if self._asleep_tags or not self._weights_valid:
                 return HealthReport(ok=False, detail="weights are asleep or not committed")
+            h = xxhash.xxh3_128()
             try:
                 ids = list(self._probe_ids)
                 for _ in range(4):
                     logits = self._model(input_ids=torch.tensor([ids], device=self.device)).logits[0, -1].float()
                     if not bool(torch.isfinite(logits).all()):
                         return HealthReport(ok=False, detail=f"non-finite logits at probe position {len(ids)}")
+                    h.update(logits.numpy().tobytes())  # the exact logits: ranks on other weights cannot match
                     ids.append(int(logits.argmax()))
             except Exception as exc:  # an engine error is a failed probe, not a crash of the caller
                 return HealthReport(ok=False, detail=f"probe forward failed: {exc!r}")
         generated = ids[len(self._probe_ids) :]
-        digest = xxhash.xxh3_128_hexdigest(",".join(map(str, ids)).encode())
+        h.update(",".join(map(str, ids)).encode())
+        digest = h.hexdigest()
         return HealthReport(ok=True, detail=f"probe greedy tokens {generated}", probe_digest=digest)
 
     def close(self) -> None:
