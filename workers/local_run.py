@@ -29,6 +29,7 @@ from schemas.config import RunConfig
 from workers.coordinator import Coordinator
 from workers.engines.torch_engine import TorchEngine
 from workers.grpo import warm_start
+from workers.metrics import RunMetrics
 from workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
 from workers.rank import RankWorker
 from workers.reward import RewardWorker
@@ -53,6 +54,7 @@ class RunOptions:
     runs_dir: Path = Path("runs")
     injections: list[Injection] = field(default_factory=list)
     deadline_s: float = 1800.0
+    metrics_port: int | None = None
     on_progress: Callable[[Follower], None] | None = None
 
 
@@ -141,9 +143,12 @@ class LocalRun:
         for w in self.workers:
             w.start()
         follower = Follower(logbook)
+        metrics = RunMetrics()
+        if self.opts.metrics_port is not None:
+            metrics.serve(self.opts.metrics_port)
         deadline = time.monotonic() + self.opts.deadline_s
         while follower.state.status == "running" or follower.state.status == "pending":
-            follower.poll(block_ms=200)
+            metrics.observe(follower.state, (s.event for s in follower.poll(block_ms=200)))
             if self.opts.on_progress is not None:
                 self.opts.on_progress(follower)
             self._restart_dead()

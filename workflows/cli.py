@@ -60,7 +60,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     progress = LiveProgress()
     opts = RunOptions(config=cfg, redis_url=args.redis, run_id=args.run_id, runs_dir=Path(args.runs_dir),
-                      injections=injections, on_progress=lambda f: progress.update(f.state))  # fmt: skip
+                      injections=injections, metrics_port=args.metrics_port,
+                      on_progress=lambda f: progress.update(f.state))  # fmt: skip
     run = LocalRun(opts)
     with progress:
         summary = run.execute()

@@ -1,0 +1,63 @@
+"""Prometheus metrics of a run (`rolledger run --metrics-port N`), fed from the log as the run's follower reads it.
+
+policy version; queued bytes; lag now; admission state per reason; remaining tokens (estimate) per in-flight group;
+a histogram of consumption lag (trained version minus the version that generated the group); counters of updates by
+outcome. Each process owns its own registry so tests and runs never share one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from schemas import events as ev
+from workflows.scheduler import remaining_tokens
+from workflows.state import RunState
+
+ADMISSION_REASONS = ("bytes", "lag", "update", "handoff", "manual", "rate")
+
+
+class RunMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.policy_version = Gauge("rolledger_policy_version", "last published policy version", registry=r)
+        self.queued_bytes = Gauge("rolledger_queued_bytes", "bytes of completed, untrained groups", registry=r)
+        self.lag = Gauge("rolledger_lag_versions", "current version minus the oldest untrained version", registry=r)
+        self.admission_paused = Gauge("rolledger_admission_paused", "1 while admission is paused for the reason",
+                                      ["reason"], registry=r)  # fmt: skip
+        self.remaining = Gauge("rolledger_group_remaining_tokens", "estimated tokens a group still has to generate",
+                               ["group"], registry=r)  # fmt: skip
+        self.consumed_lag = Histogram("rolledger_consumed_lag_versions", "trained version minus generating version",
+                                      buckets=(0, 1, 2, 3, 4, 8), registry=r)  # fmt: skip
+        self.updates = Counter("rolledger_updates_total", "weight updates by outcome", ["outcome"], registry=r)
+        self.trajectories = Counter("rolledger_trajectories_total", "finished samples", registry=r)
+        self._groups: set[str] = set()
+
+    def observe(self, state: RunState, new_events: Iterable[ev.Event]) -> None:
+        for e in new_events:
+            p = e.payload
+            if isinstance(p, ev.BatchConsumed):
+                for lag in p.lags:
+                    self.consumed_lag.observe(lag)
+            elif isinstance(p, ev.PolicyPublished):
+                self.updates.labels("published").inc()
+            elif isinstance(p, ev.UpdateAborted):
+                self.updates.labels("aborted").inc()
+            elif isinstance(p, ev.SampleFinished):
+                self.trajectories.inc()
+        self.policy_version.set(state.policy_version)
+        self.queued_bytes.set(state.admission.queued_bytes)
+        self.lag.set(state.lag)
+        for reason in ADMISSION_REASONS:
+            self.admission_paused.labels(reason).set(1 if reason in state.admission.paused else 0)
+        live = {g.group_id: g for g in state.groups.values() if g.status in ("admitted", "generating")}
+        for gid in self._groups - live.keys():
+            self.remaining.remove(gid)
+        for gid, g in live.items():
+            self.remaining.labels(gid).set(remaining_tokens(g, g.est_remaining_tokens // max(g.n, 1)))
+        self._groups = set(live)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
