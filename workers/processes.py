@@ -52,7 +52,8 @@ def run_coordinator(redis_url: str, run_id: str) -> int:
     return _serve(Coordinator(client, run_id, name, prompt_items(started.config, tokenizer)))
 
 
-def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None) -> int:
+def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None,
+               claim_idle_ms: int = 5000) -> int:
     from workers.policy_model import load_policy
 
     client = connect(redis_url)
@@ -66,13 +67,13 @@ def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: s
 
         if cfg.engine != "torch":
             raise SystemExit("`rolledger worker rank` drives the torch engine; vLLM ranks are driven by `rolledger run --engine vllm`")
-        worker = RankWorker(client, run_id, rank, TorchEngine(model, tokenizer, rank=rank))
+        worker = RankWorker(client, run_id, rank, TorchEngine(model, tokenizer, rank=rank), claim_idle_ms=claim_idle_ms)
         if name:
             worker.name = name
     elif kind == "reward":
         from workers.reward import RewardWorker
 
-        worker = RewardWorker(client, run_id, name or "reward", tokenizer)
+        worker = RewardWorker(client, run_id, name or "reward", tokenizer, claim_idle_ms=claim_idle_ms)
     elif kind == "trainer":
         from workers.staging import DirectoryStagingStore
         from workers.trainer import TrainerWorker

@@ -123,8 +123,14 @@ class RankWorker(Worker):
             if fail is not None:
                 raise StagingError(None, f"transfer interrupted (injected {fail.spec})", kind="unreadable", version=p.version)
             corrupt = self.injector.take("corrupt-rank", rank=self.rank)
-            tensors = load_verified(u.uri, manifest, corrupt=manifest.tensors[0].name if corrupt else None)
-            staged = self.engine.stage_weights(p.version, dict(tensors))
+            prepare_from_uri = getattr(self.engine, "prepare_from_uri", None)
+            if prepare_from_uri is not None:  # a remote engine (vLLM) reads and verifies the staged files itself
+                if corrupt:
+                    self.engine.inject("corrupt-prepare")  # type: ignore[attr-defined]
+                staged = prepare_from_uri(p.version, u.uri, manifest)
+            else:
+                tensors = load_verified(u.uri, manifest, corrupt=manifest.tensors[0].name if corrupt else None)
+                staged = self.engine.stage_weights(p.version, dict(tensors))
         except StagingError as exc:
             phase = "transfer" if exc.kind in ("unreadable", "truncated") else "prepare"
             self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)), causation_id=cause)  # type: ignore[arg-type]

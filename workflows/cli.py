@@ -173,7 +173,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from workers.processes import run_worker
 
-    return run_worker(args.kind, args.redis, args.run, rank=args.rank, name=args.name)
+    return run_worker(args.kind, args.redis, args.run, rank=args.rank, name=args.name, claim_idle_ms=args.claim_idle_ms)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--run", required=True)
     worker.add_argument("--rank", type=int, default=0, help="rank of a rollout/rank worker")
     worker.add_argument("--name", help="consumer name (default: KIND-RANK or KIND)")
+    worker.add_argument("--claim-idle-ms", type=int, default=5000,
+                        help="reclaim work a dead consumer left pending this long (ms)")  # fmt: skip
     worker.set_defaults(func=cmd_worker)
     return parser
 

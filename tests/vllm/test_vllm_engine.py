@@ -1,0 +1,217 @@
+"""VllmEngine and the worker extension against two real vLLM CPU servers (two ranks).
+
+The tests play the update coordinator: prepare on every rank, then commit everywhere or discard everywhere. They
+check what a rank serves (greedy tokens and logprobs, the weights digest, /weight_info, the live digest), not just
+what the engine says.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from schemas.config import SamplingParams
+from workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
+from workers.weights import state_digest
+
+from .conftest import GREEDY, PROMPT, VllmCluster
+
+pytestmark = pytest.mark.vllm
+
+
+def _snapshot(cluster: VllmCluster) -> list[tuple[object, ...]]:
+    """What each rank serves: greedy output, weights digest, live digest, version label."""
+    return [
+        (cluster.greedy(r), e.weights_digest(), e.live_digest(), e._get("/weight_info")["weight_version"])
+        for r, e in enumerate(cluster.engines)
+    ]
+
+
+def _prepare_all(cluster: VllmCluster, version: int, staged) -> list[BaseException | str]:  # type: ignore[no-untyped-def]
+    out: list[BaseException | str] = []
+    for e in cluster.engines:
+        try:
+            out.append(e.prepare_from_uri(version, staged.uri, staged.manifest))
+        except EngineError as err:
+            out.append(err)
+    return out
+
+
+def test_engine_protocol_and_capabilities(vllm_cluster: VllmCluster) -> None:
+    for e in vllm_cluster.engines:
+        assert isinstance(e, Engine)
+        caps = e.capabilities
+        assert caps.name == "vllm"
+        assert caps.sleep_levels == ()  # CPU: vLLM refuses --enable-sleep-mode
+        assert caps.logprob_mode == "raw"  # the server's default --logprobs-mode raw_logprobs
+        assert caps.prefix_cache is True
+        specs = e.live_tensor_specs()
+        base = vllm_cluster.base_state()
+        assert set(specs) == set(base)
+        assert specs["model.embed_tokens.weight"].shape == tuple(base["model.embed_tokens.weight"].shape)
+
+
+def test_generate_group_with_token_ids_and_logprobs(vllm_cluster: VllmCluster) -> None:
+    e = vllm_cluster.engines[0]
+    before = e.stats.generated_tokens
+    out = e.generate(PROMPT, 4, SamplingParams(temperature=1.0, max_tokens=12, seed=3))
+    assert len(out.samples) == 4
+    vocab = vllm_cluster.base_state()["model.embed_tokens.weight"].shape[0]
+    for s in out.samples:
+        assert 1 <= len(s.token_ids) <= 12
+        assert len(s.logprobs) == len(s.token_ids)
+        assert all(0 <= t < vocab for t in s.token_ids)
+        assert all(x <= 0.0 and math.isfinite(x) for x in s.logprobs)
+        assert s.finish_reason in ("stop", "length")
+    assert out.policy_version == e.policy_version
+    assert out.weights_digest == e.weights_digest()
+    assert e.stats.generated_tokens - before == sum(len(s.token_ids) for s in out.samples)
+    # greedy is deterministic and both ranks serve the same checkpoint
+    assert vllm_cluster.greedy(0) == vllm_cluster.greedy(1) == vllm_cluster.greedy(0)
+
+
+def test_start_digest_is_the_checkpoint_state_digest(vllm_cluster: VllmCluster) -> None:
+    # holds at session start and after any completed test (each restores the start-up weights or commits anew)
+    digests = {e.weights_digest() for e in vllm_cluster.engines}
+    assert len(digests) == 1
+
+
+def test_commit_on_both_ranks_then_rollback(vllm_cluster: VllmCluster) -> None:
+    c = vllm_cluster
+    before = _snapshot(c)
+    version = c.next_version()
+    new = c.other_state(seed=100 + version)
+    staged = c.stage(version, new)
+    results = _prepare_all(c, version, staged)
+    assert results == [state_digest(new)] * 2, results
+    assert _snapshot(c) == before  # prepared, not live
+    for e in c.engines:
+        e.pause("wait")
+        report = e.commit_weights(version)
+        e.resume()
+        assert report.policy_version == version
+        assert report.weights_digest == state_digest(new) == staged.manifest.weights_digest
+    after = _snapshot(c)
+    for r in range(2):
+        assert after[r][1] == state_digest(new)
+        assert after[r][3] == str(version)  # /weight_info follows the policy version
+        assert after[r][0] != before[r][0]  # the served outputs changed
+        assert after[r][2] != before[r][2]  # and so did the live weights
+    assert after[0][0] == after[1][0]  # both ranks serve the same policy
+    out = c.engines[0].generate(PROMPT, 1, GREEDY)
+    assert out.policy_version == version and out.weights_digest == state_digest(new)
+    # rollback restores exactly what served before
+    for e in c.engines:
+        e.rollback_weights()
+    assert _snapshot(c) == before
+
+
+def test_prepare_failure_on_one_rank_commits_nowhere(vllm_cluster: VllmCluster) -> None:
+    c = vllm_cluster
+    before = _snapshot(c)
+    version = c.next_version()
+    staged = c.stage(version, c.other_state(seed=200 + version))
+    c.engines[1].inject("fail-prepare")
+    results = _prepare_all(c, version, staged)
+    assert isinstance(results[0], str)
+    assert isinstance(results[1], EngineError) and "injected prepare failure" in str(results[1])
+    # coordinator: not every rank prepared -> abort -> discard everywhere
+    for e in c.engines:
+        e.discard_weights()
+    for e in c.engines:
+        with pytest.raises(IllegalEngineOrder, match="staged is None"):
+            e.commit_weights(version)
+    assert _snapshot(c) == before
+
+
+def test_corrupt_transfer_is_refused_naming_the_tensor(vllm_cluster: VllmCluster) -> None:
+    c = vllm_cluster
+    before = _snapshot(c)
+    version = c.next_version()
+    staged = c.stage(version, c.other_state(seed=300 + version))
+    c.engines[0].inject("corrupt-prepare")
+    with pytest.raises(WeightValidationError, match="checksum") as info:
+        c.engines[0].prepare_from_uri(version, staged.uri, staged.manifest)
+    assert info.value.tensor == staged.manifest.tensors[0].name
+    assert _snapshot(c) == before
+
+
+def test_shape_mismatch_is_refused_naming_the_tensor(vllm_cluster: VllmCluster) -> None:
+    c = vllm_cluster
+    version = c.next_version()
+    bad = c.base_state()
+    bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"][:-1].clone()
+    staged = c.stage(version, bad)
+    with pytest.raises(WeightValidationError) as info:
+        c.engines[1].prepare_from_uri(version, staged.uri, staged.manifest)
+    assert info.value.tensor == "model.layers.0.mlp.up_proj.weight"
+    assert "shape" in info.value.reason
+
+
+@pytest.mark.parametrize("fault", ["fail-commit", "stale-commit"])
+def test_failed_commit_rolls_back_inside_the_rank(vllm_cluster: VllmCluster, fault: str) -> None:
+    c = vllm_cluster
+    e = c.engines[0]
+    before = _snapshot(c)
+    version = c.next_version()
+    staged = c.stage(version, c.other_state(seed=400 + version))
+    e.prepare_from_uri(version, staged.uri, staged.manifest)
+    e.inject(fault)
+    with pytest.raises(EngineError, match="injected commit failure" if fault == "fail-commit" else "did not change"):
+        e.commit_weights(version)
+    assert _snapshot(c) == before
+
+
+def test_reset_prefix_cache_bumps_generation(vllm_cluster: VllmCluster) -> None:
+    e = vllm_cluster.engines[0]
+    g0 = e.generate(PROMPT, 1, GREEDY).cache_generation
+    assert e.reset_prefix_cache() == g0 + 1
+    assert e.generate(PROMPT, 1, GREEDY).cache_generation == g0 + 1
+
+
+def test_pause_resume(vllm_cluster: VllmCluster) -> None:
+    e = vllm_cluster.engines[1]
+    assert e.is_paused is False
+    e.pause("wait")
+    try:
+        assert e.is_paused is True
+        with pytest.raises(IllegalEngineOrder, match="paused"):
+            e.generate(PROMPT, 1, GREEDY)
+    finally:
+        e.resume()
+    assert e.is_paused is False
+    assert len(e.generate(PROMPT, 1, GREEDY).samples) == 1
+
+
+def test_sleep_reported_unavailable(vllm_cluster: VllmCluster) -> None:
+    e = vllm_cluster.engines[0]
+    with pytest.raises(EngineError, match="sleep is unavailable"):
+        e.sleep(1)
+    with pytest.raises(EngineError, match="wake is unavailable"):
+        e.wake(["weights"])
+    assert e.asleep_level == 0
+
+
+def test_health_probe_agrees_across_ranks(vllm_cluster: VllmCluster) -> None:
+    reports = [e.health() for e in vllm_cluster.engines]
+    assert all(r.ok for r in reports), reports
+    assert reports[0].probe_digest == reports[1].probe_digest
+
+
+def test_stage_weights_through_temp_store(vllm_cluster: VllmCluster) -> None:
+    c = vllm_cluster
+    e = c.engines[1]
+    version = c.next_version()
+    base = c.base_state()
+    digest = e.stage_weights(version, base)  # the start-up weights again: validated like any update
+    assert digest == state_digest(base)
+    e.discard_weights()
+
+
+def test_error_shapes_are_parsed(vllm_cluster: VllmCluster) -> None:
+    e = vllm_cluster.engines[0]
+    with pytest.raises(EngineError, match="HTTP 4\\d\\d: .*"):
+        e._post("/pause", params={"mode": "bogus"})  # RL route shape or validation shape
+    with pytest.raises(EngineError, match="HTTP 404"):
+        e._post("/v1/completions", json={"model": "no-such-model", "prompt": [1], "max_tokens": 1})
