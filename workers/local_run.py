@@ -27,7 +27,7 @@ from events.store import EventLog
 from schemas import events as ev
 from schemas.config import RunConfig
 from workers.coordinator import Coordinator
-from workers.engines.torch_engine import TorchEngine
+from workers.engines.factory import build_engines
 from workers.grpo import warm_start
 from workers.metrics import RunMetrics
 from workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
@@ -97,6 +97,7 @@ class LocalRun:
         self.embedded: EmbeddedRedis | None = None
         self.client: redis.Redis | None = None
         self.workers: list[Worker] = []
+        self._close_engines: Callable[[], None] = lambda: None
 
     def connect(self) -> redis.Redis:
         url = self.opts.redis_url or os.environ.get("REDIS_URL")
@@ -116,6 +117,7 @@ class LocalRun:
                 w.stop()
             for w in self.workers:
                 w.join(timeout=30)
+            self._close_engines()
             if self.embedded is not None:
                 self.embedded.stop()
 
@@ -133,9 +135,8 @@ class LocalRun:
         staging = DirectoryStagingStore(cfg.update.staging_dir or self.run_dir / "staging")
         self.workers.append(Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer), injector=injector))
         initial = {k: v.clone() for k, v in policy_state(model).items()}
-        for r in range(cfg.ranks):
-            engine_model, _ = load_policy(self.run_dir / "model")
-            engine = TorchEngine(engine_model, tokenizer, rank=r)
+        engines, self._close_engines = build_engines(cfg, self.run_dir / "model", tokenizer, self.run_dir)
+        for r, engine in enumerate(engines):
             self.workers.append(RankWorker(client, self.run_id, r, engine, injector=injector,
                                            initial_weights=lambda: dict(initial)))  # fmt: skip
         self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer, injector=injector))
