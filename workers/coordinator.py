@@ -18,6 +18,7 @@ from events.lease import LeaderLease
 from schemas import events as ev
 from workflows.admission import AdmissionInputs, decide_admission
 from workflows.groups import decide_groups
+from workflows.handoff import decide_handoff
 from workflows.inject import Injector
 from workflows.scheduler import PromptItem
 from workflows.replay import take_snapshot
@@ -34,6 +35,8 @@ def decide_run_end(state: RunState) -> list[ev.Payload]:
     out: list[ev.Payload] = []
     if "manual" not in state.admission.paused:
         out.append(ev.AdmissionPaused(reason="manual", detail="run reached its last step"))
+    if any(r.status == "asleep" for r in state.ranks.values()):
+        return out  # a colocated rank is still waking up after the last update
     open_groups = [g for g in state.groups.values() if g.status in ("admitted", "generating")]
     for g in open_groups:
         out.append(ev.GroupCancelled(group_id=g.group_id, reason="run finished"))
@@ -50,6 +53,7 @@ def decide(state: RunState, now: float, fence: int, inputs: AdmissionInputs) -> 
         return []
     out: list[ev.Payload] = decide_update(state, now, fence)
     out += decide_groups(state, now)
+    out += decide_handoff(state)
     end = decide_run_end(state)
     out += end
     if not out and not end:

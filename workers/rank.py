@@ -25,7 +25,7 @@ import redis
 from events.consumer import Delivery, GroupConsumer
 from schemas import events as ev
 from schemas.trajectory import Trajectory
-from workers.engine import Engine, GroupOutput, SampleOutput
+from workers.engine import Engine, GroupOutput, IllegalEngineOrder, SampleOutput
 from workers.runtime import Follower, Worker, WorkerKilled
 from workers.staging import StagingError, load_verified, read_manifest
 from workflows.inject import Injector
@@ -51,6 +51,9 @@ class RankWorker(Worker):
         self._drained_for: int | None = None  # version whose drain this rank has reported
         self._claim: tuple[int, str] | None = None  # stale-weights injection: the (version, digest) the rank claims
         self._resume_when_closed = False  # rejoined mid-transaction: serve again once it is published or aborted
+        self._sleep_pending = False  # colocated: a handoff began; sleep once the current group is done
+        self._asleep: list[str] = []  # tags still asleep, in wake order ("weights", "kv_cache")
+        self._sleep_level = 0
         self._rollout: threading.Thread | None = None
         self._rollout_incarnation = 0
         self.groups_done = 0
@@ -70,6 +73,7 @@ class RankWorker(Worker):
             for stored in self.follower.poll(block_ms=100):
                 self._react(stored.event)
             self._report_drained()
+            self._sleep_when_drained()
             if self._rollout is not None and not self._rollout.is_alive() and not self.stop_event.is_set():
                 self._start_rollout()  # a killed rollout thread is replaced; the new one reclaims its entries
             if self.follower.state.status in ("completed", "failed", "aborted"):
@@ -99,6 +103,11 @@ class RankWorker(Worker):
                 self._set_serving(False)
                 if self.follower.state.config and self.follower.state.config.update.drain_mode == "abort":
                     self.engine.pause("abort")
+        elif isinstance(p, ev.AdmissionPaused) and p.reason == "handoff":
+            me = self.follower.state.ranks.get(self.rank)
+            if me is not None and me.status != "quarantined":
+                self._set_serving(False)
+                self._sleep_pending = True
         elif isinstance(p, ev.UpdateCommitted) and self._mine(p.ranks):
             self._commit(p, e.event_id)
         elif isinstance(p, ev.PolicyPublished) and (self._mine(p.ranks) or self._resume_when_closed):
@@ -106,6 +115,8 @@ class RankWorker(Worker):
         elif isinstance(p, ev.UpdateAborted):
             self.engine.discard_weights()
             if self.follower.state.ranks.get(self.rank) and self.follower.state.ranks[self.rank].status != "quarantined":
+                if self._asleep:
+                    self._wake_on_old_weights(e.event_id)
                 self._resume(e.event_id)
         elif isinstance(p, ev.RankQuarantined) and p.rank == self.rank:
             self._rejoin(e.event_id)
@@ -117,6 +128,8 @@ class RankWorker(Worker):
         if fail is not None:
             self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase="prepare", reason=f"injected ({fail.spec})"), causation_id=cause)
             return
+        if "weights" in self._asleep:  # colocated: the weights wake first; weights are never sent to a sleeping engine
+            self._wake(["weights"], cause)
         try:
             manifest = read_manifest(u.uri, expected_digest=p.manifest_digest)
             fail = self.injector.take("fail-rank", rank=self.rank, phase="transfer")
@@ -147,8 +160,8 @@ class RankWorker(Worker):
         u = self.follower.state.open_update
         if u is None or u.status != "preparing" or "update" not in self.follower.state.admission.paused:
             return
-        if not self._mine(u.ranks) or self._drained_for == u.version:
-            return
+        if not self._mine(u.ranks) or self._drained_for == u.version or self._asleep:
+            return  # (a sleeping rank generates nothing: it is drained by construction)
         with self._gate:
             if self._busy:
                 return
@@ -181,9 +194,17 @@ class RankWorker(Worker):
                 ]  # fmt: skip
                 if report.graphs_invalidated:
                     events.append(ev.CacheInvalidated(rank=self.rank, kind="graph", generation=report.graph_generation, version=p.version))
+        except IllegalEngineOrder as exc:
+            self._emit(ev.CommandRefused(command=f"commit v{p.version}", reason=str(exc), rank=self.rank),
+                       ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit refused: {exc}"), causation_id=cause)  # fmt: skip
+            return
         except Exception as exc:
             self._emit(ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed: {exc}"), causation_id=cause)
             return
+        if "kv_cache" in self._asleep:  # colocated: the KV cache wakes after the new weights are in, before the probe
+            report_kv = self.engine.wake(["kv_cache"])
+            self._asleep.remove("kv_cache")
+            events.append(ev.EngineWoke(rank=self.rank, tags=("kv_cache",), bytes_restored=report_kv.bytes_restored))
         health = self.engine.health()
         if health.ok:
             events.append(ev.HealthPassed(rank=self.rank, version=p.version, weights_digest=self._stamp()[1],
@@ -191,6 +212,46 @@ class RankWorker(Worker):
         else:
             events.append(ev.HealthFailed(rank=self.rank, version=p.version, reason=health.detail))
         self._emit(*events, causation_id=cause)
+
+    def _sleep_when_drained(self) -> None:
+        """Colocated handoff: once the current group is done, pause and sleep at the run's level."""
+        if not self._sleep_pending:
+            return
+        with self._gate:
+            if self._busy:
+                return
+        cfg = self.follower.state.config
+        level = cfg.sleep_level if cfg else 1
+        if not self.engine.is_paused:
+            self.engine.pause(cfg.update.drain_mode if cfg else "wait")
+        report = self.engine.sleep(level)
+        self._sleep_pending = False
+        self._asleep, self._sleep_level = ["weights", "kv_cache"], level
+        self._emit(ev.EngineSlept(rank=self.rank, level=level, bytes_freed=report.bytes_freed, verified=report.verified))  # type: ignore[arg-type]
+
+    def _wake(self, tags: list[str], cause: str) -> None:
+        report = self.engine.wake(tags)  # type: ignore[arg-type]
+        for t in tags:
+            self._asleep.remove(t)
+        self._emit(ev.EngineWoke(rank=self.rank, tags=tuple(tags), bytes_restored=report.bytes_restored), causation_id=cause)  # type: ignore[arg-type]
+
+    def _wake_on_old_weights(self, cause: str) -> None:
+        """The update aborted while this rank slept: back to the published version. Level 1 restores its host copy;
+        level 2 dropped the weights, so it reloads the published version through the verified path first."""
+        if "weights" in self._asleep:
+            self._wake(["weights"], cause)
+        if self._sleep_level == 2:
+            state = self.follower.state
+            v = state.policy_version
+            if v == 0:
+                tensors = self.initial_weights() if self.initial_weights else {}
+            else:
+                u = state.updates[v]
+                tensors = dict(load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest)))
+            self.engine.stage_weights(v, tensors)
+            self.engine.commit_weights(v)
+        if "kv_cache" in self._asleep:
+            self._wake(["kv_cache"], cause)
 
     def _stamp(self) -> tuple[int, str]:
         """The (policy version, weights digest) this rank stamps on its work: the engine's, unless it is lying."""
@@ -284,17 +345,13 @@ class RankWorker(Worker):
             self._emit(*orphans, causation_id=d.event.event_id)
             consumer.ack(d.stream_id)
             return True
-        if g.status not in ("admitted", "generating"):
-            self._emit(*[ev.SampleCancelled(sample_id=ids[i], group_id=p.group_id, index=i, reason=f"group {g.status}") for i in range(p.n)],
-                       causation_id=d.event.event_id)  # fmt: skip
+        if g.status not in ("admitted", "generating"):  # closed before any sample started: nothing was dispatched
             consumer.ack(d.stream_id)
             return True
         if not self._wait_to_serve():
             return False
         try:
-            if g.status not in ("admitted", "generating"):  # closed while we waited to serve
-                self._emit(*[ev.SampleCancelled(sample_id=ids[i], group_id=p.group_id, index=i, reason=f"group {g.status}")
-                             for i in range(p.n)], causation_id=d.event.event_id)  # fmt: skip
+            if g.status not in ("admitted", "generating"):  # closed while we waited to serve: nothing dispatched
                 consumer.ack(d.stream_id)
                 return True
             version, digest = self._stamp()

@@ -22,6 +22,7 @@ from workers.grpo import grpo_step, make_optimizer, sequence_logprobs
 from workers.policy_model import policy_state
 from workers.runtime import Follower, Worker, WorkerKilled
 from workers.staging import DirectoryStagingStore
+from workflows.handoff import engines_asleep
 from workflows.inject import Injector
 from workflows.state import GroupState, RunState
 
@@ -61,6 +62,8 @@ class TrainerWorker(Worker):
             cfg = state.config
             if cfg is None or self.halted or state.trainer.step >= cfg.steps or state.open_update is not None:
                 continue
+            if cfg.mode == "colocated" and not engines_asleep(state):
+                continue  # colocated: the trainer's turn comes only while every engine sleeps
             ready = sorted(state.ready_groups(), key=lambda g: g.group_id)
             if len(ready) >= cfg.trainer.groups_per_step:
                 self.step(state, cfg, ready[: cfg.trainer.groups_per_step])

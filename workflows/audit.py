@@ -322,7 +322,7 @@ class _Auditor:
         self.run_id: str | None = None
         self.count = 0
         self.seen: dict[str, Event] = {}
-        self.max_id = ""
+        self.max_id_by_producer: dict[str, str] = {}
         self.groups: dict[str, _Group] = {}
         self.samples: dict[str, _Unit] = {}
         self.finished: dict[str, Event] = {}  # trajectory id -> SampleFinished
@@ -370,12 +370,15 @@ class _Auditor:
                 )
             return
         self.seen[event.event_id] = event
-        if event.event_id < self.max_id:
+        # Ids sort by creation time; the log's order is the order of appends. Across producers they legitimately
+        # differ (an event created earlier may be appended later), so only one producer going backwards is odd.
+        last = self.max_id_by_producer.get(event.producer, "")
+        if event.event_id < last:
             self.warn(
-                "out_of_order", f"{event.type} {event.event_id} sorts before an earlier event {self.max_id}", event
+                "out_of_order", f"{event.type} {event.event_id} from {event.producer} sorts before its earlier {last}", event
             )
         else:
-            self.max_id = event.event_id
+            self.max_id_by_producer[event.producer] = event.event_id
         if self.run_started is None and not isinstance(event.payload, RunStarted) and not self.warned_no_start:
             self.warned_no_start = True
             self.warn("malformed", f"{event.type} before RunStarted; defaults assumed until it comes", event)

@@ -122,6 +122,8 @@ def _admission_paused(s: RunState, e: ev.Event) -> None:
     s.admission.paused.append(p.reason)
     if p.reason == "update" and (u := s.open_update) is not None:
         u.paused_at = e.wall_time
+    if p.reason == "handoff":
+        s.admission.handoff_step = s.trainer.step
 
 
 @_on(ev.AdmissionResumed)

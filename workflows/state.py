@@ -125,6 +125,7 @@ class AdmissionState:
     max_queued_bytes: int = 0  # high-water mark
     admitted: int = 0
     inflight: int = 0  # admitted and not yet complete/cancelled
+    handoff_step: int = 0  # trainer step when the current (or last) colocated handoff began
 
     @property
     def open(self) -> bool:

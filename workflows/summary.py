@@ -33,15 +33,77 @@ class Summary:
     trajectories_dropped: int
     anomalies: int
     state_digest: str
+    littles_law: dict[str, float]
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def queue_dynamics(events: list[ev.Event]) -> dict[str, float]:
+    """Little's law on the queue of completed-but-untrained groups, measured from the log.
+
+    arrival_rate = groups completed per second; mean_wait_s = completion -> consumption (or drop/cancel);
+    littles_L = arrival_rate x mean_wait_s, against measured_queue (time-averaged) and max_queue. The update view:
+    surplus_rate (completion rate - consumption rate while groups waited) x update_period_s predicts how far the queue
+    grows between two trainer steps; admission's caps bound it.
+    """
+    if not events:
+        return {}
+    t0, t1 = events[0].wall_time, events[-1].wall_time
+    span = max(t1 - t0, 1e-9)
+    completed_at: dict[str, float] = {}
+    waits: list[float] = []
+    queue, area, last_t, max_queue = 0, 0.0, t0, 0
+    consumed = completed_total = 0
+    publishes: list[float] = []
+
+    def step_queue(t: float, delta: int) -> None:
+        nonlocal queue, area, last_t, max_queue
+        area += queue * (t - last_t)
+        last_t, queue = t, queue + delta
+        max_queue = max(max_queue, queue)
+
+    for e in events:
+        p = e.payload
+        if isinstance(p, ev.GroupCompleted):
+            completed_total += 1
+            completed_at[p.group_id] = e.wall_time
+            step_queue(e.wall_time, +1)
+        elif isinstance(p, ev.BatchConsumed):
+            for gid in p.group_ids:
+                if gid in completed_at:
+                    waits.append(e.wall_time - completed_at.pop(gid))
+                    consumed += 1
+                    step_queue(e.wall_time, -1)
+        elif isinstance(p, (ev.TrajectoryDropped, ev.GroupCancelled)) and p.group_id in completed_at:
+            waits.append(e.wall_time - completed_at.pop(p.group_id))
+            step_queue(e.wall_time, -1)
+        elif isinstance(p, ev.PolicyPublished):
+            publishes.append(e.wall_time)
+    step_queue(t1, 0)
+    arrival = completed_total / span
+    mean_wait = statistics.fmean(waits) if waits else 0.0
+    period = statistics.fmean(b - a for a, b in zip(publishes, publishes[1:], strict=False)) if len(publishes) > 1 else span
+    drain = consumed / span
+    surplus = arrival - drain
+    return {
+        "arrival_rate_groups_s": arrival,
+        "drain_rate_groups_s": drain,
+        "mean_wait_s": mean_wait,
+        "littles_L_groups": arrival * mean_wait,
+        "measured_queue_groups": area / span,
+        "max_queue_groups": float(max_queue),
+        "update_period_s": period,
+        "surplus_rate_groups_s": surplus,
+        "surplus_x_period_groups": max(surplus, 0.0) * period,
+    }
 
 
 def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
     gen_ms_by_rank: dict[int, float] = {}
     seen_groups: set[str] = set()
     trajectories = 0
+    events = list(events)
     for e in events:
         p = e.payload
         if isinstance(p, ev.SampleFinished):
@@ -73,4 +135,5 @@ def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
         trajectories_dropped=state.trainer.dropped_trajectories,
         anomalies=len(state.anomalies),
         state_digest=state.digest(),
+        littles_law=queue_dynamics(events),
     )
