@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.config import ModelConfig, SamplingParams  # noqa: E402
-from workers.engines.torch_engine import TorchEngine  # noqa: E402
-from workers.policy_model import build_model, build_tokenizer  # noqa: E402
+from schemas.config import ModelConfig, SamplingParams
+from workers.engines.torch_engine import TorchEngine
+from workers.policy_model import build_model, build_tokenizer
 
 
 @dataclass
@@ -89,7 +89,8 @@ def run_hf(model: torch.nn.Module, eos: int, pad: int, prompts: list[list[int]],
             )
             for row in out[:, len(ids) :].tolist():
                 tokens += next((k + 1 for k, t in enumerate(row) if t == eos), len(row))
-    return Row("hf-generate", len(prompts[0]) * n, 0, tokens, time.perf_counter() - start)
+    per_group = sum(len(p) for p in prompts) * n / len(prompts)
+    return Row("hf-generate", per_group, 0, tokens, time.perf_counter() - start)
 
 
 def main() -> None:
@@ -126,7 +127,9 @@ def main() -> None:
         f"groups={args.groups} n={args.n} prompt_tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
         f"max_tokens={args.max_tokens} threads={args.threads}"
     )
-    print(f"{'mode':<12} {'prefill/group':>14} {'saved/group':>12} {'vs no-cache':>12} {'gen tok/s':>10} {'vs no-cache':>12}")
+    print(
+        f"{'mode':<12} {'prefill/group':>14} {'saved/group':>12} {'vs no-cache':>12} {'gen tok/s':>10} {'vs no-cache':>12}"
+    )
     for r in rows:
         ratio = r.prefill_computed / base.prefill_computed if base.prefill_computed else 0.0
         speed = r.tok_s / base.tok_s if base.tok_s else 0.0

@@ -16,6 +16,7 @@ Owns:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
@@ -59,7 +60,7 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config:
             f"model.num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
             f"model.num_key_value_heads ({cfg.num_key_value_heads})"
         )
-    return Qwen2Config(
+    kwargs: dict[str, Any] = dict(  # noqa: C408 - keyword names as in Qwen2Config
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -73,8 +74,9 @@ def model_config(cfg: ModelConfig, vocab_size: int) -> Qwen2Config:
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype=cfg.dtype,
+        dtype=cfg.dtype,
     )
+    return Qwen2Config(**kwargs)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> Qwen2ForCausalLM:

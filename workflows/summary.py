@@ -27,7 +27,8 @@ class Summary:
     updates_committed: int
     updates_aborted: int
     handoff_tax: float  # fraction of wall time the engines were not generating (mean over ranks)
-    logprob_agreement: float  # median over steps of the median |trainer - engine| logprob gap
+    logprob_agreement: float  # median over steps of the median |trainer - engine| logprob gap (on-policy tokens)
+    agreement_steps: int  # steps whose batch had on-policy tokens to measure it on
     wall_s: float
     groups_admitted: int
     trajectories_dropped: int
@@ -130,6 +131,7 @@ def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
         updates_aborted=sum(1 for u in state.updates.values() if u.status == "aborted"),
         handoff_tax=1.0 - statistics.fmean(busy),
         logprob_agreement=statistics.median(state.trainer.logprob_gaps) if state.trainer.logprob_gaps else 0.0,
+        agreement_steps=len(state.trainer.logprob_gaps),
         wall_s=wall,
         groups_admitted=state.admission.admitted,
         trajectories_dropped=state.trainer.dropped_trajectories,

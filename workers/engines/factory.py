@@ -1,13 +1,30 @@
-"""Build the engines of a run, one per rank, from the run config and the saved policy directory."""
+"""Build the engines of a run, one per rank, from the run config and the saved policy directory.
+
+- `engine = "torch"`: one in-process TorchEngine per rank, each loading the saved policy.
+- `engine = "vllm"`: one `VllmEngine` (HTTP) per rank. With `cfg.vllm_urls` the servers already run (one URL per
+  rank; netguard refuses non-private addresses unless `cfg.allow_remote_engines`); otherwise `cfg.ranks` servers are
+  started here from the run's saved policy (`model_dir`) on free loopback ports, logging to
+  `run_dir/vllm-rank{r}.log`, and the returned close function stops them.
+
+A vLLM rank must serve exactly the run's initial policy, in the policy's own dtype: the trainer checks the
+engine's logprobs against its own weights (median gap <= workers.trainer.MAX_LOGPROB_GAP) and the audit checks that
+version-0 samples carry RunStarted's initial weights digest. So servers are started with `--dtype` equal to the
+checkpoint's dtype (vLLM's `auto` would downcast a float32 checkpoint to bfloat16), and already-running servers are
+checked before the run starts: policy version 0, the initial weights digest, the run's logprob mode, the dtype.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from schemas.config import RunConfig
-from workers.engine import Engine
+from workers.engine import Engine, EngineError, HealthReport
 
 
 def build_engines(cfg: RunConfig, model_dir: Path, tokenizer: Any, run_dir: Path) -> tuple[list[Engine], Callable[[], None]]:
@@ -26,4 +43,181 @@ def build_engines(cfg: RunConfig, model_dir: Path, tokenizer: Any, run_dir: Path
                 e.close()
 
         return engines, close
+    if cfg.engine == "vllm":
+        vllm_engines, close_vllm = build_vllm_engines(cfg, model_dir, run_dir)
+        return list(vllm_engines), close_vllm
     raise NotImplementedError(f"engine {cfg.engine!r} is not wired into `rolledger run` yet")
+
+
+# ------------------------------------------------------------------------------------------------------- vLLM
+
+
+@functools.cache
+def _rank_engine_class() -> type:
+    """RankVllmEngine, defined lazily so that importing this module never needs httpx/vLLM."""
+    from workers.engines.vllm_engine import VllmEngine
+
+    class RankVllmEngine(VllmEngine):
+        """VllmEngine as a rolledger rank: the post-commit health probe runs although the rank is paused.
+
+        RankWorker commits and probes while the rank is paused for the update (it resumes on PolicyPublished), but a
+        paused vLLM scheduler does not schedule new requests, so VllmEngine.health() would wait out its HTTP timeout
+        and the rank would be quarantined. Here the scheduler is resumed for the probe alone and paused again
+        (mode "wait": nothing else is in flight, the rank's rollout thread is gated until PolicyPublished).
+        """
+
+        def health(self) -> HealthReport:
+            if not self.is_paused:  # the server's own answer
+                return super().health()
+            self.resume()
+            try:
+                return super().health()
+            finally:
+                self.pause("wait")
+
+    return RankVllmEngine
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype the saved policy was written in (config.json `dtype`, or `torch_dtype` from older transformers)."""
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise EngineError(f"cannot read the policy's config {path}: {e}") from e
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise EngineError(f"{path}: field 'dtype' is {dtype!r}; expected float32, bfloat16 or float16")
+    return str(dtype)
+
+
+def initial_digest(model_dir: Path) -> str:
+    """state_digest of the saved policy, computed exactly as RunStarted's initial_weights_digest is."""
+    from workers.policy_model import load_policy, policy_state
+    from workers.weights import state_digest
+
+    model, _ = load_policy(model_dir)
+    return state_digest(policy_state(model))
+
+
+def served_model_name(base_url: str, timeout_s: float = 30.0) -> str:
+    """The model name an already-running server serves (GET /v1/models, the first entry)."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s)
+        resp.raise_for_status()
+        data = resp.json().get("data") or []
+        return str(data[0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise EngineError(f"vLLM at {base_url}: cannot read its model name from /v1/models: {e}") from e
+
+
+def server_dtype(engine: Any) -> str:
+    """The dtype the server computes in (its vllm_config.model_config.dtype, e.g. 'torch.float32' -> 'float32')."""
+    cfg = engine._get("/server_info", params={"config_format": "json"}).get("vllm_config") or {}
+    return str((cfg.get("model_config") or {}).get("dtype", "unknown")).removeprefix("torch.")
+
+
+def check_rank_engine(engine: Any, url: str, want_digest: str, want_dtype: str, logprob_mode: str) -> None:
+    """Refuse a server that cannot be rank `engine.rank` of a fresh run (clear errors naming the field)."""
+    where = f"vLLM rank {engine.rank} at {url}"
+    if engine.policy_version != 0:
+        raise EngineError(
+            f"{where} serves policy version {engine.policy_version} (/weight_info); a run starts its ranks on "
+            "version 0: restart the server from the run's model directory"
+        )
+    if engine.capabilities.logprob_mode != logprob_mode:
+        raise EngineError(
+            f"{where} computes {engine.facts.logprobs_mode_raw} but sampling.logprob_mode is {logprob_mode!r} "
+            f"(start it with --logprobs-mode {logprob_mode}_logprobs)"
+        )
+    dtype = server_dtype(engine)
+    if dtype != want_dtype:
+        raise EngineError(
+            f"{where} computes in {dtype} but the policy is {want_dtype}: the trainer's logprob-agreement check "
+            f"would halt the run (start it with --dtype {want_dtype})"
+        )
+    digest = engine.weights_digest()
+    if digest != want_digest:
+        raise EngineError(
+            f"{where} serves weights {digest}, not the run's initial policy {want_digest}: start it from the run's "
+            "model directory (runs/<run-id>/model)"
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[Any]:
+    """Start `cfg.ranks` vLLM servers from `model_dir` in parallel; on any failure stop the others and raise."""
+    from workers.engines.vllm_engine import VllmServer, start_vllm_server
+
+    dtype = checkpoint_dtype(model_dir)
+    extra = ["--logprobs-mode", f"{cfg.sampling.logprob_mode}_logprobs"]
+    servers: list[VllmServer | None] = [None] * cfg.ranks
+    errors: list[BaseException] = []
+
+    def launch(rank: int) -> None:
+        try:
+            servers[rank] = start_vllm_server(
+                model_dir, _free_port(), log_path=run_dir / f"vllm-rank{rank}.log", dtype=dtype, extra_args=extra
+            )
+        except BaseException as e:  # noqa: BLE001 - re-raised below on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=launch, args=(r,), name=f"vllm-start-{r}") for r in range(cfg.ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # each launch has its own start-up deadline (start_vllm_server)
+    started = [s for s in servers if s is not None]
+    if errors:
+        for s in started:
+            s.close()
+        raise errors[0]
+    return started
+
+
+def build_vllm_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[list[Any], Callable[[], None]]:
+    """One RankVllmEngine per rank, checked against the run's initial policy, and the close function."""
+    from workers.netguard import check_engine_address
+
+    model_dir = Path(model_dir).absolute()
+    engine_cls = _rank_engine_class()
+    want_dtype = checkpoint_dtype(model_dir)
+    want_digest = initial_digest(model_dir)
+    servers: list[Any] = []
+    if cfg.vllm_urls:
+        if len(cfg.vllm_urls) != cfg.ranks:
+            raise ValueError(
+                f"vllm_urls has {len(cfg.vllm_urls)} URL(s) but ranks is {cfg.ranks}: give one vLLM server per rank"
+            )
+        urls = list(cfg.vllm_urls)
+        for url in urls:  # before any request goes out
+            check_engine_address(url, cfg.allow_remote_engines)
+        names = [served_model_name(u) for u in urls]
+    else:
+        servers = start_rank_servers(cfg, model_dir, run_dir)
+        urls = [s.url for s in servers]
+        names = [str(model_dir)] * len(urls)
+    engines: list[Any] = []
+
+    def close() -> None:
+        for e in engines:
+            e.close()
+        for s in servers:
+            s.close()
+
+    try:
+        for r, (url, name) in enumerate(zip(urls, names, strict=True)):
+            engine = engine_cls(url, rank=r, model_name=name, allow_remote=cfg.allow_remote_engines)
+            engines.append(engine)
+            check_rank_engine(engine, url, want_digest, want_dtype, cfg.sampling.logprob_mode)
+    except BaseException:
+        close()
+        raise
+    return engines, close

@@ -24,8 +24,10 @@ Rules this engine enforces (IllegalEngineOrder otherwise):
 
 Prefix accounting: for a group of n samples over a prompt of L tokens, prefill_tokens_computed is what actually ran
 through the model and prefill_tokens_saved = n*L - computed (what a per-sample prefill would have cost beyond it).
-With the prefix cache the prompt is prefilled once at batch 1 (or only the part past the longest cached prefix;
-nothing at all on an exact hit) and its KV expanded to n; without it (prefix_cache=False) the prompt runs at batch n.
+With the prefix cache the prompt is prefilled once at batch 1 and its KV expanded to n; the prefix cache (an LRU of
+prompt token tuple -> batch-1 KV + last logits) serves the longest common prefix with any cached prompt (its KV
+sliced), so only the tail is computed, and nothing at all on an exact hit; without it (prefix_cache=False) the
+prompt runs at batch n.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import xxhash
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from schemas.config import SamplingParams
 from workers.engine import (
@@ -66,9 +68,12 @@ FinishReason = Literal["stop", "length", "abort"]
 _WAKE_ORDER: tuple[WakeTag, ...] = ("weights", "kv_cache")
 
 
+_KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values)
+
+
 @dataclass
 class _PrefixEntry:
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), batch 1, never mutated
+    kv: _KV  # per layer (keys, values), batch 1, never mutated
     last_logits: torch.Tensor  # [vocab] float32, the logits after the prompt's last token
     nbytes: int
 
@@ -80,6 +85,14 @@ class _Staged:
     digest: str
 
 
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
@@ -89,7 +102,7 @@ class TorchEngine:
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: torch.nn.Module,
         tokenizer: Any,
         *,
         rank: int = 0,
@@ -105,7 +118,7 @@ class TorchEngine:
             raise ValueError(f"prefix_cache_entries must be >= 1 (got {prefix_cache_entries})")
         self.rank = rank
         self.device = torch.device(device)
-        self._model = model.to(self.device).eval()
+        self._model: Any = cast(Any, model).to(self.device).eval()  # an HF causal LM (PreTrainedModel)
         self._tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
@@ -113,8 +126,8 @@ class TorchEngine:
         self._eos_id = int(eos)
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if pad is not None else self._eos_id
-        self._vocab_size = int(model.config.vocab_size)
-        self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self._vocab_size = int(self._model.config.vocab_size)
+        self._max_positions = int(getattr(self._model.config, "max_position_embeddings", 1 << 30))
         self._probe_ids: list[int] = list(tokenizer(probe_text)["input_ids"])
 
         forward_params = inspect.signature(model.forward).parameters
@@ -243,7 +256,9 @@ class TorchEngine:
                 f"tags still asleep: {sorted(self._asleep_tags)})"
             )
         if not self._weights_valid:
-            raise IllegalEngineOrder(f"rank {self.rank}: {what} before new weights were committed after a level-2 sleep")
+            raise IllegalEngineOrder(
+                f"rank {self.rank}: {what} before new weights were committed after a level-2 sleep"
+            )
 
     @torch.inference_mode()
     def _generate_locked(
@@ -365,15 +380,18 @@ class TorchEngine:
             return self._out_cache(out), out.logits[:, -1, :].float(), n * length, 0
 
         key = tuple(prompt)
-        entry, matched = self._lookup_prefix(key)
-        if entry is not None and matched == length:
+        cached_kv, matched, cached_last = self._lookup_prefix(key)
+        if cached_kv is not None and cached_last is not None:
             computed = 0
-            kv, last = entry.kv, entry.last_logits
+            kv, last = cached_kv, cached_last
         else:
-            base = DynamicCache(ddp_cache_data=entry.kv, config=config) if entry is not None else None
+            base = DynamicCache(ddp_cache_data=cached_kv, config=config) if cached_kv is not None else None
             ids = torch.tensor([prompt[matched:]], device=self.device)
             out = self._forward(ids, base)
-            kv = [(layer.keys, layer.values) for layer in self._out_cache(out).layers]
+            kv = [
+                (cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
+                for layer in cast(Any, self._out_cache(out)).layers
+            ]
             last = out.logits[0, -1, :].float()
             computed = length - matched
             self._store_prefix(key, _PrefixEntry(kv=kv, last_logits=last, nbytes=self._entry_bytes(kv, last)))
@@ -381,19 +399,27 @@ class TorchEngine:
         cache = DynamicCache(ddp_cache_data=expanded, config=config)  # copies: the stored entry is never touched
         return cache, last.unsqueeze(0).expand(n, -1), computed, n * length - computed
 
-    def _lookup_prefix(self, key: tuple[int, ...]) -> tuple[_PrefixEntry | None, int]:
+    def _lookup_prefix(self, key: tuple[int, ...]) -> tuple[_KV | None, int, torch.Tensor | None]:
+        """The cached KV sharing the longest common prefix with `key`: (kv sliced to it, its length, last logits).
+
+        The last logits come back only on an exact hit; otherwise at least the prompt's last token is recomputed.
+        """
         hit = self._prefix.get(key)
         if hit is not None:
             self._prefix.move_to_end(key)
-            return hit, len(key)
-        best: tuple[int, ...] | None = None
+            return hit.kv, len(key), hit.last_logits
+        best_key: tuple[int, ...] | None = None
+        best = 0
         for cached in self._prefix:
-            if len(cached) < len(key) and key[: len(cached)] == cached and (best is None or len(cached) > len(best)):
-                best = cached
-        if best is None:
-            return None, 0
-        self._prefix.move_to_end(best)
-        return self._prefix[best], len(best)
+            m = _common_prefix_len(cached, key)
+            if m > best:
+                best_key, best = cached, m
+        best = min(best, len(key) - 1)  # the logits after the last prompt token must be computed
+        if best_key is None or best < 1:
+            return None, 0, None
+        self._prefix.move_to_end(best_key)
+        kv = [(k[:, :, :best], v[:, :, :best]) for k, v in self._prefix[best_key].kv]
+        return kv, best, None
 
     def _store_prefix(self, key: tuple[int, ...], entry: _PrefixEntry) -> None:
         self._prefix[key] = entry
@@ -402,7 +428,7 @@ class TorchEngine:
             self._prefix.popitem(last=False)
 
     @staticmethod
-    def _entry_bytes(kv: list[tuple[torch.Tensor, torch.Tensor]], last: torch.Tensor) -> int:
+    def _entry_bytes(kv: _KV, last: torch.Tensor) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv) + (
             last.numel() * last.element_size()
         )
@@ -665,9 +691,9 @@ class TorchEngine:
                     logits = self._model(input_ids=torch.tensor([ids], device=self.device)).logits[0, -1].float()
                     if not bool(torch.isfinite(logits).all()):
                         return HealthReport(ok=False, detail=f"non-finite logits at probe position {len(ids)}")
-                    h.update(logits.numpy().tobytes())  # the exact logits: ranks on other weights cannot match
+                    h.update(logits.cpu().numpy().tobytes())  # the exact logits: ranks on other weights cannot match
                     ids.append(int(logits.argmax()))
-            except Exception as exc:  # an engine error is a failed probe, not a crash of the caller
+            except Exception as exc:  # noqa: BLE001 - an engine error is a failed probe, not a crash of the caller
                 return HealthReport(ok=False, detail=f"probe forward failed: {exc!r}")
         generated = ids[len(self._probe_ids) :]
         h.update(",".join(map(str, ids)).encode())
