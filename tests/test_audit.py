@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from logbuilder import LogBuilder, weights_digest_for
 
 from schemas.config import PartialPolicy
+from schemas.events import EnginePaused
 from schemas.events import Event
 from schemas.trajectory import VersionSpan
 from workflows.audit import AuditReport, audit
@@ -127,6 +128,9 @@ def _update_with(b: LogBuilder, during: str | None, *, abort: bool = False) -> N
     publication (or abort)."""
     b.stage(1).request_prepare(1).prepare(1, 0).pause("update")
     g = b.last_group
+    if during == "drain":  # the rank had not stopped yet: the group it is running may start (and drain)
+        b.start(f"{g}/1")
+    b.emit(EnginePaused(rank=0, mode="wait"))
     if during == "admit":
         b.admit("g-late")
     elif during == "start":
@@ -158,7 +162,7 @@ def test_inv2_no_admission_or_generation_between_pause_and_publish(during: str) 
         return b.finish_run()
 
     bad = log(True)
-    pause = bad.find("AdmissionPaused").event_id
+    pause = bad.find("AdmissionPaused" if during == "admit" else "EnginePaused").event_id
     offender = (
         bad.find("GroupAdmitted", group_id="g-late")
         if during == "admit"
@@ -168,6 +172,31 @@ def test_inv2_no_admission_or_generation_between_pause_and_publish(during: str) 
     # a sample started in the window on v0 is also on a rank that is still v0: only invariant 2 fires
     assert only(report, 2) == [(pause, offender)]
     assert_clean(audit(log(False).build()))
+
+
+def test_inv2_a_start_before_the_rank_stopped_is_a_drain_not_a_violation() -> None:
+    b = LogBuilder().start_run()
+    b.admit()
+    g = b.last_group
+    b.start(f"{g}/0")
+    _update_with(b, "drain")
+    b.finish(f"{g}/0").finish(f"{g}/1").complete(g)
+    assert_clean(audit(b.finish_run().build()))
+
+
+def test_inv2_no_start_on_any_rank_between_commit_and_publish() -> None:
+    b = LogBuilder().start_run()
+    b.admit()
+    g = b.last_group
+    b.start(f"{g}/0")
+    b.stage(1).request_prepare(1).prepare(1, 0).pause("update").commit(1)
+    b.start(f"{g}/1")
+    offender = b.last.event_id
+    commit = b.find("UpdateCommitted").event_id
+    b.commit_rank(1, 0).publish(1).resume("update")
+    b.finish(f"{g}/0").finish(f"{g}/1").complete(g)
+    report = audit(b.finish_run().build())
+    assert (commit, offender) in only(report, 2)
 
 
 def test_inv2_window_closes_at_abort() -> None:

@@ -14,8 +14,11 @@ The precise definitions checked (v is a policy version, r a rank):
    SampleStarted's.
 2. No admission and no generation during an update. The window of update v opens at AdmissionPaused(reason="update")
    (attributed to the newest unresolved update attempt), or at UpdateCommitted(v) when no such pause was seen, and
-   closes at PolicyPublished(v) or UpdateAborted(v). Any GroupAdmitted or SampleStarted inside it is a violation.
-   Samples that started before the pause may still finish (drain) inside it.
+   closes at PolicyPublished(v) or UpdateAborted(v). Any GroupAdmitted inside it is a violation. Generation stops per
+   rank: a rank drains the group it is running when the pause reaches it, then reports EnginePaused (or EngineSlept);
+   a SampleStarted on a rank after its EnginePaused/EngineSlept in the window, or on any rank after UpdateCommitted
+   (which the coordinator issues only when every rank has stopped), is a violation. Samples that started before a
+   rank stopped may finish (drain) inside the window.
 3. Fail-closed commit. An update attempt of v runs from UpdateStaged(v) (or its first event) to UpdateCommitted(v) /
    UpdateAborted(v). UpdateCommitted(v) needs, within the attempt, a RankPrepared(v, r) with the commit's manifest
    digest for every r in its ranks, no RankPrepareFailed, every rank of the PrepareRequested in its ranks, and the
@@ -55,6 +58,9 @@ from typing import Any
 from schemas.config import RunConfig
 from schemas.events import (
     AdmissionPaused,
+    EnginePaused,
+    EngineResumed,
+    EngineSlept,
     BatchConsumed,
     CacheInvalidated,
     Event,
@@ -295,6 +301,7 @@ class _Rank:
 class _Window:
     opened_by: Event
     version: int | None
+    committed: Event | None = None
 
 
 def _ids(*events: Event | None) -> tuple[str, ...]:
@@ -313,6 +320,7 @@ def _span_versions(t: Trajectory) -> list[tuple[int, str]]:
 class _Auditor:
     def __init__(self) -> None:
         self.quarantined_in: dict[int, set[int]] = {}
+        self.stopped: dict[int, Event] = {}  # rank -> the EnginePaused/EngineSlept that stopped its generation
         self.violations: list[Violation] = []
         self.warnings: list[AuditWarning] = []
         self.checked: Counter[int] = Counter()
@@ -464,8 +472,30 @@ class _Auditor:
         self.samples[p.sample_id] = _Unit(e)
         if p.group_id not in self.groups:
             self.warn("orphan", f"SampleStarted {p.sample_id} for group {p.group_id} never admitted", e)
-        self._in_window(e, f"SampleStarted {p.sample_id}")
+        self._generation_in_window(e, p.rank, f"SampleStarted {p.sample_id}")
         self._generation_version(e, p.policy_version, p.weights_digest, p.rank, f"sample {p.sample_id}")
+
+    def _generation_in_window(self, e: Event, rank: int, what: str) -> None:
+        self.checked[2] += 1
+        w = self.window
+        if w is None:
+            return
+        stopped = self.stopped.get(rank)
+        if w.committed is not None:
+            self.violate(2, f"{what} on rank {rank} after v{w.version} was committed and before it was published",
+                         w.committed, e)  # fmt: skip
+        elif stopped is not None:
+            self.violate(2, f"{what} on rank {rank} after it stopped for the update ({stopped.type})", stopped, e)
+
+    def on_EnginePaused(self, e: Event, p: EnginePaused) -> None:
+        if self.window is not None:
+            self.stopped[p.rank] = e
+
+    def on_EngineSlept(self, e: Event, p: EngineSlept) -> None:
+        self.stopped[p.rank] = e
+
+    def on_EngineResumed(self, e: Event, p: EngineResumed) -> None:
+        self.stopped.pop(p.rank, None)
 
     def _generation_version(self, e: Event, v: int, digest: str, rank: int, what: str) -> None:
         """A sample starts generating on (rank, v, digest): v must be published (3/4), the digest v's, the rank on v."""
@@ -820,6 +850,7 @@ class _Auditor:
             self.window = _Window(e, p.version)
         elif self.window.version is None:
             self.window.version = p.version
+        self.window.committed = e
 
     def on_UpdateAborted(self, e: Event, p: UpdateAborted) -> None:
         self.checked[3] += 1
