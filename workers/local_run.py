@@ -108,10 +108,11 @@ class LocalRun:
         self.client = connect(url)
         return self.client
 
-    def execute(self) -> Summary:
+    def execute(self, keep_events: dict[str, list[ev.Event]] | None = None) -> Summary:
+        """Run to the end; `keep_events`, if given, receives the run's events under "events" (benchmarks)."""
         client = self.connect()
         try:
-            return self._execute(client)
+            return self._execute(client, keep_events)
         finally:
             for w in self.workers:
                 w.stop()
@@ -121,7 +122,7 @@ class LocalRun:
             if self.embedded is not None:
                 self.embedded.stop()
 
-    def _execute(self, client: redis.Redis) -> Summary:
+    def _execute(self, client: redis.Redis, keep_events: dict[str, list[ev.Event]] | None) -> Summary:
         cfg = self.cfg
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         model, tokenizer = prepare_policy(cfg, self.run_dir / "model")
@@ -160,7 +161,10 @@ class LocalRun:
                 follower.poll(block_ms=200)
                 break
         take_snapshot(client, self.run_id, follower.state, follower.last_id)
-        summary = summarize(follower.state, (s.event for s in logbook.read()))
+        events = [s.event for s in logbook.read()]
+        if keep_events is not None:
+            keep_events["events"] = events
+        summary = summarize(follower.state, events)
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
         return summary
 
