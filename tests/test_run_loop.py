@@ -130,3 +130,17 @@ def test_the_default_run_learns(redis_url: str, run_id: str, tmp_path: Path) -> 
     assert summary.reward_last - summary.reward_first >= 0.1, (summary.reward_first, summary.reward_last)  # type: ignore[attr-defined]
     assert summary.agreement_steps > 0 and summary.logprob_agreement < 1e-4  # type: ignore[attr-defined]
     assert audit(events).ok
+
+
+def test_first_k_groups_train_on_exactly_k_and_every_sample_still_ends(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = small(group_size=4, partial_policy={"kind": "first_k", "k": 2})
+    events, summary = execute(redis_url, run_id, tmp_path, cfg)
+    assert summary.status == "completed" and audit(events).ok  # type: ignore[attr-defined]
+    completed = {p.group_id: p for p in of(events, ev.GroupCompleted)}
+    assert completed and all(len(p.accepted) == 2 for p in completed.values())
+    accepted = {sid for p in completed.values() for sid in p.accepted}
+    for batch in of(events, ev.BatchConsumed):
+        assert set(batch.trajectory_ids) <= accepted  # the trainer never sees a sample the policy did not accept
+    ends = [p.trajectory.trajectory_id if isinstance(p, ev.SampleFinished) else p.sample_id
+            for p in (e.payload for e in events) if isinstance(p, (ev.SampleFinished, ev.SampleCancelled, ev.SampleFailed))]  # fmt: skip
+    assert len(ends) == len(set(ends)) == len(of(events, ev.SampleStarted))

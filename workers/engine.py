@@ -44,6 +44,7 @@ class EngineCapabilities:
     prefix_cache: bool
     logprob_mode: Literal["raw", "processed"]
     interruptible: bool = False
+    streams_samples: bool = False  # generate() takes on_sample and calls it as each sample ends
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Engine(Protocol):
         """N samples sharing the prompt; the prompt is prefilled once when the engine has a prefix cache.
 
         `should_cancel(i)` is polled between decode steps; a cancelled sample ends with finish_reason "abort".
+        An engine that streams (capabilities.streams_samples) also takes `on_sample(i, SampleOutput)`, called as
+        each sample ends, so a first-k group can complete and cancel the rest while they still run.
         Raises IllegalEngineOrder while paused or asleep.
         """
         ...

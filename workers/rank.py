@@ -148,7 +148,7 @@ class RankWorker(Worker):
             phase = "transfer" if exc.kind in ("unreadable", "truncated") else "prepare"
             self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)), causation_id=cause)  # type: ignore[arg-type]
             return
-        except Exception as exc:  # the engine refused (shape/dtype) or anything else: fail closed
+        except Exception as exc:  # noqa: BLE001 - the engine refused (shape/dtype) or anything else: fail closed
             self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase="prepare",
                                             tensor=getattr(exc, "tensor", None), reason=str(exc)), causation_id=cause)  # fmt: skip
             return
@@ -198,7 +198,7 @@ class RankWorker(Worker):
             self._emit(ev.CommandRefused(command=f"commit v{p.version}", reason=str(exc), rank=self.rank),
                        ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit refused: {exc}"), causation_id=cause)  # fmt: skip
             return
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
             self._emit(ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed: {exc}"), causation_id=cause)
             return
         if "kv_cache" in self._asleep:  # colocated: the KV cache wakes after the new weights are in, before the probe
@@ -284,7 +284,7 @@ class RankWorker(Worker):
                 tensors = dict(load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest)))
             self.engine.stage_weights(version, tensors)
             report = self.engine.commit_weights(version)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
             self.logger.error("rejoin failed; rank stays quarantined", error=str(exc))
             return
         self._drained_for = None
@@ -368,15 +368,29 @@ class RankWorker(Worker):
                 group = state.groups.get(p.group_id)
                 return group is None or group.status not in ("admitted", "generating")
 
+            streamed: set[int] = set()
+
+            def on_sample(i: int, s: SampleOutput) -> None:
+                # one sample ended: log it now, so a first-k group can complete while the others still run
+                out_so_far = GroupOutput([], version, digest, self.engine_generation()[0], self.engine_generation()[1])
+                t = self._trajectory(p, i, s, out_so_far)
+                self._emit(ev.SampleFinished(trajectory=t, answer=p.answer, gen_ms=(time.perf_counter() - started) * 1e3),
+                           causation_id=d.event.event_id)  # fmt: skip
+                streamed.add(i)
+
             try:
-                out = self.engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
-            except Exception as exc:
+                if self.engine.capabilities.streams_samples:
+                    out = self.engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel,
+                                               on_sample=on_sample)  # type: ignore[call-arg]  # fmt: skip
+                else:
+                    out = self.engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
+            except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
                 self._emit(*[ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=self.rank, error=str(exc))
                              for i in range(p.n)], causation_id=d.event.event_id)  # fmt: skip
                 consumer.ack(d.stream_id)
                 return True
             gen_ms = (time.perf_counter() - started) * 1e3
-            self._emit(*self._results(p, out, gen_ms), causation_id=d.event.event_id)
+            self._emit(*self._results(p, out, gen_ms, skip=streamed), causation_id=d.event.event_id)
             consumer.ack(d.stream_id)
             self.groups_done += 1
             return True
@@ -385,9 +399,15 @@ class RankWorker(Worker):
                 self._busy = False
                 self._gate.notify_all()
 
-    def _results(self, p: ev.GroupAdmitted, out: GroupOutput, gen_ms: float) -> list[ev.Payload]:
+    def engine_generation(self) -> tuple[int, int]:
+        """(cache generation, graph generation) of the live engine, as stamped on trajectories."""
+        return int(getattr(self.engine, "cache_generation", 0)), int(getattr(self.engine, "graph_generation", 0))
+
+    def _results(self, p: ev.GroupAdmitted, out: GroupOutput, gen_ms: float, skip: set[int]) -> list[ev.Payload]:
         results: list[ev.Payload] = []
         for i, s in enumerate(out.samples):
+            if i in skip:
+                continue
             sid = f"{p.group_id}/{i}"
             if s.finish_reason == "abort":
                 results.append(ev.SampleCancelled(sample_id=sid, group_id=p.group_id, index=i, reason="cancelled while generating"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+
 import redis
 import torch
 
@@ -148,7 +149,7 @@ def logprob_agreement(model: torch.nn.Module, trajectories: list[Trajectory]) ->
     if not trajectories:
         return 0.0, 0.0
     model.eval()
-    lp, mask = sequence_logprobs(model, [t.prompt_token_ids for t in trajectories], [t.token_ids for t in trajectories])
+    lp, _mask = sequence_logprobs(model, [t.prompt_token_ids for t in trajectories], [t.token_ids for t in trajectories])
     gaps: list[float] = []
     for row, t in enumerate(trajectories):
         n = len(t.token_ids)

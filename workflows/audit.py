@@ -58,11 +58,11 @@ from typing import Any
 from schemas.config import RunConfig
 from schemas.events import (
     AdmissionPaused,
+    BatchConsumed,
+    CacheInvalidated,
     EnginePaused,
     EngineResumed,
     EngineSlept,
-    BatchConsumed,
-    CacheInvalidated,
     Event,
     GroupAdmitted,
     GroupCancelled,

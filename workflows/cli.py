@@ -93,8 +93,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2, default=str))
     else:
-        from workflows.progress import status_table
         from rich.console import Console
+
+        from workflows.progress import status_table
 
         Console().print(status_table(state))
         print(f"digest {report.digest} (replayed twice: {'same' if out['deterministic'] else 'DIFFERENT'})")
@@ -154,9 +155,9 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from events.store import EventLog
     from workflows.progress import status_table
     from workflows.replay import rebuild
-    from events.store import EventLog
 
     with _open(args) as (client, run_id):
         state, _ = rebuild(EventLog(client, run_id))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Self
+
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -39,7 +41,7 @@ class LiveProgress:
         self.live: Live | None = None
         self._last_step = -1
 
-    def __enter__(self) -> LiveProgress:
+    def __enter__(self) -> Self:
         if self.console.is_terminal:
             self.live = Live(console=self.console, refresh_per_second=4)
             self.live.__enter__()

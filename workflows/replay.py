@@ -39,8 +39,9 @@ def take_snapshot(client: redis.Redis, run_id: str, state: RunState, stream_id: 
 
 def snapshots(client: redis.Redis, run_id: str) -> list[Snapshot]:
     out = []
-    for _, f in client.xrange(snapshots_key(run_id)):
-        out.append(Snapshot(f[b"at"].decode(), f[b"event"].decode(), f[b"digest"].decode(), f[b"state"]))
+    for _, f in client.xrange(snapshots_key(run_id)) or []:
+        fields: dict[bytes, bytes] = dict(f or {})  # type: ignore[arg-type]
+        out.append(Snapshot(fields[b"at"].decode(), fields[b"event"].decode(), fields[b"digest"].decode(), fields[b"state"]))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -84,7 +85,7 @@ def queue_dynamics(events: list[ev.Event]) -> dict[str, float]:
     step_queue(t1, 0)
     arrival = completed_total / span
     mean_wait = statistics.fmean(waits) if waits else 0.0
-    period = statistics.fmean(b - a for a, b in zip(publishes, publishes[1:], strict=False)) if len(publishes) > 1 else span
+    period = statistics.fmean(b - a for a, b in itertools.pairwise(publishes)) if len(publishes) > 1 else span
     drain = consumed / span
     surplus = arrival - drain
     return {

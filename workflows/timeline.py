@@ -93,7 +93,7 @@ def build_timeline(events: Iterable[ev.Event]) -> Timeline:
         elif isinstance(p, ev.EngineSlept):
             sleep_start[p.rank] = t
         elif isinstance(p, ev.EngineWoke) and p.rank in sleep_start and "kv_cache" in p.tags:
-            tl.add(f"rank {p.rank}", sleep_start.pop(p.rank), t, "asleep", f"asleep (level)")
+            tl.add(f"rank {p.rank}", sleep_start.pop(p.rank), t, "asleep", "asleep (level)")
     for reason, start in pause_start.items():
         tl.add(f"admission: {reason}", start, last, "paused", f"admission paused: {reason}")
     per_rank: dict[int, list[tuple[float, float, str]]] = {}

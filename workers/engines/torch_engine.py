@@ -168,7 +168,8 @@ class TorchEngine:
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
-            name="torch", sleep_levels=(1, 2), prefix_cache=self._use_prefix_cache, logprob_mode="raw"
+            name="torch", sleep_levels=(1, 2), prefix_cache=self._use_prefix_cache, logprob_mode="raw",
+            streams_samples=True,
         )
 
     @property
@@ -202,6 +203,7 @@ class TorchEngine:
         sampling: SamplingParams,
         *,
         should_cancel: Callable[[int], bool] | None = None,
+        on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> GroupOutput:
         prompt = [int(t) for t in prompt_token_ids]
         self._validate_request(prompt, n, sampling)
@@ -215,7 +217,7 @@ class TorchEngine:
         try:
             self._model_lock.acquire()
             try:
-                out = self._generate_locked(prompt, n, sampling, should_cancel)
+                out = self._generate_locked(prompt, n, sampling, should_cancel, on_sample)
             finally:
                 self._model_lock.release()
         finally:
@@ -267,6 +269,7 @@ class TorchEngine:
         n: int,
         sampling: SamplingParams,
         should_cancel: Callable[[int], bool] | None,
+        on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> GroupOutput:
         version = self._policy_version
         cache, logits, computed, saved = self._prefill(prompt, n)
@@ -302,6 +305,8 @@ class TorchEngine:
                     finish[i] = "stop"
                 elif step == sampling.max_tokens - 1:
                     finish[i] = "length"
+                if finish[i] is not None and on_sample is not None:  # stream each sample as soon as it ends
+                    on_sample(i, SampleOutput(token_ids=list(tokens[i]), logprobs=list(logprobs[i]), finish_reason=finish[i]))  # type: ignore[arg-type]
             if all(f is not None for f in finish):
                 break
             feed = torch.tensor(
