@@ -33,10 +33,16 @@ def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
     for v in open_updates[:-1]:  # a newer version was staged: the older transaction can no longer win
         if state.updates[v].status in ("staged", "preparing"):
             out.append(ev.UpdateAborted(version=v, reason=f"superseded by v{open_updates[-1]}", fence=fence))
+    if "update" in state.admission.paused and (not open_updates or not state.updates[open_updates[-1]].paused_at):
+        out.append(ev.AdmissionResumed(reason="update"))  # B3: that pause belonged to a transaction already closed
+        return out
     if open_updates:
         out.extend(_decide_one(state, state.updates[open_updates[-1]], now, fence))
-    elif "update" in state.admission.paused:
-        out.append(ev.AdmissionResumed(reason="update"))
+    else:  # B2: a live rank behind the published version (it rejoined on an older one) reloads the published one
+        for r in sorted(state.ranks.values(), key=lambda r: r.rank):
+            if r.status != "quarantined" and r.committed_version != state.policy_version:
+                out.append(ev.RankQuarantined(rank=r.rank, version=state.policy_version,
+                                              reason=f"on v{r.committed_version}, behind the published v{state.policy_version}"))
     return out
 
 
@@ -103,6 +109,6 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
     for r, why in sorted(bad.items()):
         out.append(ev.RankQuarantined(rank=r, version=u.version, reason=why))
     serving = [r for r in u.ranks if r not in bad and r not in u.quarantined]
-    if serving and all(r in u.healthy for r in serving) and not bad:
+    if all(r in u.healthy for r in serving) and not bad:  # B1: with every rank quarantined, still close it
         out.append(ev.PolicyPublished(version=u.version, weights_digest=u.weights_digest, ranks=tuple(serving), fence=fence))
     return out
