@@ -52,6 +52,9 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float]  # one per generated token, in the engine's logprob mode
     finish_reason: Literal["stop", "length", "abort"]
+    # interruptible generation only: (first token index, policy version, weights digest) at every version change,
+    # starting with (0, version at start, digest at start); empty when the sample ran on one version
+    spans: tuple[tuple[int, int, str], ...] = ()
 
 
 @dataclass(frozen=True)

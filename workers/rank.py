@@ -24,7 +24,7 @@ import redis
 
 from events.consumer import Delivery, GroupConsumer
 from schemas import events as ev
-from schemas.trajectory import Trajectory
+from schemas.trajectory import Trajectory, VersionSpan
 from workers.engine import Engine, GroupOutput, IllegalEngineOrder, SampleOutput
 from workers.runtime import Follower, Worker, WorkerKilled
 from workers.staging import StagingError, load_verified, read_manifest
@@ -162,10 +162,13 @@ class RankWorker(Worker):
             return
         if not self._mine(u.ranks) or self._drained_for == u.version or self._asleep:
             return  # (a sleeping rank generates nothing: it is drained by construction)
+        cfg = self.follower.state.config
+        interruptible = bool(cfg and cfg.interruptible and self.engine.capabilities.interruptible)
         with self._gate:
-            if self._busy:
+            if self._busy and not interruptible:
                 return
-        mode = self.follower.state.config.update.drain_mode if self.follower.state.config else "wait"
+        # interruptible: park the running group at its next decode step; it continues on the new weights
+        mode = "keep" if interruptible else (cfg.update.drain_mode if cfg else "wait")
         if not self.engine.is_paused:
             self.engine.pause(mode)
         self._drained_for = u.version
@@ -417,6 +420,12 @@ class RankWorker(Worker):
 
     def _trajectory(self, p: ev.GroupAdmitted, i: int, s: SampleOutput, out: GroupOutput) -> Trajectory:
         start = len(p.prompt_token_ids)
+        spans = tuple(
+            VersionSpan(start=b, end=s.spans[k + 1][0] if k + 1 < len(s.spans) else len(s.token_ids), policy_version=v, weights_digest=d)
+            for k, (b, v, d) in enumerate(s.spans)
+        )  # fmt: skip
+        # a trajectory says the version it started on; its spans say which version produced which tokens
+        version, digest = (spans[0].policy_version, spans[0].weights_digest) if spans else (out.policy_version, out.weights_digest)
         return Trajectory(
             trajectory_id=f"{p.group_id}/{i}",
             group_id=p.group_id,
@@ -430,8 +439,9 @@ class RankWorker(Worker):
             logprob_mode=self.engine.capabilities.logprob_mode,
             finish_reason=s.finish_reason,
             sampling=p.sampling,
-            policy_version=self._claim[0] if self._claim else out.policy_version,
-            weights_digest=self._claim[1] if self._claim else out.weights_digest,
+            policy_version=self._claim[0] if self._claim else version,
+            weights_digest=self._claim[1] if self._claim else digest,
+            spans=spans,
             rank=self.rank,
             engine=self.engine.capabilities.name,
             cache_generation=out.cache_generation,

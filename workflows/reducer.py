@@ -188,7 +188,7 @@ def _sample_finished(s: RunState, e: ev.Event) -> None:
         return
     g, smp = found
     smp.status, smp.tokens = "finished", len(t.token_ids)
-    if t.policy_version != smp.policy_version and smp.rank >= 0:
+    if t.policy_version != smp.policy_version and smp.rank >= 0 and not t.spans:  # spans: interruptible, stamped
         _anomaly(s, e, f"sample {t.trajectory_id} started on v{smp.policy_version}, finished on v{t.policy_version}")
     smp.policy_version, smp.weights_digest = t.policy_version, t.weights_digest
     for v in t.versions:

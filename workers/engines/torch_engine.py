@@ -113,10 +113,12 @@ class TorchEngine:
         pause_timeout_s: float = 60.0,
         keep_timeout_s: float = 300.0,
         probe_text: str = "12+34=",
+        interruptible: bool = False,
     ) -> None:
         if prefix_cache_entries < 1:
             raise ValueError(f"prefix_cache_entries must be >= 1 (got {prefix_cache_entries})")
         self.rank = rank
+        self.interruptible = interruptible
         self.device = torch.device(device)
         self._model: Any = cast(Any, model).to(self.device).eval()  # an HF causal LM (PreTrainedModel)
         self._tokenizer = tokenizer
@@ -169,7 +171,7 @@ class TorchEngine:
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
             name="torch", sleep_levels=(1, 2), prefix_cache=self._use_prefix_cache, logprob_mode="raw",
-            streams_samples=True,
+            streams_samples=True, interruptible=self.interruptible,
         )
 
     @property
@@ -279,6 +281,7 @@ class TorchEngine:
         else:
             gen.seed()
         stops = set(sampling.stop_token_ids) | {self._eos_id}
+        spans: list[list[tuple[int, int, str]]] = [[(0, version, self._digest)] for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         finish: list[FinishReason | None] = [None] * n
@@ -287,6 +290,11 @@ class TorchEngine:
             if not self._poll_control(version):
                 finish = [f if f is not None else "abort" for f in finish]
                 break
+            if self._policy_version != version:  # interruptible: new weights were committed while parked
+                version = self._policy_version
+                for i in range(n):
+                    if finish[i] is None:
+                        spans[i].append((len(tokens[i]), version, self._digest))
             if should_cancel is not None:
                 for i in range(n):
                     if finish[i] is None and should_cancel(i):
@@ -306,7 +314,8 @@ class TorchEngine:
                 elif step == sampling.max_tokens - 1:
                     finish[i] = "length"
                 if finish[i] is not None and on_sample is not None:  # stream each sample as soon as it ends
-                    on_sample(i, SampleOutput(token_ids=list(tokens[i]), logprobs=list(logprobs[i]), finish_reason=finish[i]))  # type: ignore[arg-type]
+                    on_sample(i, SampleOutput(token_ids=list(tokens[i]), logprobs=list(logprobs[i]), finish_reason=finish[i],  # type: ignore[arg-type]
+                                              spans=tuple(spans[i]) if len(spans[i]) > 1 else ()))  # fmt: skip
             if all(f is not None for f in finish):
                 break
             feed = torch.tensor(
@@ -317,9 +326,10 @@ class TorchEngine:
             logits = out.logits[:, -1, :].float()
 
         samples = [
-            SampleOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i] or "length")
+            SampleOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i] or "length",
+                         spans=tuple(spans[i]) if len(spans[i]) > 1 else ())
             for i in range(n)
-        ]
+        ]  # fmt: skip
         return GroupOutput(
             samples=samples,
             policy_version=version,
@@ -358,7 +368,7 @@ class TorchEngine:
                     self._state.notify_all()
         finally:
             self._model_lock.acquire()
-        if self._abort.is_set() or self._policy_version != version:
+        if self._abort.is_set() or (self._policy_version != version and not self.interruptible):
             return False
         with self._state:
             return not self._asleep_tags and self._weights_valid
