@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter
 
@@ -328,16 +328,14 @@ class CommandRefused(Payload):
 
 
 AnyPayload = Annotated[
-    Union[
-        RunStarted, RunFinished,
-        GroupAdmitted, AdmissionPaused, AdmissionResumed,
-        SampleStarted, SampleFinished, SampleFailed, SampleCancelled, GroupCompleted, GroupCancelled,
-        SampleScored,
-        BatchConsumed, TrajectoryDropped, TrainStepFinished,
-        UpdateStaged, PrepareRequested, RankPrepared, RankPrepareFailed, UpdateCommitted, UpdateAborted,
-        RankCommitted, CacheInvalidated, HealthPassed, HealthFailed, PolicyPublished,
-        EngineSlept, EngineWoke, EnginePaused, EngineResumed, RankJoined, RankQuarantined, CommandRefused,
-    ],
+    RunStarted | RunFinished
+    | GroupAdmitted | AdmissionPaused | AdmissionResumed
+    | SampleStarted | SampleFinished | SampleFailed | SampleCancelled | GroupCompleted | GroupCancelled
+    | SampleScored
+    | BatchConsumed | TrajectoryDropped | TrainStepFinished
+    | UpdateStaged | PrepareRequested | RankPrepared | RankPrepareFailed | UpdateCommitted | UpdateAborted
+    | RankCommitted | CacheInvalidated | HealthPassed | HealthFailed | PolicyPublished
+    | EngineSlept | EngineWoke | EnginePaused | EngineResumed | RankJoined | RankQuarantined | CommandRefused,
     Field(discriminator="type"),
 ]  # fmt: skip
 

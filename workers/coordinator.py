@@ -16,15 +16,15 @@ import redis
 
 from events.lease import LeaderLease
 from schemas import events as ev
+from workers.runtime import Follower, Worker, WorkerKilled
 from workflows.admission import AdmissionInputs, decide_admission
 from workflows.groups import decide_groups
 from workflows.handoff import decide_handoff
 from workflows.inject import Injector
-from workflows.scheduler import PromptItem
 from workflows.replay import take_snapshot
+from workflows.scheduler import PromptItem
 from workflows.state import RunState
 from workflows.update import decide_update
-from workers.runtime import Follower, Worker, WorkerKilled
 
 
 def decide_run_end(state: RunState) -> list[ev.Payload]:

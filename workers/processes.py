@@ -7,9 +7,9 @@ inference rank generates and takes part in updates through one engine.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
-import os
 from pathlib import Path
 
 import structlog
