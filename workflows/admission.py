@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from schemas import events as ev
-from schemas.config import RunConfig
+from schemas.config import RunConfig, SamplingParams
 from schemas.trajectory import trajectory_nbytes
 from workflows.scheduler import PromptItem, order_candidates
 from workflows.state import RunState
@@ -120,7 +120,7 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
                 prompt_id=item.prompt_id,
                 prompt_token_ids=list(item.token_ids),
                 n=n,
-                sampling=cfg.sampling,
+                sampling=group_sampling(cfg, start + admitted),
                 partial_policy=cfg.partial_policy,
                 answer=item.answer,
                 est_remaining_tokens=item.est_completion_tokens * n,
@@ -133,6 +133,14 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
         admitted += 1
         admitted_bytes += group_bytes
     return out
+
+
+def group_sampling(cfg: RunConfig, group_index: int) -> SamplingParams:
+    """The run's sampling settings with a per-group seed derived from the run's seed (unless the config fixes one):
+    the same weights and group give the same samples, and the trajectory records exactly how it was drawn."""
+    if cfg.sampling.seed is not None:
+        return cfg.sampling
+    return cfg.sampling.model_copy(update={"seed": (cfg.seed * 1_000_003 + group_index) % 2**31})
 
 
 def _item(prompts: Sequence[PromptItem], i: int) -> PromptItem:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from schemas import events as ev
 from workflows.state import RunState
 
-EDGE_STEPS = 3  # reward_first / reward_last average this many steps
+EDGE_STEPS = 5  # reward_first / reward_last average this many steps
 
 
 @dataclass(frozen=True)

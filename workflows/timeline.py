@@ -56,7 +56,7 @@ def build_timeline(events: Iterable[ev.Event]) -> Timeline:
     prepared_end: dict[int, float] = {}
     pause_start: dict[str, float] = {}
     update_pause: dict[int, float] = {}
-    sleep_start: dict[int, float] = {}
+    sleep_start: dict[int, tuple[int, float]] = {}
     last = 0.0
     for e in events:
         if t0 is None:
@@ -91,9 +91,10 @@ def build_timeline(events: Iterable[ev.Event]) -> Timeline:
             label = f"v{v} published" if kind == "commit" else f"v{v} aborted: {p.reason}"  # type: ignore[union-attr]
             tl.add("updates", update_pause.get(v, prepared_end.get(v, t)), t, kind, label)
         elif isinstance(p, ev.EngineSlept):
-            sleep_start[p.rank] = t
+            sleep_start[p.rank] = (p.level, t)
         elif isinstance(p, ev.EngineWoke) and p.rank in sleep_start and "kv_cache" in p.tags:
-            tl.add(f"rank {p.rank}", sleep_start.pop(p.rank), t, "asleep", "asleep (level)")
+            level, since = sleep_start.pop(p.rank)
+            tl.add(f"rank {p.rank}", since, t, "asleep", f"asleep (level {level})")
     for reason, start in pause_start.items():
         tl.add(f"admission: {reason}", start, last, "paused", f"admission paused: {reason}")
     per_rank: dict[int, list[tuple[float, float, str]]] = {}
@@ -103,8 +104,8 @@ def build_timeline(events: Iterable[ev.Event]) -> Timeline:
         spans.sort()
         prev = 0.0
         for start, end, gid in spans:
-            if start > prev:
-                tl.add(f"rank {rank}", prev, start, "bubble", f"idle {start - prev:.3f}s")
+            if start > prev:  # bubbles go underneath: sleep spans drawn later cover them
+                tl.spans.insert(0, Span(f"rank {rank}", prev, start, "bubble", f"idle {start - prev:.3f}s"))
             tl.add(f"rank {rank}", start, end, "generate", f"group {gid}")
             prev = max(prev, end)
     tl.duration = last
