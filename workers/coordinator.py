@@ -27,6 +27,10 @@ from workflows.state import RunState
 from workflows.update import decide_update
 
 
+# Decisions whose loss in a host crash would let a restarted coordinator decide differently: wait for the AOF.
+DURABLE_DECISIONS = (ev.UpdateCommitted, ev.UpdateAborted, ev.PolicyPublished)
+
+
 def decide_run_end(state: RunState) -> list[ev.Payload]:
     """Once the trainer has taken its last step and no update is open: cancel what is still in flight, then finish."""
     cfg = state.config
@@ -103,6 +107,9 @@ class Coordinator(Worker):
                 continue
             if self.emitter.emit_if(payloads, expected_last_id=self.follower.last_id, policy_version=state.policy_version):
                 self.decisions += 1
+                if any(isinstance(p, DURABLE_DECISIONS) for p in payloads) and not self.log.wait_durable(timeout_ms=1000):
+                    # the decision stands (it is in the log); say that a host crash could still lose it
+                    self.logger.warning("update decision not known durable (AOF off?)", decisions=[p.type for p in payloads])
                 kill = self.injector.peek("kill-worker", worker="coordinator")
                 if kill is not None and self.decisions >= kill.after:
                     self.injector.take("kill-worker", worker="coordinator")

@@ -335,9 +335,13 @@ class RankWorker(Worker):
         p = d.event.payload
         assert isinstance(p, ev.GroupAdmitted)
         state = self.follower.state
+        seen_by = time.monotonic() + 30.0
         while p.group_id not in state.groups:  # our follower may lag the consumer group by a few entries
             if self.stop_event.is_set():
                 return False
+            if time.monotonic() > seen_by:  # leave it pending: another consumer (or we, later) reclaims it
+                self.logger.error("group never reached this rank's follower", group=p.group_id)
+                return True
             time.sleep(0.01)  # the control thread is folding; this is a bounded wait on its progress
         g = state.groups[p.group_id]
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
