@@ -4,10 +4,16 @@ Wire format: a msgpack map {"t": type, "v": schema version, "e": envelope fields
 masks, positions and logprobs travel as msgpack ExtType blobs holding the raw little-endian array bytes (ext code 1),
 prefixed by the array typecode, instead of lists of Python numbers. Decoding upcasts older payload versions and
 refuses newer ones; every failure is a DecodeError with a reason fit for a dead-letter entry.
+
+Decode is the cost of a replay, so it is lean: the ext hook turns each array into an `array.array` of its wire typecode
+(one C call), which the array field's schema accepts as a list without per-element validation when the typecode is
+its own (anything else is validated value by value); the unpacked dicts are reused as the validator's input; the
+model's core validator is called directly. Every field is still validated by the pydantic models.
 """
 
 from __future__ import annotations
 
+import array
 import sys
 from pathlib import PurePath
 from typing import Any
@@ -16,10 +22,13 @@ import msgpack
 from pydantic import ValidationError
 
 from schemas.base import PackedArray
-from schemas.events import EVENT_ADAPTER, PAYLOAD_TYPES, Event, SchemaTooNew, upcast
+from schemas.events import PAYLOAD_TYPES, Event, upcast
 
 _ARRAY_EXT = 1
 _PACK_CTX = {"packed": True}
+_CURRENT_VERSION = {name: cls.SCHEMA_VERSION for name, cls in PAYLOAD_TYPES.items()}
+_unpackb = msgpack.unpackb
+_validate_event = Event.__pydantic_validator__.validate_python  # the TypeAdapter's core validator, minus a wrapper
 _ENVELOPE_FIELDS = ("event_id", "run_id", "producer", "causation_id", "correlation_id", "policy_version", "wall_time")
 
 if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
@@ -45,10 +54,24 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+_ARRAY_TYPECODES = {ord(c): c for c in "ifb"}  # first byte -> typecode: int32, float32, int8 (schemas.base)
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
-    if code == _ARRAY_EXT:
-        return data[1:]  # raw bytes; the I32Array/F32Array validators turn them back into lists
-    return msgpack.ExtType(code, data)
+    """An array ext becomes an `array.array` of its wire typecode (one C call); the field's schema checks the typecode
+    and turns it into a list without validating element by element (schemas.base.PackedArraySchema)."""
+    if code != _ARRAY_EXT:
+        return msgpack.ExtType(code, data)
+    typecode = _ARRAY_TYPECODES.get(data[0]) if data else None
+    if typecode is None:
+        raise DecodeError(f"packed array with unknown typecode {chr(data[0]) if data else ''!r}")
+    try:
+        return array.array(typecode, data[1:])
+    except ValueError:
+        raise DecodeError(
+            f"packed array of typecode {typecode!r} has {len(data) - 1} bytes, "
+            f"not a multiple of {array.array(typecode).itemsize}"
+        ) from None
 
 
 _packer = msgpack.Packer(default=_default, use_bin_type=True)
@@ -65,25 +88,33 @@ def encode(event: Event) -> bytes:
 def decode(data: bytes) -> Event:
     """msgpack bytes -> Event, upcasting an older payload version. Raises DecodeError."""
     try:
-        raw = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raw = _unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except DecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types for garbage
         raise DecodeError(f"not msgpack: {exc.__class__.__name__}: {exc}") from None
-    if not isinstance(raw, dict) or not {"t", "v", "e", "p"} <= raw.keys():
-        raise DecodeError("not an event envelope (expected keys t, v, e, p)")
-    type_, version = raw["t"], raw["v"]
-    if not isinstance(type_, str) or not isinstance(version, int):
+    try:
+        type_, version, env, payload = raw["t"], raw["v"], raw["e"], raw["p"]
+    except (KeyError, TypeError, IndexError):
+        raise DecodeError("not an event envelope (expected keys t, v, e, p)") from None
+    if type(type_) is not str or type(version) is not int:
         raise DecodeError("envelope type/version malformed")
-    try:
-        payload = upcast(type_, version, dict(raw["p"]))
-    except SchemaTooNew as exc:
-        raise DecodeError(str(exc), type_) from None
-    except ValueError as exc:
-        raise DecodeError(str(exc), type_) from None
-    payload["type"] = type_
-    try:
-        # upcast payloads are re-stamped with the version they now have, so re-encoding never mislabels them
+    if type(env) is not dict or type(payload) is not dict:
+        raise DecodeError(f"envelope fields and payload of {type_!r} must be maps", type_)
+    current = _CURRENT_VERSION.get(type_)
+    if version != current:  # an unknown type (current None) or an older/newer version: upcast decides
+        try:
+            payload = upcast(type_, version, payload)
+        except ValueError as exc:  # SchemaTooNew included
+            raise DecodeError(str(exc), type_) from None
         current = PAYLOAD_TYPES[type_].SCHEMA_VERSION
-        return EVENT_ADAPTER.validate_python({**raw["e"], "schema_version": current, "payload": payload})
+    # `raw` is ours alone: build the model input in place instead of copying. Upcast payloads are re-stamped with
+    # the version they now have, so re-encoding never mislabels them.
+    payload["type"] = type_
+    env["schema_version"] = current
+    env["payload"] = payload
+    try:
+        return _validate_event(env)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -238,3 +238,92 @@ def test_path_field_in_config_encodes() -> None:
         RunStarted(config=config, initial_weights_digest="d"), run_id="r", producer="t", policy_version=0
     )
     assert decode(encode(event)) == event
+
+
+# ---------------------------------------------------------------- packed arrays: the fast path still validates
+def _raw_sample_finished() -> dict[str, Any]:
+    return msgpack.unpackb(encode(_sample_finished([-0.5] * 5)), raw=False, strict_map_key=False)
+
+
+def _with_array(raw: dict[str, Any], name: str, ext: msgpack.ExtType) -> bytes:
+    raw["p"]["trajectory"][name] = ext
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def test_decoded_arrays_are_plain_lists_of_python_numbers() -> None:
+    back = decode(encode(_sample_finished([-0.5] * 5)))
+    traj = back.payload.trajectory  # type: ignore[union-attr]
+    for name in ("prompt_token_ids", "token_ids", "loss_mask", "positions", "logprobs"):
+        assert type(getattr(traj, name)) is list, name
+    assert traj.token_ids == [100_000, 100_001, 100_002, 100_003, 100_004]
+    assert type(traj.token_ids[0]) is int and type(traj.logprobs[0]) is float
+
+
+@pytest.mark.parametrize(
+    ("name", "ext", "reason"),
+    [
+        ("token_ids", msgpack.ExtType(1, b"x" + bytes(20)), "packed array with unknown typecode 'x'"),
+        ("token_ids", msgpack.ExtType(1, b"i" + bytes(19)), "has 19 bytes, not a multiple of 4"),
+        ("token_ids", msgpack.ExtType(1, b""), "unknown typecode ''"),
+        # a float32 array where int32 token ids belong: its values are checked one by one, and 0.5 is no token id
+        ("token_ids", msgpack.ExtType(1, b"f" + array.array("f", [0.5] * 5).tobytes()),
+         "trajectory.token_ids.0: Input should be a valid integer"),
+        # an int32 array where int8 masks belong: 300 does not fit
+        ("loss_mask", msgpack.ExtType(1, b"i" + array.array("i", [1, 1, 300, 1, 1]).tobytes()),
+         "element 2 \\(300\\) does not fit int8"),
+        # aligned lengths are still checked by Trajectory's own validator
+        ("logprobs", msgpack.ExtType(1, b"f" + array.array("f", [0.0] * 4).tobytes()),
+         "logprobs has 4 entries for 5 generated tokens"),
+        # another ext code is not an array: it arrives as an ExtType (a 2-tuple) and fails as a list of ints
+        ("positions", msgpack.ExtType(7, b"i" + bytes(20)), "trajectory.positions.1: Input should be a valid integer"),
+    ],
+)  # fmt: skip
+def test_bad_packed_arrays_raise_decode_error_with_reason(name: str, ext: msgpack.ExtType, reason: str) -> None:
+    with pytest.raises(DecodeError, match=reason):
+        decode(_with_array(_raw_sample_finished(), name, ext))
+
+
+def test_integral_floats_in_an_int_array_are_accepted_as_ints() -> None:
+    """A foreign typecode is not trusted, but values that are valid ints are not refused either."""
+    raw = _raw_sample_finished()
+    back = decode(_with_array(raw, "token_ids", msgpack.ExtType(1, b"f" + array.array("f", [7.0] * 5).tobytes())))
+    assert back.payload.trajectory.token_ids == [7] * 5  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda raw: {**raw, "e": [1, 2]}, "must be maps"),
+        (lambda raw: {**raw, "p": "payload"}, "must be maps"),
+        (lambda raw: {**raw, "v": True}, "type/version malformed"),
+        (lambda raw: {k: v for k, v in raw.items() if k != "e"}, "not an event envelope"),
+        (lambda raw: "a string", "not an event envelope"),
+        (lambda raw: {**raw, "e": {**raw["e"], "policy_version": -1}}, "invalid SampleScored: policy_version"),
+        (lambda raw: {**raw, "e": {**raw["e"], "surprise": 1}}, "invalid SampleScored: surprise: Extra inputs"),
+    ],
+)
+def test_malformed_envelopes_raise_decode_error(mutate: Any, reason: str) -> None:
+    event = make_event(
+        SampleScored(sample_id="g1/0", group_id="g1", reward=0.5, correct=False), run_id="r", producer="t",
+        policy_version=0,
+    )  # fmt: skip
+    raw = msgpack.unpackb(encode(event), raw=False)
+    with pytest.raises(DecodeError, match=reason):
+        decode(msgpack.packb(mutate(raw), use_bin_type=True))
+
+
+def test_array_fields_accept_arrays_bytes_tensors_and_refuse_out_of_range_values() -> None:
+    import torch
+
+    base = _sample_finished([0.0] * 5).payload.trajectory  # type: ignore[union-attr]
+    fields = base.model_dump()
+    ok = Trajectory(**{**fields, "token_ids": torch.arange(5, dtype=torch.int64), "logprobs": array.array("d", [0.25] * 5),
+                       "positions": array.array("i", range(5)).tobytes()})  # fmt: skip
+    assert ok.token_ids == [0, 1, 2, 3, 4] and ok.logprobs == [0.25] * 5 and ok.positions == [0, 1, 2, 3, 4]
+    assert type(ok.token_ids) is list
+    with pytest.raises(ValidationError, match=r"token_ids\n.*element 3 \(2147483648\) does not fit int32"):
+        Trajectory(**{**fields, "token_ids": [0, 1, 2, 2**31, 4]})
+    with pytest.raises(ValidationError, match=r"token_ids\.1\n.*valid integer"):
+        Trajectory(**{**fields, "token_ids": [0, "x", 2, 3, 4]})
+    with pytest.raises(ValidationError, match=r"positions\n.*multiple of item size"):
+        Trajectory(**{**fields, "positions": b"\x00" * 7})

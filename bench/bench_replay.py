@@ -1,0 +1,290 @@
+"""Benchmark of replay (run by hand): raw XRANGE vs read+decode (EventLog.read) vs read+decode+fold (rebuild).
+
+    python bench/bench_replay.py [--events 1000000] [--repeats 1] [--group-size 8] [--groups-per-step 4]
+                                 [--update-every 4] [--ranks 2]
+
+Starts its own redis-server (events.embedded.find_redis_server) on a free loopback port, no persistence, and writes
+`--events` synthetic events of one run, pipelined (EventLog.append_many, batches of 500). The mix is a real run's,
+produced by tests/logbuilder.py's LogBuilder: per group GroupAdmitted, n x SampleStarted, n x SampleFinished (a
+32-token prompt and 10-30 generated tokens), n x SampleScored, GroupCompleted; per step BatchConsumed and
+TrainStepFinished; every `--update-every` steps a whole weight-update transaction (staged, prepare, pause, commit,
+per-rank commit/invalidate/health, publish, resume) over `--ranks` ranks.
+
+Then, on the same stream, one after the other in this process:
+
+- (a) raw XRANGE pages of 1000, no decoding: the transport floor;
+- (b) EventLog.read: XRANGE + decode every entry to a validated Event;
+- (c) workflows.replay.rebuild: (b) + the reducer's fold into a RunState.
+
+With `--repeats R` the three phases run R rounds in turn and the best wall and best CPU time of each are kept.
+Printed per phase: wall seconds, events/s, the client's CPU seconds (less sensitive to other load than wall time),
+and the cost of decode (b - a) and of the fold (c - b); the fold's cost as a ratio to read+decode; the load average
+before and after (the machine is shared: other load slows every phase). The aim: 1M events rebuilt in < 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis
+
+from events.connection import connect
+from events.embedded import find_redis_server, server_version
+from events.store import EventLog
+from schemas.config import AdmissionConfig, RunConfig
+from schemas.events import Event
+from tests.logbuilder import LogBuilder
+from workflows.replay import rebuild
+
+PAGE = 1000
+APPEND_BATCH = 500
+AIM_SECONDS_PER_MILLION = 10.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def redis_server(aof: bool = False, deadline_s: float = 20.0) -> Iterator[tuple[str, Path]]:
+    """A throwaway redis-server on a free loopback port: yields (url, binary); stopped and its directory removed."""
+    binary = find_redis_server()
+    workdir = Path(tempfile.mkdtemp(prefix="rl-bench-"))
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(workdir),
+         "--appendonly", "yes" if aof else "no", "--appendfsync", "everysec", "--logfile", str(workdir / "log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = connect(url)
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"redis-server did not start; see {workdir / 'log'}") from None
+                time.sleep(0.02)  # polling readiness with a deadline
+        client.close()
+        yield url, binary
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the synthetic run
+class RunWriter:
+    """Plays a whole run with a LogBuilder, step by step, and hands its events to `sink` in batches (for the bench:
+    EventLog.append_many, one MULTI/EXEC pipeline per batch).
+
+    The builder keeps per-sample state for lookups; consumed groups are forgotten after each step (its private
+    `_started`/`_trajectories` maps) so a million-event run needs memory for one step, not for the whole run.
+    """
+
+    def __init__(
+        self, sink: Callable[[list[Event]], object], *, run_id: str, group_size: int, ranks: int, seed: int = 0
+    ) -> None:
+        config = RunConfig(
+            group_size=group_size, ranks=ranks, steps=1_000_000,
+            admission=AdmissionConfig(max_queued_bytes=1 << 40, max_lag=4),
+        )  # fmt: skip
+        self.b = LogBuilder(config, run_id=run_id)
+        self.sink = sink
+        self.rng = random.Random(seed)
+        self.written = 0
+        self.encoded_bytes = 0
+        self.by_type: dict[str, int] = {}
+        self._pending: list[Event] = []
+        self._prompt = list(range(2000, 2032))
+
+    def _flush(self, force: bool = False) -> None:
+        self._pending.extend(self.b.events)
+        self.b.events.clear()
+        while len(self._pending) >= APPEND_BATCH or (force and self._pending):
+            chunk, self._pending = self._pending[:APPEND_BATCH], self._pending[APPEND_BATCH:]
+            for e in chunk:
+                self.by_type[e.type] = self.by_type.get(e.type, 0) + 1
+            self.sink(chunk)
+            self.written += len(chunk)
+
+    def group(self, rank: int) -> tuple[str, tuple[str, ...], int]:
+        b = self.b
+        b.admit()
+        gid = b.last_group
+        n = b.config.group_size
+        ids = tuple(f"{gid}/{i}" for i in range(n))
+        for sid in ids:
+            b.start(sid, rank=rank)
+        for i, sid in enumerate(ids):
+            k = self.rng.randint(10, 30)
+            start = len(self._prompt)
+            b.finish(
+                sid, prompt_token_ids=self._prompt, token_ids=[self.rng.randrange(50_000) for _ in range(k)],
+                loss_mask=[1] * k, positions=list(range(start, start + k)),
+                logprobs=[-self.rng.random() * 3 for _ in range(k)], finish_reason="stop" if i % 4 else "length",
+            )  # fmt: skip
+        for sid in ids:
+            b.score(sid, reward=float(self.rng.random() < 0.5))
+        b.complete(gid, accepted=ids)
+        return gid, ids, b.rank_version.get(rank, 0)
+
+    def step(self, groups: int) -> None:
+        b = self.b
+        done = [self.group(rank=i % b.config.ranks) for i in range(groups)]
+        b.consume(
+            [g for g, _, _ in done], trajectory_ids=tuple(s for _, ids, _ in done for s in ids),
+            versions=tuple(v for _, _, v in done),
+        )  # fmt: skip
+        for _, ids, _ in done:
+            for sid in ids:
+                b._started.pop(sid, None)
+                b._trajectories.pop(sid, None)
+
+    def write(self, total: int, *, groups_per_step: int, update_every: int) -> None:
+        self.b.start_run()
+        step = 0
+        while self.written + len(self._pending) + len(self.b.events) < total:
+            self.step(groups_per_step)
+            step += 1
+            if step % update_every == 0:
+                self.b.update()
+            self._flush()
+        self._flush(force=True)
+
+
+# ---------------------------------------------------------------- measurements
+@dataclass
+class Phase:
+    name: str
+    events: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def rate(self) -> float:
+        return self.events / self.wall_s
+
+
+def measure(name: str, fn: Any) -> Phase:
+    w, c = time.perf_counter(), time.process_time()
+    n = fn()
+    return Phase(name, n, time.perf_counter() - w, time.process_time() - c)
+
+
+def raw_xrange(client: Any, key: str) -> int:
+    start, got = "-", 0
+    while True:
+        page = client.xrange(key, start, "+", count=PAGE)
+        got += len(page)
+        if len(page) < PAGE:
+            return got
+        start = "(" + page[-1][0].decode()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=1_000_000, help="events to write and replay")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--groups-per-step", type=int, default=4)
+    ap.add_argument("--update-every", type=int, default=4, help="a weight-update transaction every N steps")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of (a, b, c); the best wall and cpu of each")
+    args = ap.parse_args()
+
+    load_before = os.getloadavg()
+    with redis_server() as (url, binary):
+        client = connect(url)
+        log = EventLog(client, "bench-replay")
+        print(f"redis-server {'.'.join(map(str, server_version(binary)))} ({binary}), no persistence; "
+              f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")  # fmt: skip
+
+        t = time.perf_counter()
+        writer = RunWriter(log.append_many, run_id=log.run_id, group_size=args.group_size, ranks=args.ranks)
+        writer.write(args.events, groups_per_step=args.groups_per_step, update_every=args.update_every)
+        setup = time.perf_counter() - t
+        n = log.length()
+        mem = client.info("memory")["used_memory_human"]
+        print(
+            f"wrote {n:,} events in {setup:.1f} s ({n / setup:,.0f}/s: build + encode + pipelined append); "
+            f"redis memory {mem.decode() if isinstance(mem, bytes) else mem}"
+        )
+        mix = ", ".join(f"{k} {v / n:.1%}" for k, v in sorted(writer.by_type.items(), key=lambda kv: -kv[1])[:8])
+        print(f"mix: {mix}")
+        sample: Any = client.xrange(log.key, "-", "+", count=2000)
+        sizes = [len(f[b"e"]) for _, f in sample]
+        print(f"encoded size: mean {sum(sizes) / len(sizes):.0f} B over the first {len(sizes)} entries; "
+              f"largest {max(sizes)} B")  # fmt: skip
+
+        state_box: list[Any] = []
+
+        def folded() -> int:
+            state, _ = rebuild(log)
+            state_box[:] = [state]
+            return int(state.events_applied)
+
+        runs = [
+            ("(a) raw XRANGE (pages of 1000)", lambda: raw_xrange(client, log.key)),
+            ("(b) read + decode (EventLog.read)", lambda: sum(1 for _ in log.read(batch=PAGE))),
+            ("(c) read + decode + fold (rebuild)", folded),
+        ]
+        best: dict[str, Phase] = {}
+        for _ in range(args.repeats):  # a, b, c in turn each round: load spikes hit all three alike
+            for name, fn in runs:
+                p = measure(name, fn)
+                assert p.events == n, f"{name} saw {p.events} of {n} events"
+                prev = best.get(name)
+                best[name] = p if prev is None else Phase(
+                    name, n, min(prev.wall_s, p.wall_s), min(prev.cpu_s, p.cpu_s)
+                )  # fmt: skip
+        phases = [best[name] for name, _ in runs]
+        load_after = os.getloadavg()
+
+    state = state_box[0]
+    a, b, c = phases
+    print(f"\nbest of {args.repeats} round(s) of (a), (b), (c) in turn")
+    print(f"{'phase':<38} {'wall s':>8} {'events/s':>11} {'cpu s':>8} {'us/event':>9}")
+    for p in phases:
+        print(f"{p.name:<38} {p.wall_s:>8.2f} {p.rate:>11,.0f} {p.cpu_s:>8.2f} {p.wall_s / n * 1e6:>9.2f}")
+    decode_us = (b.wall_s - a.wall_s) / n * 1e6
+    fold_us = (c.wall_s - b.wall_s) / n * 1e6
+    print(f"\ndecode (b - a): {decode_us:.2f} us/event; fold (c - b): {fold_us:.2f} us/event")
+    print(f"fold cost / read+decode cost: {(c.wall_s - b.wall_s) / b.wall_s:.2f} (wall), "
+          f"{(c.cpu_s - b.cpu_s) / b.cpu_s:.2f} (cpu)")  # fmt: skip
+    per_million = c.wall_s / n * 1_000_000
+    verdict = "meets" if per_million < AIM_SECONDS_PER_MILLION else "misses"
+    print(
+        f"rebuild of 1M events: {per_million:.1f} s {'measured' if n >= 1_000_000 else 'projected'} "
+        f"({verdict} the < {AIM_SECONDS_PER_MILLION:.0f} s aim)"
+    )
+    print(f"state: {state.events_applied:,} events applied, {len(state.anomalies)} anomalies, "
+          f"digest {state.digest()[:16]}")  # fmt: skip
+    print(
+        f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} "
+        f"(shared machine: numbers move with other users' load)"
+    )
+
+
+if __name__ == "__main__":
+    main()
