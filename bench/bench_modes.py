@@ -14,7 +14,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from events.embedded import EmbeddedRedis  # noqa: F401  (the run starts its own)
 from schemas import events as ev
 from schemas.config import RunConfig
 from workers.local_run import LocalRun, RunOptions

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from logbuilder import LogBuilder, weights_digest_for
 
 from schemas.config import PartialPolicy
-from schemas.events import EnginePaused
-from schemas.events import Event
+from schemas.events import EnginePaused, Event
 from schemas.trajectory import VersionSpan
 from workflows.audit import AuditReport, audit
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from test_run_loop import execute, of, small
 
 from events.store import EventLog
 from schemas import events as ev
@@ -17,8 +18,6 @@ from workers.policy_model import build_model, build_tokenizer
 from workers.rank import RankWorker
 from workflows.audit import audit
 from workflows.reducer import replay
-
-from test_run_loop import execute, of, small
 
 pytestmark = pytest.mark.slow
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from logbuilder import LogBuilder
 
 from schemas import events as ev
 from schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
-from logbuilder import LogBuilder
 from workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
 from workflows.groups import decide_group
 from workflows.reducer import replay

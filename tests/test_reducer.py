@@ -6,9 +6,9 @@ import copy
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from logbuilder import LogBuilder
 
 from schemas import events as ev
-from logbuilder import LogBuilder
 from workflows.reducer import evolve, fold, replay
 from workflows.state import RunState
 

@@ -26,7 +26,6 @@ from workflows.scheduler import PromptItem
 from workflows.state import RunState
 from workflows.update import decide_update
 
-
 # Decisions whose loss in a host crash would let a restarted coordinator decide differently: wait for the AOF.
 DURABLE_DECISIONS = (ev.UpdateCommitted, ev.UpdateAborted, ev.PolicyPublished)
 
