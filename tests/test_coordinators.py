@@ -248,3 +248,19 @@ def test_a_rank_with_the_wrong_digest_or_a_stale_probe_is_quarantined_and_the_re
     fold_all(state, out)
     publish = decide_update(state, 100.0, 1)
     assert isinstance(publish[0], ev.PolicyPublished) and publish[0].ranks == (0, 1)
+
+
+# ---------------------------------------------------------------- the run waits for its ranks
+def test_nothing_is_decided_until_every_rank_joined_and_a_missing_rank_fails_the_run() -> None:
+    from workers.coordinator import decide
+
+    b = LogBuilder(ranks=2).start_run(join_ranks=False)
+    b.join(0)
+    state = replay(b.build())
+    inputs = AdmissionInputs(now=state.first_wall_time + 1, prompts=PROMPTS)
+    assert decide(state, inputs.now, 1, inputs) == []
+    late = AdmissionInputs(now=state.first_wall_time + 601, prompts=PROMPTS)
+    out = decide(state, late.now, 1, late)
+    assert isinstance(out[0], ev.RunFinished) and out[0].status == "failed" and "[1]" in out[0].reason
+    fold_all(state, [ev.RankJoined(rank=1, engine="torch", policy_version=0, weights_digest="w0000")])
+    assert any(isinstance(p, ev.GroupAdmitted) for p in decide(state, inputs.now, 1, inputs))

@@ -52,7 +52,12 @@ def decide_run_end(state: RunState) -> list[ev.Payload]:
 
 def decide(state: RunState, now: float, fence: int, inputs: AdmissionInputs) -> list[ev.Payload]:
     """Every coordinator's decision on this state, in priority order (updates, groups, the run's end, admission)."""
-    if state.status != "running":
+    if state.status != "running" or state.config is None:
+        return []
+    missing = [r for r in range(state.config.ranks) if r not in state.ranks]
+    if missing:  # nothing is admitted or updated before every rank has joined: a run on fewer ranks is another run
+        if now > state.first_wall_time + state.config.join_deadline_s:
+            return [ev.RunFinished(status="failed", reason=f"ranks {missing} did not join within {state.config.join_deadline_s:g} s")]
         return []
     out: list[ev.Payload] = decide_update(state, now, fence)
     out += decide_groups(state, now)

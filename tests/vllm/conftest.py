@@ -158,21 +158,92 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmClust
             s.close()
 
 
-@pytest.fixture(scope="session")
-def vllm_run_config(vllm_cluster: VllmCluster):  # -> schemas.config.RunConfig
-    """A RunConfig for a loop test against the session's two servers (engine=vllm, ranks=2, their URLs).
+# ------------------------------------------------------------------------------------------ loop-test servers
 
-    The servers' start-up checkpoint is `build_model(ModelConfig(dtype="bfloat16"), vocab, seed=0)` with the
-    character tokenizer; a loop whose trainer starts from other weights should stage and commit them as its first
-    update (every update replaces all tensors). Staged updates must be written under `vllm_cluster.staging_root`
-    (or any path the servers can read: they run on this host).
+LOOP_CONFIG: dict[str, object] = {
+    "engine": "vllm",
+    "steps": 3,
+    "group_size": 4,
+    "ranks": 2,
+    "trainer": {"warm_start_steps": 20, "groups_per_step": 2},
+    "task": {"num_prompts": 64},
+    "update": {"prepare_deadline_s": 60, "drain_deadline_s": 60, "commit_deadline_s": 60},
+}
+
+
+@dataclass
+class LoopServers:
+    """Two vLLM servers serving a loop run's initial policy (float32, warm-started), for `rolledger run` tests.
+
+    The session's `vllm_cluster` cannot serve a loop run: it serves a random bf16 checkpoint, and its tests move
+    it to later policy versions, while a run starts on version 0 with its own warm-started policy (the trainer
+    halts when the engine's logprobs disagree with its weights, and the audit checks version-0 digests). These
+    servers are started from `model_dir`, built with `LOOP_CONFIG`; a run uses them by getting a copy of
+    `model_dir` as `runs/<run-id>/model` (`seed_run_dir`) and `vllm_urls=urls`. A run that commits moves them past
+    version 0: `ensure_fresh()` restarts any such server before the next run, so tests do not depend on order.
     """
-    from schemas.config import RunConfig
 
-    return RunConfig(
-        engine="vllm",
-        ranks=len(vllm_cluster.servers),
-        vllm_urls=tuple(vllm_cluster.urls),
-        model=ModelConfig(dtype="bfloat16"),
-        sampling=SamplingParams(logprob_mode="raw"),
-    )
+    model_dir: Path
+    log_dir: Path
+    servers: list  # list[VllmServer]
+    restarts: int = 0
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(s.url for s in self.servers)
+
+    def config(self, **overrides: object):  # -> schemas.config.RunConfig
+        from schemas.config import RunConfig
+
+        data = {**LOOP_CONFIG, "vllm_urls": self.urls, **overrides}
+        return RunConfig.model_validate(data)
+
+    def seed_run_dir(self, run_dir: Path) -> None:
+        """Give a run the policy these servers serve (LocalRun reuses a saved runs/<run-id>/model)."""
+        import shutil
+
+        shutil.copytree(self.model_dir, run_dir / "model")
+
+    def versions(self) -> list[str]:
+        import httpx
+
+        return [str(httpx.get(f"{u}/weight_info", timeout=30).json().get("weight_version")) for u in self.urls]
+
+    def ensure_fresh(self) -> None:
+        from workers.engines.factory import start_rank_servers
+
+        stale = [r for r, v in enumerate(self.versions()) if v not in ("default", "0")]
+        if not stale:
+            return
+        for s in self.servers:
+            s.close()
+        self.servers = start_rank_servers(self.config(vllm_urls=()), self.model_dir, self.log_dir)
+        self.restarts += 1
+
+
+@pytest.fixture(scope="module")
+def vllm_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopServers]:
+    """Two servers started by `rolledger run`'s own launcher (workers.engines.factory) from a loop policy."""
+    if vllm_import_error():
+        pytest.skip(skip_reason())
+    from schemas.config import RunConfig
+    from workers.engines.factory import start_rank_servers
+    from workers.local_run import prepare_policy
+
+    root = tmp_path_factory.mktemp("vllm_loop")
+    cfg = RunConfig.model_validate(LOOP_CONFIG)
+    prepare_policy(cfg, root / "model")
+    servers = LoopServers(root / "model", root, start_rank_servers(cfg, root / "model", root))
+    print(f"\nvLLM loop servers ready: start {[round(s.start_s, 1) for s in servers.servers]} s")
+    try:
+        yield servers
+    finally:
+        for s in servers.servers:
+            s.close()
+
+
+@pytest.fixture
+def fresh_loop_servers(vllm_loop_servers: LoopServers) -> LoopServers:
+    """The loop servers, on policy version 0 with the initial policy (restarted if an earlier run moved them)."""
+    vllm_loop_servers.ensure_fresh()
+    return vllm_loop_servers

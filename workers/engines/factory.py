@@ -15,7 +15,6 @@ checked before the run starts: policy version 0, the initial weights digest, the
 
 from __future__ import annotations
 
-import functools
 import json
 import socket
 import threading
@@ -24,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from schemas.config import RunConfig
-from workers.engine import Engine, EngineError, HealthReport
+from workers.engine import Engine, EngineError
 
 
-def build_engines(cfg: RunConfig, model_dir: Path, tokenizer: Any, run_dir: Path) -> tuple[list[Engine], Callable[[], None]]:
+def build_engines(
+    cfg: RunConfig, model_dir: Path, tokenizer: Any, run_dir: Path
+) -> tuple[list[Engine], Callable[[], None]]:
     """The engines for `cfg.ranks` ranks and a function that releases them (servers started here are stopped)."""
     if cfg.engine == "torch":
         from workers.engines.torch_engine import TorchEngine
@@ -36,7 +37,7 @@ def build_engines(cfg: RunConfig, model_dir: Path, tokenizer: Any, run_dir: Path
         engines: list[Engine] = []
         for r in range(cfg.ranks):
             model, _ = load_policy(model_dir)
-            engines.append(TorchEngine(model, tokenizer, rank=r))
+            engines.append(TorchEngine(model, tokenizer, rank=r, interruptible=cfg.interruptible))
 
         def close() -> None:
             for e in engines:
@@ -50,32 +51,6 @@ def build_engines(cfg: RunConfig, model_dir: Path, tokenizer: Any, run_dir: Path
 
 
 # ------------------------------------------------------------------------------------------------------- vLLM
-
-
-@functools.cache
-def _rank_engine_class() -> type:
-    """RankVllmEngine, defined lazily so that importing this module never needs httpx/vLLM."""
-    from workers.engines.vllm_engine import VllmEngine
-
-    class RankVllmEngine(VllmEngine):
-        """VllmEngine as a rolledger rank: the post-commit health probe runs although the rank is paused.
-
-        RankWorker commits and probes while the rank is paused for the update (it resumes on PolicyPublished), but a
-        paused vLLM scheduler does not schedule new requests, so VllmEngine.health() would wait out its HTTP timeout
-        and the rank would be quarantined. Here the scheduler is resumed for the probe alone and paused again
-        (mode "wait": nothing else is in flight, the rank's rollout thread is gated until PolicyPublished).
-        """
-
-        def health(self) -> HealthReport:
-            if not self.is_paused:  # the server's own answer
-                return super().health()
-            self.resume()
-            try:
-                return super().health()
-            finally:
-                self.pause("wait")
-
-    return RankVllmEngine
 
 
 def checkpoint_dtype(model_dir: Path) -> str:
@@ -119,9 +94,15 @@ def server_dtype(engine: Any) -> str:
     return str((cfg.get("model_config") or {}).get("dtype", "unknown")).removeprefix("torch.")
 
 
-def check_rank_engine(engine: Any, url: str, want_digest: str, want_dtype: str, logprob_mode: str) -> None:
+def check_rank_engine(engine: Any, url: str, cfg: RunConfig, want_digest: str, want_dtype: str) -> None:
     """Refuse a server that cannot be rank `engine.rank` of a fresh run (clear errors naming the field)."""
     where = f"vLLM rank {engine.rank} at {url}"
+    logprob_mode = cfg.sampling.logprob_mode
+    if cfg.mode == "colocated" and cfg.sleep_level not in engine.capabilities.sleep_levels:
+        raise EngineError(
+            f"{where}: mode 'colocated' sleeps the rank at sleep_level {cfg.sleep_level}, but the server runs "
+            "without sleep mode (vLLM refuses --enable-sleep-mode on CPU); use mode 'disaggregated'"
+        )
     if engine.policy_version != 0:
         raise EngineError(
             f"{where} serves policy version {engine.policy_version} (/weight_info); a run starts its ranks on "
@@ -183,11 +164,12 @@ def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[A
 
 
 def build_vllm_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[list[Any], Callable[[], None]]:
-    """One RankVllmEngine per rank, checked against the run's initial policy, and the close function."""
+    """One VllmEngine per rank, checked against the run's initial policy, and the close function."""
     from workers.netguard import check_engine_address
 
     model_dir = Path(model_dir).absolute()
-    engine_cls = _rank_engine_class()
+    from workers.engines.vllm_engine import VllmEngine
+
     want_dtype = checkpoint_dtype(model_dir)
     want_digest = initial_digest(model_dir)
     servers: list[Any] = []
@@ -214,9 +196,9 @@ def build_vllm_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[
 
     try:
         for r, (url, name) in enumerate(zip(urls, names, strict=True)):
-            engine = engine_cls(url, rank=r, model_name=name, allow_remote=cfg.allow_remote_engines)
+            engine = VllmEngine(url, rank=r, model_name=name, allow_remote=cfg.allow_remote_engines)
             engines.append(engine)
-            check_rank_engine(engine, url, want_digest, want_dtype, cfg.sampling.logprob_mode)
+            check_rank_engine(engine, url, cfg, want_digest, want_dtype)
     except BaseException:
         close()
         raise

@@ -513,6 +513,19 @@ class VllmEngine:
         return self._one_digest(self._answers(self._rpc("rolledger_live_digest"), "live digest"), "live_digest")
 
     def health(self) -> HealthReport:
+        """Greedy probe through /v1/completions. A rank probes right after its commit, while it is still paused for
+        the update (it resumes on PolicyPublished); a paused vLLM scheduler would never run the probe, so the server
+        is resumed for the probe alone and paused again ("wait": nothing else is in flight, the rank's rollout is
+        gated until PolicyPublished)."""
+        if not self.is_paused:
+            return self._probe()
+        self.resume()
+        try:
+            return self._probe()
+        finally:
+            self.pause("wait")
+
+    def _probe(self) -> HealthReport:
         try:
             self._request("GET", "/health")
             body = self._post(
