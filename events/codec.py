@@ -19,9 +19,9 @@ from pathlib import PurePath
 from typing import Any
 
 import msgpack
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from schemas.base import PackedArray
+from schemas.base import PackedArray, PackedArraySchema
 from schemas.events import PAYLOAD_TYPES, Event, upcast
 
 _ARRAY_EXT = 1
@@ -77,11 +77,58 @@ def _ext_hook(code: int, data: bytes) -> Any:
 _packer = msgpack.Packer(default=_default, use_bin_type=True)
 
 
+_ARRAY_FIELDS: dict[type[BaseModel], dict[str, str]] = {}
+
+
+def _array_fields(cls: type[BaseModel]) -> dict[str, str]:
+    """Field name -> wire typecode of a model's packed-array fields (read once per class from the field metadata)."""
+    found = _ARRAY_FIELDS.get(cls)
+    if found is None:
+        found = {
+            name: m.typecode
+            for name, info in cls.model_fields.items()
+            for m in info.metadata
+            if isinstance(m, PackedArraySchema)
+        }
+        _ARRAY_FIELDS[cls] = found
+    return found
+
+
+def _wire(obj: Any) -> Any:
+    """What `model_dump(context={"packed": True})` gives, built straight from the (already validated) models' fields:
+    the models are immutable and valid, so serialising is a walk, and arrays become ext blobs in one C call each."""
+    if isinstance(obj, BaseModel):
+        cls = type(obj)
+        arrays = _array_fields(cls)
+        values = obj.__dict__
+        out: dict[str, Any] = {}
+        for name in cls.model_fields:
+            value = values[name]
+            typecode = arrays.get(name)
+            if typecode is not None:
+                try:
+                    packed = array.array(typecode, value).tobytes()
+                except OverflowError as exc:  # a model built with model_construct/model_copy skipped the range check
+                    raise ValueError(f"{cls.__name__}.{name}: {exc}") from None
+                out[name] = msgpack.ExtType(_ARRAY_EXT, typecode.encode() + packed)
+            else:
+                out[name] = _wire(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_wire(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _wire(v) for k, v in obj.items()}
+    if isinstance(obj, PurePath):
+        return str(obj)
+    return obj
+
+
 def encode(event: Event) -> bytes:
     """Event -> msgpack bytes (arrays packed as binary)."""
-    dumped = event.model_dump(mode="python", context=_PACK_CTX, exclude={"payload"})
-    payload = event.payload.model_dump(mode="python", context=_PACK_CTX, exclude={"type"})
-    env = {k: dumped[k] for k in _ENVELOPE_FIELDS}
+    values = event.__dict__
+    env = {k: values[k] for k in _ENVELOPE_FIELDS}
+    payload = _wire(event.payload)
+    del payload["type"]
     return _packer.pack({"t": event.type, "v": event.schema_version, "e": env, "p": payload})
 
 
