@@ -77,20 +77,18 @@ def _ext_hook(code: int, data: bytes) -> Any:
 _packer = msgpack.Packer(default=_default, use_bin_type=True)
 
 
-_ARRAY_FIELDS: dict[type[BaseModel], dict[str, str]] = {}
+_FIELDS: dict[type[BaseModel], tuple[tuple[str, str | None], ...]] = {}
 
 
-def _array_fields(cls: type[BaseModel]) -> dict[str, str]:
-    """Field name -> wire typecode of a model's packed-array fields (read once per class from the field metadata)."""
-    found = _ARRAY_FIELDS.get(cls)
+def _fields(cls: type[BaseModel]) -> tuple[tuple[str, str | None], ...]:
+    """(field name, wire typecode of a packed-array field or None), read once per model class."""
+    found = _FIELDS.get(cls)
     if found is None:
-        found = {
-            name: m.typecode
+        found = tuple(
+            (name, next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None))
             for name, info in cls.model_fields.items()
-            for m in info.metadata
-            if isinstance(m, PackedArraySchema)
-        }
-        _ARRAY_FIELDS[cls] = found
+        )
+        _FIELDS[cls] = found
     return found
 
 
@@ -98,19 +96,18 @@ def _wire(obj: Any) -> Any:
     """What `model_dump(context={"packed": True})` gives, built straight from the (already validated) models' fields:
     the models are immutable and valid, so serialising is a walk, and arrays become ext blobs in one C call each."""
     if isinstance(obj, BaseModel):
-        cls = type(obj)
-        arrays = _array_fields(cls)
         values = obj.__dict__
         out: dict[str, Any] = {}
-        for name in cls.model_fields:
+        for name, typecode in _fields(type(obj)):
             value = values[name]
-            typecode = arrays.get(name)
             if typecode is not None:
                 try:
                     packed = array.array(typecode, value).tobytes()
                 except OverflowError as exc:  # a model built with model_construct/model_copy skipped the range check
-                    raise ValueError(f"{cls.__name__}.{name}: {exc}") from None
+                    raise ValueError(f"{type(obj).__name__}.{name}: {exc}") from None
                 out[name] = msgpack.ExtType(_ARRAY_EXT, typecode.encode() + packed)
+            elif type(value) in _SCALARS:
+                out[name] = value
             else:
                 out[name] = _wire(value)
         return out
@@ -121,6 +118,9 @@ def _wire(obj: Any) -> Any:
     if isinstance(obj, PurePath):
         return str(obj)
     return obj
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def encode(event: Event) -> bytes:
