@@ -62,6 +62,11 @@ class TrainerConfig(Model):
     clip_eps: float = Field(0.2, gt=0)
     warm_start_steps: int = Field(400, ge=0, description="supervised steps run before RL (a tiny model learns little from scratch)")
     warm_start_lr: float = Field(1e-3, gt=0)
+    max_logprob_gap: float = Field(
+        1e-3, gt=0,
+        description="median |trainer - engine| logprob on on-policy tokens above which the weights did not arrive: "
+        "the trainer halts the run instead of training (float32 engines agree to ~1e-7; raise it for bf16 engines)",
+    )
 
 
 class UpdateConfig(Model):

@@ -145,3 +145,17 @@ def test_first_k_groups_train_on_exactly_k_and_every_sample_still_ends(redis_url
     ends = [p.trajectory.trajectory_id if isinstance(p, ev.SampleFinished) else p.sample_id
             for p in (e.payload for e in events) if isinstance(p, (ev.SampleFinished, ev.SampleCancelled, ev.SampleFailed))]  # fmt: skip
     assert len(ends) == len(set(ends)) == len(of(events, ev.SampleStarted))
+
+
+def test_a_single_stale_rank_is_caught_by_logprob_agreement_and_the_run_halts(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    """With one rank there is no probe majority: the rank claims v1 and keeps serving v0. The trainer, holding v1,
+    recomputes the logprobs of the tokens stamped v1, sees the gap, and halts instead of training on them."""
+    cfg = small(ranks=1, steps=4, admission={"max_lag": 0}, trainer={"warm_start_steps": 20, "groups_per_step": 2})
+    events, summary = execute(redis_url, run_id, tmp_path, cfg, "stale-weights=0")
+    assert summary.status == "failed"  # type: ignore[attr-defined]
+    end = of(events, ev.RunFinished)[-1]
+    assert "logprob agreement lost on v1" in end.reason
+    halt = [p for p in of(events, ev.AdmissionPaused) if p.reason == "manual"]
+    assert halt and "did not arrive" in halt[0].detail
+    trained_versions = {v for b in of(events, ev.BatchConsumed) for v in b.versions}
+    assert 1 not in trained_versions  # nothing the stale rank produced under its false v1 stamp was trained on

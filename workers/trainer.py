@@ -27,8 +27,6 @@ from workflows.handoff import engines_asleep
 from workflows.inject import Injector
 from workflows.state import GroupState, RunState
 
-MAX_LOGPROB_GAP = 0.05  # median |trainer - engine| logprob on on-policy tokens above which the weights did not arrive
-
 
 class TrainerWorker(Worker):
     kind = "trainer"
@@ -106,12 +104,14 @@ class TrainerWorker(Worker):
         on_policy = [t for t in batch if t.policy_version == self.model_version]
         gap_median, gap_p99 = logprob_agreement(self.model, on_policy)
         agreement_tokens = sum(len(t.token_ids) for t in on_policy)
-        if gap_median > MAX_LOGPROB_GAP:
+        if gap_median > cfg.trainer.max_logprob_gap:
             self.halted = True
+            why = (f"logprob agreement lost on v{self.model_version}: median gap {gap_median:.4f} > "
+                   f"{cfg.trainer.max_logprob_gap:g} over {agreement_tokens} on-policy tokens; the weights did not "
+                   "arrive; not training on it")  # fmt: skip
             self.emitter.emit(
-                [*drops, consumed, ev.AdmissionPaused(reason="manual", detail=(
-                    f"logprob agreement lost on v{self.model_version}: median gap {gap_median:.3f} > "
-                    f"{MAX_LOGPROB_GAP}; the weights did not arrive; not training on it"))],
+                [*drops, ev.AdmissionPaused(reason="manual", detail=why), ev.RunFinished(status="failed", reason=why,
+                                                                                       steps=state.trainer.step)],
                 policy_version=state.policy_version,
             )  # fmt: skip
             self.logger.error("halting: engine logprobs disagree with the trainer's weights", gap=gap_median)

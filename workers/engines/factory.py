@@ -7,7 +7,7 @@
   `run_dir/vllm-rank{r}.log`, and the returned close function stops them.
 
 A vLLM rank must serve exactly the run's initial policy, in the policy's own dtype: the trainer checks the
-engine's logprobs against its own weights (median gap <= workers.trainer.MAX_LOGPROB_GAP) and the audit checks that
+engine's logprobs against its own weights (median gap <= trainer.max_logprob_gap) and the audit checks that
 version-0 samples carry RunStarted's initial weights digest. So servers are started with `--dtype` equal to the
 checkpoint's dtype (vLLM's `auto` would downcast a float32 checkpoint to bfloat16), and already-running servers are
 checked before the run starts: policy version 0, the initial weights digest, the run's logprob mode, the dtype.
