@@ -221,6 +221,12 @@ class UpdateTracker:
         p = event.payload
         if isinstance(p, UpdateStaged):
             return self._new(p.version)
+        if isinstance(p, (RankPrepared, RankPrepareFailed)):
+            # a rank answering after its attempt was aborted (it was still reading when another rank failed) belongs
+            # to that attempt: a version number is not retried, so it cannot open a new one
+            cur = self.current(p.version)
+            if cur is not None and cur.aborted is not None and cur.published is None:
+                return cur
         if isinstance(p, (PrepareRequested, RankPrepared, RankPrepareFailed, UpdateCommitted)):
             # a failure reported after the commit (phase="commit") belongs to the committed attempt
             cur = self.current(p.version)

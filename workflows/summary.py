@@ -102,17 +102,19 @@ def queue_dynamics(events: list[ev.Event]) -> dict[str, float]:
 
 
 def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
-    gen_ms_by_rank: dict[int, float] = {}
-    seen_groups: set[str] = set()
+    group_ms: dict[tuple[int, str], float] = {}  # (rank, group) -> its generate call's duration
     trajectories = 0
     events = list(events)
     for e in events:
         p = e.payload
         if isinstance(p, ev.SampleFinished):
             trajectories += 1
-            if p.trajectory.group_id not in seen_groups:  # one generate call per group: count its time once
-                seen_groups.add(p.trajectory.group_id)
-                gen_ms_by_rank[p.trajectory.rank] = gen_ms_by_rank.get(p.trajectory.rank, 0.0) + p.gen_ms
+            key = (p.trajectory.rank, p.trajectory.group_id)
+            # one generate call per group; samples stream out as they end, so the call lasted as long as the last one
+            group_ms[key] = max(group_ms.get(key, 0.0), p.gen_ms)
+    gen_ms_by_rank: dict[int, float] = {}
+    for (rank, _), ms in group_ms.items():
+        gen_ms_by_rank[rank] = gen_ms_by_rank.get(rank, 0.0) + ms
     wall = max(state.last_wall_time - state.first_wall_time, 1e-9)
     ranks = state.ranks or {}
     busy = [min(gen_ms_by_rank.get(r, 0.0) / 1e3 / wall, 1.0) for r in ranks] or [0.0]

@@ -1,0 +1,22 @@
+"""Every example config in examples/ is a valid RunConfig; a typo names the field."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from schemas.config import RunConfig
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_configs_load(path: Path) -> None:
+    RunConfig.load(path)
+
+
+def test_a_misspelt_field_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[admission]\nmax_queued_byte = 10\n")
+    with pytest.raises(ValidationError, match=r"admission\.max_queued_byte"):
+        RunConfig.load(bad)
