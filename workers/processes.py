@@ -67,7 +67,11 @@ def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: s
 
         if cfg.engine != "torch":
             raise SystemExit("`rolledger worker rank` drives the torch engine; vLLM ranks are driven by `rolledger run --engine vllm`")
-        worker = RankWorker(client, run_id, rank, TorchEngine(model, tokenizer, rank=rank), claim_idle_ms=claim_idle_ms)
+        from workers.policy_model import policy_state
+
+        initial = {k: v.clone() for k, v in policy_state(model).items()}  # what a quarantined rank rejoins on at v0
+        engine = TorchEngine(model, tokenizer, rank=rank, interruptible=cfg.interruptible)
+        worker = RankWorker(client, run_id, rank, engine, claim_idle_ms=claim_idle_ms, initial_weights=lambda: initial)
         if name:
             worker.name = name
     elif kind == "reward":

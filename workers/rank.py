@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import redis
+import torch
 
 from events.consumer import Delivery, GroupConsumer
 from schemas import events as ev
@@ -30,14 +31,12 @@ from workers.runtime import Follower, Worker, WorkerKilled
 from workers.staging import StagingError, load_verified, read_manifest
 from workflows.inject import Injector
 
-WeightsLoader = Callable[[int], dict]  # type: ignore[type-arg]
-
 
 class RankWorker(Worker):
     kind = "rank"
 
     def __init__(self, client: redis.Redis, run_id: str, rank: int, engine: Engine, *, injector: Injector | None = None,
-                 claim_idle_ms: int = 5000, initial_weights: Callable[[], dict] | None = None) -> None:  # type: ignore[type-arg]  # fmt: skip
+                 claim_idle_ms: int = 5000, initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:  # fmt: skip
         super().__init__(client, run_id, f"rank-{rank}")
         self.rank = rank
         self.engine = engine
@@ -244,17 +243,20 @@ class RankWorker(Worker):
         if "weights" in self._asleep:
             self._wake(["weights"], cause)
         if self._sleep_level == 2:
-            state = self.follower.state
-            v = state.policy_version
-            if v == 0:
-                tensors = self.initial_weights() if self.initial_weights else {}
-            else:
-                u = state.updates[v]
-                tensors = dict(load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest)))
-            self.engine.stage_weights(v, tensors)
+            v = self.follower.state.policy_version
+            self.engine.stage_weights(v, self._published_weights(v))
             self.engine.commit_weights(v)
         if "kv_cache" in self._asleep:
             self._wake(["kv_cache"], cause)
+
+    def _published_weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The weights of a decided version, read back through the verified path (version 0: the initial weights)."""
+        if version == 0:
+            if self.initial_weights is None:
+                raise RuntimeError(f"rank {self.rank} has no source for the initial weights")
+            return dict(self.initial_weights())
+        u = self.follower.state.updates[version]
+        return dict(load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest)))
 
     def _stamp(self) -> tuple[int, str]:
         """The (policy version, weights digest) this rank stamps on its work: the engine's, unless it is lying."""
@@ -278,14 +280,7 @@ class RankWorker(Worker):
         committed = [v for v, u in state.updates.items() if u.status in ("committed", "invalidated", "healthy", "published")]
         version = max([*committed, state.policy_version])
         try:
-            if version == 0:
-                if self.initial_weights is None:
-                    raise RuntimeError("no source for the initial weights")
-                tensors = self.initial_weights()
-            else:
-                u = state.updates[version]
-                tensors = dict(load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest)))
-            self.engine.stage_weights(version, tensors)
+            self.engine.stage_weights(version, self._published_weights(version))
             report = self.engine.commit_weights(version)
         except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
             self.logger.error("rejoin failed; rank stays quarantined", error=str(exc))
