@@ -20,7 +20,7 @@ import math
 import random
 import statistics
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -208,8 +208,10 @@ def warm_start(
     batch_size: int = 32,
     max_grad_norm: float = 1.0,
     optimizer: torch.optim.Optimizer | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Supervised warm start: `steps` AdamW steps on random batches of `examples`; returns the loss per step.
+    `on_step(step, loss)` is called after each step (progress display).
 
     Each example is tokenized as prompt (with <bos>) followed by the completion and <eos>; the loss is the mean
     cross-entropy over the completion tokens only.
@@ -244,5 +246,7 @@ def warm_start(
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         losses.append(float(loss.item()))
+        if on_step is not None:
+            on_step(len(losses), losses[-1])
     model.eval()
     return losses

@@ -56,6 +56,7 @@ class RunOptions:
     deadline_s: float = 1800.0
     metrics_port: int | None = None
     on_progress: Callable[[Follower], None] | None = None
+    on_warm_start: Callable[[int, float], None] | None = None  # (step, loss) of the supervised warm start
 
 
 def new_run_id() -> str:
@@ -71,7 +72,9 @@ def prompt_items(cfg: RunConfig, tokenizer: object) -> list[PromptItem]:
     return items
 
 
-def prepare_policy(cfg: RunConfig, model_dir: Path) -> tuple[torch.nn.Module, object]:
+def prepare_policy(
+    cfg: RunConfig, model_dir: Path, on_step: Callable[[int, float], None] | None = None
+) -> tuple[torch.nn.Module, object]:
     """Build the tiny policy and warm-start it (or reuse the one already saved in model_dir)."""
     if (model_dir / "config.json").is_file():
         return load_policy(model_dir)
@@ -80,7 +83,8 @@ def prepare_policy(cfg: RunConfig, model_dir: Path) -> tuple[torch.nn.Module, ob
     model = build_model(cfg.model, len(tokenizer), cfg.seed)
     if cfg.trainer.warm_start_steps:
         examples = supervised_examples(cfg.task, cfg.seed, 4096)
-        warm_start(model, tokenizer, examples, cfg.trainer.warm_start_steps, cfg.trainer.warm_start_lr, cfg.seed)
+        warm_start(model, tokenizer, examples, cfg.trainer.warm_start_steps, cfg.trainer.warm_start_lr, cfg.seed,
+                   on_step=on_step)
     save_policy(model_dir, model, tokenizer)
     return model, tokenizer
 
@@ -125,7 +129,7 @@ class LocalRun:
     def _execute(self, client: redis.Redis, keep_events: dict[str, list[ev.Event]] | None) -> Summary:
         cfg = self.cfg
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-        model, tokenizer = prepare_policy(cfg, self.run_dir / "model")
+        model, tokenizer = prepare_policy(cfg, self.run_dir / "model", self.opts.on_warm_start)
         logbook = EventLog(client, self.run_id)
         if logbook.length() == 0:
             logbook.append(ev.make_event(
@@ -179,3 +183,9 @@ class LocalRun:
                 log.warning("replacing dead worker", worker=w.name, replacement=replacement.name)
                 self.workers[i] = replacement
                 replacement.start()
+            elif not w.stop_event.is_set():  # a crash nothing restarts: fail the run now, not at its deadline
+                w.stop()
+                assert self.client is not None
+                EventLog(self.client, self.run_id).append(ev.make_event(
+                    ev.RunFinished(status="failed", reason=f"worker {w.name} crashed: {w.error!r}"),
+                    run_id=self.run_id, producer="run", policy_version=0))  # fmt: skip

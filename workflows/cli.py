@@ -61,7 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = LiveProgress()
     opts = RunOptions(config=cfg, redis_url=args.redis, run_id=args.run_id, runs_dir=Path(args.runs_dir),
                       injections=injections, metrics_port=args.metrics_port,
-                      on_progress=lambda f: progress.update(f.state))  # fmt: skip
+                      on_progress=lambda f: progress.update(f.state),
+                      on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps))  # fmt: skip
     run = LocalRun(opts)
     with progress:
         summary = run.execute()

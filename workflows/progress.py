@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Self
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from workflows.state import RunState
 
@@ -47,6 +49,17 @@ class LiveProgress:
             self.live.__enter__()
         return self
 
+    def warm_start(self, steps: int) -> Callable[[int, float], None]:
+        """A callback for the supervised warm start: a progress bar in a terminal, a line every 100 steps otherwise."""
+
+        def on_step(step: int, loss: float) -> None:
+            if self.live is not None:
+                self.live.update(Text(f"warm start {step}/{steps}  loss {loss:.3f}  " + _bar(step / max(steps, 1))))
+            elif step % 100 == 0 or step == steps:
+                self.console.print(f"warm start {step}/{steps} loss {loss:.3f}")
+
+        return on_step
+
     def update(self, state: RunState) -> None:
         if self.live is not None:
             self.live.update(status_table(state))
@@ -62,3 +75,8 @@ class LiveProgress:
     def __exit__(self, *exc: object) -> None:
         if self.live is not None:
             self.live.__exit__(None, None, None)
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    filled = int(round(fraction * width))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
