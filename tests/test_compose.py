@@ -30,7 +30,9 @@ def _command(service: dict[str, Any]) -> str:
 
 
 def test_services_present(compose: dict[str, Any]) -> None:
-    assert {"redis", "vllm", "coordinator", "rollout", "reward", "trainer", "rank"} <= set(compose["services"])
+    assert {"redis", "vllm", "driver", "coordinator", "reward", "trainer", "rank"} <= set(compose["services"])
+    # one process per inference rank does both rollout and the rank agent's part: no second rank-0 worker
+    assert "rollout" not in compose["services"]
 
 
 def test_redis_has_aof_on(compose: dict[str, Any]) -> None:
@@ -62,7 +64,7 @@ def test_vllm_runs_dev_mode_with_the_extension(compose: dict[str, Any]) -> None:
     assert "0.0.0.0" in args  # inside the container; reachable only from the internal network
 
 
-@pytest.mark.parametrize("name", ["coordinator", "rollout", "reward", "trainer", "rank"])
+@pytest.mark.parametrize("name", ["coordinator", "reward", "trainer", "rank"])
 def test_commands_fit_the_cli_contract(compose: dict[str, Any], name: str) -> None:
     service = compose["services"][name]
     m = COMMAND.match(_command(service))
@@ -79,3 +81,18 @@ def test_trainer_and_vllm_share_the_staging_volume(compose: dict[str, Any]) -> N
     vllm_mounts = compose["services"]["vllm"]["volumes"]
     assert "staging:/staging" in trainer_mounts
     assert "staging:/staging:ro" in vllm_mounts  # the ranks only read staged updates
+
+
+def test_driver_starts_the_run_with_a_config_that_fits(compose: dict[str, Any]) -> None:
+    from schemas.config import RunConfig
+    from workflows.cli import build_parser
+
+    cmd = compose["services"]["driver"]["command"]
+    assert cmd[0] == "rolledger"
+    args = build_parser().parse_args([c.replace("${RUN_ID:-run-1}", "run-1") for c in cmd[1:]])
+    assert args.command == "run" and args.external_workers and args.model_dir == "/models/policy"
+    cfg = RunConfig.load(ROOT / args.config.removeprefix("/app/"))
+    assert cfg.engine == "vllm" and str(cfg.update.staging_dir) == "/staging"
+    assert len(cfg.vllm_urls) == cfg.ranks == 1 and cfg.vllm_urls[0].startswith("http://vllm:")
+    for name in ("driver", "coordinator", "reward", "trainer", "rank"):
+        assert "./models:/models:ro" in compose["services"][name]["volumes"]

@@ -55,6 +55,8 @@ class RunOptions:
     injections: list[Injection] = field(default_factory=list)
     deadline_s: float = 1800.0
     metrics_port: int | None = None
+    external_workers: bool = False  # start the run and follow it; the coordinator and workers are other processes
+    model_dir: Path | None = None  # an existing policy directory (no warm start); default runs/<run-id>/model
     on_progress: Callable[[Follower], None] | None = None
     on_warm_start: Callable[[int, float], None] | None = None  # (step, loss) of the supervised warm start
 
@@ -129,18 +131,25 @@ class LocalRun:
     def _execute(self, client: redis.Redis, keep_events: dict[str, list[ev.Event]] | None) -> Summary:
         cfg = self.cfg
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-        model, tokenizer = prepare_policy(cfg, self.run_dir / "model", self.opts.on_warm_start)
+        model_dir = (self.opts.model_dir or self.run_dir / "model").absolute()
+        model, tokenizer = prepare_policy(cfg, model_dir, self.opts.on_warm_start)
         logbook = EventLog(client, self.run_id)
         if logbook.length() == 0:
             logbook.append(ev.make_event(
                 ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model)),
-                              model_dir=str(self.run_dir / "model")),
+                              model_dir=str(model_dir)),
                 run_id=self.run_id, producer="run", policy_version=0))  # fmt: skip
+        if not self.opts.external_workers:
+            self._start_workers(client, model, tokenizer, model_dir)
+        return self._follow(client, logbook, keep_events)
+
+    def _start_workers(self, client: redis.Redis, model: torch.nn.Module, tokenizer: object, model_dir: Path) -> None:
+        cfg = self.cfg
         injector = Injector(self.opts.injections)
         staging = DirectoryStagingStore(cfg.update.staging_dir or self.run_dir / "staging")
         self.workers.append(Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer), injector=injector))
         initial = {k: v.clone() for k, v in policy_state(model).items()}
-        engines, self._close_engines = build_engines(cfg, self.run_dir / "model", tokenizer, self.run_dir)
+        engines, self._close_engines = build_engines(cfg, model_dir, tokenizer, self.run_dir)
         for r, engine in enumerate(engines):
             self.workers.append(RankWorker(client, self.run_id, r, engine, injector=injector,
                                            initial_weights=lambda: dict(initial)))  # fmt: skip
@@ -148,6 +157,9 @@ class LocalRun:
         self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging, injector=injector))
         for w in self.workers:
             w.start()
+
+    def _follow(self, client: redis.Redis, logbook: EventLog, keep_events: dict[str, list[ev.Event]] | None) -> Summary:
+        """Follow the log (progress, metrics, dead workers) until the run finishes or its deadline passes."""
         follower = Follower(logbook)
         metrics = RunMetrics()
         if self.opts.metrics_port is not None:

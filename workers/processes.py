@@ -18,6 +18,7 @@ from events.connection import connect
 from events.store import EventLog
 from schemas import events as ev
 from schemas.config import RunConfig
+from workers.engine import Engine
 from workers.runtime import Worker
 
 log = structlog.get_logger("process")
@@ -65,12 +66,16 @@ def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: s
         from workers.engines.torch_engine import TorchEngine
         from workers.rank import RankWorker
 
-        if cfg.engine != "torch":
-            raise SystemExit("`rolledger worker rank` drives the torch engine; vLLM ranks are driven by `rolledger run --engine vllm`")
         from workers.policy_model import policy_state
 
         initial = {k: v.clone() for k, v in policy_state(model).items()}  # what a quarantined rank rejoins on at v0
-        engine = TorchEngine(model, tokenizer, rank=rank, interruptible=cfg.interruptible)
+        engine: Engine
+        if cfg.engine == "vllm":  # this process is the rank agent of a vLLM server (cfg.vllm_urls[rank])
+            from workers.engines.factory import connect_vllm_rank
+
+            engine = connect_vllm_rank(cfg, rank, Path(started.model_dir))
+        else:
+            engine = TorchEngine(model, tokenizer, rank=rank, interruptible=cfg.interruptible)
         worker = RankWorker(client, run_id, rank, engine, claim_idle_ms=claim_idle_ms, initial_weights=lambda: initial)
         if name:
             worker.name = name

@@ -62,7 +62,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(config=cfg, redis_url=args.redis, run_id=args.run_id, runs_dir=Path(args.runs_dir),
                       injections=injections, metrics_port=args.metrics_port,
                       on_progress=lambda f: progress.update(f.state),
-                      on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps))  # fmt: skip
+                      on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps),
+                      external_workers=args.external_workers,
+                      model_dir=Path(args.model_dir) if args.model_dir else None)  # fmt: skip
     run = LocalRun(opts)
     with progress:
         summary = run.execute()
@@ -196,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inject", action="append", default=[], metavar="SPEC", help="fault injection, see DESIGN.md")
     run.add_argument("--vllm-url", action="append", help="an already running vLLM server (one per rank)")
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    run.add_argument("--external-workers", action="store_true",
+                     help="start the run and follow it; the coordinator and workers run as their own processes "
+                          "(`rolledger coordinator`, `rolledger worker KIND`)")  # fmt: skip
+    run.add_argument("--model-dir", help="an existing policy directory to start from (no warm start); "
+                                         "with --external-workers every process must see the same path")  # fmt: skip
     run.set_defaults(func=cmd_run)
 
     def run_ref(p: argparse.ArgumentParser) -> None:

@@ -163,6 +163,26 @@ def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[A
     return started
 
 
+def connect_vllm_rank(cfg: RunConfig, rank: int, model_dir: Path) -> Any:
+    """The VllmEngine of one rank of a distributed run (`rolledger worker rank --rank R`): the server at
+    cfg.vllm_urls[R], address-checked, and checked against the run's initial policy like build_vllm_engines does."""
+    from workers.engines.vllm_engine import VllmEngine
+    from workers.netguard import check_engine_address
+
+    if rank >= len(cfg.vllm_urls):
+        raise ValueError(f"vllm_urls has {len(cfg.vllm_urls)} URL(s); rank {rank} has none (one vLLM server per rank)")
+    url = cfg.vllm_urls[rank]
+    check_engine_address(url, cfg.allow_remote_engines)
+    model_dir = Path(model_dir).absolute()
+    engine = VllmEngine(url, rank=rank, model_name=served_model_name(url), allow_remote=cfg.allow_remote_engines)
+    try:
+        check_rank_engine(engine, url, cfg, initial_digest(model_dir), checkpoint_dtype(model_dir))
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
 def build_vllm_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[list[Any], Callable[[], None]]:
     """One VllmEngine per rank, checked against the run's initial policy, and the close function."""
     from workers.netguard import check_engine_address
