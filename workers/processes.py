@@ -64,9 +64,8 @@ def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: s
     worker: Worker
     if kind in ("rollout", "rank"):
         from workers.engines.torch_engine import TorchEngine
-        from workers.rank import RankWorker
-
         from workers.policy_model import policy_state
+        from workers.rank import RankWorker
 
         initial = {k: v.clone() for k, v in policy_state(model).items()}  # what a quarantined rank rejoins on at v0
         engine: Engine

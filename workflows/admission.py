@@ -106,8 +106,8 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     if paused:
         return out
     # Admit in scheduler order while every gate stays open and the in-flight cap allows.
-    admitted, admitted_bytes = 0, 0
-    for item in ordered:
+    admitted_bytes = 0
+    for admitted, item in enumerate(ordered):  # `admitted` groups are already in `out`
         if state.admission.inflight + admitted >= cfg.admission.max_inflight_groups:
             break
         group_bytes = bytes_estimate(len(item.token_ids), item.est_completion_tokens, n)
@@ -130,7 +130,6 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
                 deadline=inputs.now + cfg.partial_policy.deadline_s if cfg.partial_policy.deadline_s else None,
             )
         )
-        admitted += 1
         admitted_bytes += group_bytes
     return out
 

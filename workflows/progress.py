@@ -78,5 +78,5 @@ class LiveProgress:
 
 
 def _bar(fraction: float, width: int = 30) -> str:
-    filled = int(round(fraction * width))
+    filled = round(fraction * width)
     return "[" + "#" * filled + "." * (width - filled) + "]"
