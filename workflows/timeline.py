@@ -1,6 +1,6 @@
 """`rolledger timeline`: the picture of a run — per rank the groups it generated and the bubbles between them, the
 trainer's steps, every weight update (prepare, then the paused window up to publish or abort), admission pauses by
-reason, and sleep/wake handoffs. Built from the log alone (`build_timeline` is pure); drawn as PNG (matplotlib) or
+reason, and sleep/wake handoffs; below, the lag histogram of consumed groups and the queue waiting for the trainer. Built from the log alone (`build_timeline` is pure); drawn as PNG (matplotlib) or
 as a self-contained HTML page with an inline SVG whose spans have tooltips.
 """
 
@@ -40,6 +40,8 @@ class Timeline:
     rows: list[str] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     duration: float = 0.0
+    lag_histogram: dict[int, int] = field(default_factory=dict)  # consumed groups by lag (trained - generated version)
+    queued: list[tuple[float, int]] = field(default_factory=list)  # (t, groups completed but not yet trained)
 
     def add(self, row: str, start: float, end: float, kind: str, label: str) -> None:
         if row not in self.rows:
@@ -58,6 +60,7 @@ def build_timeline(events: Iterable[ev.Event]) -> Timeline:
     update_pause: dict[int, float] = {}
     sleep_start: dict[int, tuple[int, float]] = {}
     last = 0.0
+    queue = 0
     for e in events:
         if t0 is None:
             t0 = e.wall_time
@@ -66,6 +69,17 @@ def build_timeline(events: Iterable[ev.Event]) -> Timeline:
         t = e.wall_time - t0
         last = max(last, t)
         p = e.payload
+        if isinstance(p, ev.GroupCompleted):
+            queue += 1
+            tl.queued.append((t, queue))
+        elif isinstance(p, ev.BatchConsumed):
+            queue -= len(p.group_ids)
+            tl.queued.append((t, queue))
+            for lag in p.lags:
+                tl.lag_histogram[lag] = tl.lag_histogram.get(lag, 0) + 1
+        elif isinstance(p, ev.TrajectoryDropped):
+            queue -= 1
+            tl.queued.append((t, queue))
         if isinstance(p, ev.SampleStarted) and p.group_id not in group_start:
             group_start[p.group_id] = (p.rank, t)
         elif isinstance(p, (ev.SampleFinished, ev.SampleCancelled, ev.SampleFailed)):
@@ -129,17 +143,28 @@ def _png(tl: Timeline, out: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.6 * len(tl.rows)))
+    fig = plt.figure(figsize=(14, 3.6 + 0.6 * len(tl.rows)))
+    grid = fig.add_gridspec(2, 2, height_ratios=[0.6 * len(tl.rows) + 1.0, 2.6], width_ratios=[1, 3])
+    ax = fig.add_subplot(grid[0, :])
+    lag_ax, queue_ax = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1], sharex=ax)
+    lags = sorted(tl.lag_histogram)
+    lag_ax.bar([str(k) for k in lags], [tl.lag_histogram[k] for k in lags], color="#4C9BE8")
+    lag_ax.set_xlabel("lag of consumed groups (versions)")
+    lag_ax.set_ylabel("groups")
+    if tl.queued:
+        xs, ys = zip(*tl.queued, strict=True)
+        queue_ax.step(xs, ys, where="post", color="#F2A541")
+    queue_ax.set_ylabel("groups waiting\nfor the trainer")
+    queue_ax.set_xlabel("seconds since RunStarted")
     index = {r: i for i, r in enumerate(tl.rows)}
     for s in tl.spans:
         ax.broken_barh([(s.start, max(s.end - s.start, tl.duration / 2000))], (index[s.row] - 0.4, 0.8), color=COLORS[s.kind])
     ax.set_yticks(range(len(tl.rows)))
     ax.set_yticklabels(tl.rows)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since RunStarted")
-    ax.set_title(f"rolledger timeline: {tl.run_id}")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 if len(tl.rows) < 6 else -0.12), ncol=len(COLORS), fontsize="small")  # fmt: skip
+    ax.set_title(f"rolledger timeline: {tl.run_id}", pad=30)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="lower center",
+              bbox_to_anchor=(0.5, 1.04), ncol=len(COLORS), fontsize="small", frameon=False)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -161,6 +186,14 @@ def _html(tl: Timeline) -> str:
                      f"<title>{html.escape(s.label)} ({s.start:.3f}s to {s.end:.3f}s)</title></rect>")  # fmt: skip
     parts.append(f'<text x="{left}" y="{height - 8}">0 s</text><text x="{width - 60}" y="{height - 8}">{tl.duration:.2f} s</text>')
     parts.append("</svg>")
+    most = max(tl.lag_histogram.values(), default=1)
+    lag_rows = "".join(
+        f"<tr><td>{k}</td><td>{v}</td><td><div style='background:#4C9BE8;height:12px;width:{240 * v // most}px'></div></td></tr>"
+        for k, v in sorted(tl.lag_histogram.items())
+    )
+    peak = max((q for _, q in tl.queued), default=0)
+    below = (f"<h3>lag of consumed groups</h3><table cellpadding=3><tr><th>lag</th><th>groups</th><th></th></tr>{lag_rows}"
+             f"</table><p>groups waiting for the trainer: peak {peak}</p>")  # fmt: skip
     legend = " ".join(f'<span style="background:{c};padding:2px 6px;margin:2px">{k}</span>' for k, c in COLORS.items())
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>rolledger timeline {html.escape(tl.run_id)}</title></head>"
-            f"<body><h2>rolledger timeline: {html.escape(tl.run_id)}</h2><p>{legend}</p>{''.join(parts)}</body></html>\n")  # fmt: skip
+            f"<body><h2>rolledger timeline: {html.escape(tl.run_id)}</h2><p>{legend}</p>{''.join(parts)}{below}</body></html>\n")  # fmt: skip
