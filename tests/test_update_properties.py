@@ -452,7 +452,7 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 @example(plan=Plan(2, 2, {1: (0, "commit")}, None, 0), schedule=[], jumps=set())  # B2, B3
 @given(plan=plans(), schedule=st.lists(st.integers(0, 63), max_size=MAX_DRAWN),
        jumps=st.sets(st.integers(0, MAX_DRAWN - 1), max_size=2))  # fmt: skip
-def test_the_transaction_is_fail_closed_under_failures_crashes_and_clock_jumps(plan: Plan, schedule: list[int], jumps: set[int]) -> None:
+def test_simulated_the_transaction_is_fail_closed_under_failures_crashes_and_clock_jumps(plan: Plan, schedule: list[int], jumps: set[int]) -> None:
     sim = Sim(plan)
     rounds = sim.run(schedule, jumps)
     check_properties(sim, rounds)
@@ -464,20 +464,20 @@ def settle(plan: Plan, schedule: list[int] | None = None, jumps: set[int] | None
     return sim, sim.run(schedule or [], jumps or set())
 
 
-def test_a_committed_update_whose_every_rank_was_quarantined_still_ends() -> None:
+def test_simulated_a_committed_update_whose_every_rank_was_quarantined_still_ends() -> None:
     sim, rounds = settle(Plan(1, 1, {1: (0, "commit")}, None, 0))  # the only rank fails its swap
     assert rounds < MAX_ROUNDS and sim.state.updates[1].status == "published"
     assert "update" not in sim.state.admission.paused  # the run goes on: the trainer may stage the next version
 
 
-def test_a_rank_rejoined_on_an_older_version_is_brought_to_the_published_one() -> None:
+def test_simulated_a_rank_rejoined_on_an_older_version_is_brought_to_the_published_one() -> None:
     # rank 0 fails its v1 swap, is quarantined and rejoins on v1 after v2 asked only rank 1 to prepare
     sim, rounds = settle(Plan(2, 2, {1: (0, "commit")}, None, 0))
     assert rounds < MAX_ROUNDS and sim.state.policy_version == 2
     assert [(r.rank, r.version) for r in sim.ranks] == [(0, 2), (1, 2)]
 
 
-def test_every_update_drains_under_its_own_pause() -> None:
+def test_simulated_every_update_drains_under_its_own_pause() -> None:
     # the trainer stages v2 in the same round that v1 is published, before the coordinator reopens admission
     sim, rounds = settle(Plan(2, 2, {}, None, 0))
     assert rounds < MAX_ROUNDS and sorted(sim.state.updates) == [1, 2]
@@ -486,7 +486,7 @@ def test_every_update_drains_under_its_own_pause() -> None:
     assert all(u.paused_at > 0 for u in sim.state.updates.values()), [(v, u.paused_at) for v, u in sim.state.updates.items()]
 
 
-def test_a_group_started_before_the_rank_read_the_pause_is_drained_before_the_commit() -> None:
+def test_simulated_a_group_started_before_the_rank_read_the_pause_is_drained_before_the_commit() -> None:
     # rank 0 starts the queued group after AdmissionPaused(update) is in the log, before its follower read it
     sim, rounds = settle(Plan(1, 1, {}, None, 1), [1])
     log = sim.log
@@ -500,7 +500,7 @@ def test_a_group_started_before_the_rank_read_the_pause_is_drained_before_the_co
     assert not audit(log).for_invariant(2)  # a drained start is legal: generation stops per rank at its EnginePaused
 
 
-def test_stale_weights_on_two_ranks_tie_the_probe_but_the_audit_shows_them() -> None:
+def test_simulated_stale_weights_on_two_ranks_tie_the_probe_but_the_audit_shows_them() -> None:
     sim, rounds = settle(Plan(2, 1, {1: (1, "stale")}, None, 0))
     assert rounds < MAX_ROUNDS and sim.ranks[1].claim == (1, w(1)) and sim.ranks[1].digest == w(0)
     assert not [e for _, e in of(sim.log, ev.RankQuarantined)]  # a tie names nobody
@@ -508,7 +508,7 @@ def test_stale_weights_on_two_ranks_tie_the_probe_but_the_audit_shows_them() -> 
     assert any(x.invariant == 4 and "rank 1 never invalidated" in x.message for x in report.violations), report.render()
 
 
-def test_a_coordinator_crash_mid_transaction_aborts_at_the_deadline_and_the_next_version_commits() -> None:
+def test_simulated_a_coordinator_crash_mid_transaction_aborts_at_the_deadline_and_the_next_version_commits() -> None:
     # the coordinator dies right after PrepareRequested (its 1st decision); its successor never commits v1
     sim, rounds = settle(Plan(2, 2, {}, 1, 0))
     assert rounds < MAX_ROUNDS
