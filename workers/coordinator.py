@@ -21,7 +21,7 @@ from workflows.admission import AdmissionInputs, decide_admission
 from workflows.groups import decide_groups
 from workflows.handoff import decide_handoff
 from workflows.inject import Injector
-from workflows.replay import take_snapshot
+from workflows.replay import latest_snapshot, take_snapshot
 from workflows.scheduler import PromptItem
 from workflows.state import RunState
 from workflows.update import decide_update
@@ -77,11 +77,14 @@ class Coordinator(Worker):
         super().__init__(client, run_id, name)
         self.prompts = list(prompts)
         self.follower = Follower(self.log)
+        snap = latest_snapshot(client, run_id)
+        if snap is not None:  # a restarted coordinator resumes from the latest snapshot plus the tail after it
+            self.follower.start_from(snap.load(), snap.stream_id)
         self.lease = LeaderLease(client, run_id, "coordinator", name, ttl_ms=lease_ttl_ms)
         self.injector = injector or Injector()
         self.decisions = 0
         self.snapshot_every = snapshot_every
-        self._snapshot_at = 0
+        self._snapshot_at = self.follower.state.events_applied  # 0, or the snapshot it started from
 
     def respawn(self) -> Coordinator:
         """A new coordinator: it rebuilds the state from the log, takes the lease when the old one expires (a larger

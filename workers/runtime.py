@@ -27,6 +27,10 @@ class Follower:
         self.state = RunState()
         self.last_id = "0-0"
 
+    def start_from(self, state: RunState, stream_id: str) -> None:
+        """Begin at a snapshot (state as of `stream_id`) instead of the first entry: replay = snapshot + tail."""
+        self.state, self.last_id = state, stream_id
+
     def poll(self, block_ms: int = 100) -> list[StoredEvent]:
         got = self.log.tail(self.last_id, block_ms=block_ms)
         for stored in got:

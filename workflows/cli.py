@@ -89,6 +89,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "run_id": run_id,
         "digest": report.digest,
         "deterministic": report.digest == report.digest_again,
+        "snapshot_plus_tail": report.tail_digest,
         "last_stream_id": report.last_stream_id,
         "snapshots": [{"event_id": e, "recorded": a, "replayed": b, "ok": a == b} for e, a, b in report.snapshot_checks],
         "state": state.to_dict(),
@@ -104,6 +105,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"digest {report.digest} (replayed twice: {'same' if out['deterministic'] else 'DIFFERENT'})")
         bad = [c for c in out["snapshots"] if not c["ok"]]  # type: ignore[index,union-attr]
         print(f"snapshots checked: {len(report.snapshot_checks)}, mismatched: {len(bad)}")
+        if report.tail_digest is not None:
+            same = "same" if report.tail_digest == report.digest else f"DIFFERENT: {report.tail_digest}"
+            print(f"latest snapshot + tail: {same}")
         for c in bad:
             print(f"  snapshot at {c['event_id']}: recorded {c['recorded']} != replayed {c['replayed']}")  # type: ignore[index]
         print(f"anomalies: {len(state.anomalies)}")
@@ -160,10 +164,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from events.store import EventLog
     from workflows.progress import status_table
-    from workflows.replay import rebuild
+    from workflows.replay import latest_snapshot, rebuild
 
-    with _open(args) as (client, run_id):
-        state, _ = rebuild(EventLog(client, run_id))
+    with _open(args) as (client, run_id):  # the latest snapshot plus the tail after it: fast on a long run
+        state, _ = rebuild(EventLog(client, run_id), from_snapshot=latest_snapshot(client, run_id))
     Console().print(status_table(state))
     return 0
 

@@ -1,8 +1,8 @@
 """Replay and snapshots: rebuild a run's state from its log, and check that the reducer is deterministic.
 
 A snapshot is (state, digest, stream id and event id of the last event folded) in the run's snapshots stream.
-`replay = snapshot + tail`. `verify` replays the whole log twice and, at every snapshot's position, compares the
-digest recorded then with the digest of the full replay up to that point: a mismatch means the reducer changed its
+`replay = snapshot + tail`. `verify` replays the whole log twice, once more from the latest snapshot plus its tail,
+and, at every snapshot's position, compares the digest recorded then with the digest of the full replay up to there: a mismatch means the reducer changed its
 decisions for old history (nondeterminism) or the log or snapshot was corrupted — Temporal's replay check.
 """
 
@@ -64,6 +64,20 @@ def rebuild(log: EventLog, until: str | None = None, from_snapshot: Snapshot | N
     return state, last
 
 
+def _position(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def latest_snapshot(client: redis.Redis, run_id: str, at_or_before: str | None = None) -> Snapshot | None:
+    """The newest stored snapshot (at or before a stream id), to start a replay from: snapshot + tail."""
+    found = snapshots(client, run_id)
+    if at_or_before is not None:
+        limit = _position(at_or_before)
+        found = [s for s in found if _position(s.stream_id) <= limit]
+    return found[-1] if found else None
+
+
 @dataclass
 class ReplayReport:
     state: RunState
@@ -71,10 +85,15 @@ class ReplayReport:
     digest_again: str
     last_stream_id: str
     snapshot_checks: list[tuple[str, str, str]] = field(default_factory=list)  # (event id, recorded, replayed)
+    tail_digest: str | None = None  # latest snapshot + the tail after it (None when there is no snapshot)
 
     @property
     def ok(self) -> bool:
-        return self.digest == self.digest_again and all(rec == rep for _, rec, rep in self.snapshot_checks)
+        return (
+            self.digest == self.digest_again
+            and all(rec == rep for _, rec, rep in self.snapshot_checks)
+            and self.tail_digest in (None, self.digest)
+        )
 
 
 def verify(client: redis.Redis, run_id: str, until: str | None = None) -> ReplayReport:
@@ -90,4 +109,6 @@ def verify(client: redis.Redis, run_id: str, until: str | None = None) -> Replay
         if snap is not None:
             checks.append((snap.event_id, snap.digest, state.digest()))
     again, _ = rebuild(log, until)
-    return ReplayReport(state, state.digest(), again.digest(), last, checks)
+    snap = latest_snapshot(client, run_id, at_or_before=last) if last else None
+    tail = rebuild(log, until, from_snapshot=snap)[0].digest() if snap is not None else None
+    return ReplayReport(state, state.digest(), again.digest(), last, checks, tail)
