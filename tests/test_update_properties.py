@@ -448,8 +448,8 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 
 
 @SETTINGS
-@example(plan=Plan(1, 1, {1: (0, "commit")}, None, 0), schedule=[], jumps=set())  # B1
-@example(plan=Plan(2, 2, {1: (0, "commit")}, None, 0), schedule=[], jumps=set())  # B2, B3
+@example(plan=Plan(1, 1, {1: (0, "commit")}, None, 0), schedule=[], jumps=set())  # every rank quarantined: the update must still end
+@example(plan=Plan(2, 2, {1: (0, "commit")}, None, 0), schedule=[], jumps=set())  # a rank rejoined behind, and an update staged under the previous pause
 @given(plan=plans(), schedule=st.lists(st.integers(0, 63), max_size=MAX_DRAWN),
        jumps=st.sets(st.integers(0, MAX_DRAWN - 1), max_size=2))  # fmt: skip
 def test_simulated_the_transaction_is_fail_closed_under_failures_crashes_and_clock_jumps(plan: Plan, schedule: list[int], jumps: set[int]) -> None:

@@ -34,11 +34,12 @@ def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
         if state.updates[v].status in ("staged", "preparing"):
             out.append(ev.UpdateAborted(version=v, reason=f"superseded by v{open_updates[-1]}", fence=fence))
     if "update" in state.admission.paused and (not open_updates or not state.updates[open_updates[-1]].paused_at):
-        out.append(ev.AdmissionResumed(reason="update"))  # B3: that pause belonged to a transaction already closed
+        # that pause belonged to a transaction already closed: the open one pauses (and times its drain) itself
+        out.append(ev.AdmissionResumed(reason="update"))
         return out
     if open_updates:
         out.extend(_decide_one(state, state.updates[open_updates[-1]], now, fence))
-    else:  # B2: a live rank behind the published version (it rejoined on an older one) reloads the published one
+    else:  # a live rank behind the published version (it rejoined on an older one) is sent to reload it
         for r in sorted(state.ranks.values(), key=lambda r: r.rank):
             if r.status != "quarantined" and r.committed_version != state.policy_version:
                 out.append(ev.RankQuarantined(rank=r.rank, version=state.policy_version,
@@ -109,6 +110,6 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
     for r, why in sorted(bad.items()):
         out.append(ev.RankQuarantined(rank=r, version=u.version, reason=why))
     serving = [r for r in u.ranks if r not in bad and r not in u.quarantined]
-    if all(r in u.healthy for r in serving) and not bad:  # B1: with every rank quarantined, still close it
+    if all(r in u.healthy for r in serving) and not bad:  # with every rank quarantined it still closes
         out.append(ev.PolicyPublished(version=u.version, weights_digest=u.weights_digest, ranks=tuple(serving), fence=fence))
     return out
