@@ -17,6 +17,17 @@ from pydantic import ValidationError
 from schemas.config import RunConfig
 
 
+class _CurrentStderr:
+    """Writes to whatever sys.stderr is *now*: worker threads outlive a redirected stream (a test's capture, a
+    closed pipe) and must not keep writing to the one that was current when logging was configured."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(json_logs: bool) -> None:
     """JSON logs for services (and when stderr is not a terminal), pretty ones in a terminal."""
     renderer: structlog.types.Processor = (
@@ -30,7 +41,7 @@ def configure_logging(json_logs: bool) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
     )
 
 
