@@ -35,9 +35,11 @@ def small(**kw: object) -> RunConfig:
     return RunConfig.model_validate(base)
 
 
-def execute(redis_url: str, run_id: str, tmp_path: Path, cfg: RunConfig, *injections: str) -> tuple[list[ev.Event], object]:
+def execute(redis_url: str, run_id: str, tmp_path: Path, cfg: RunConfig, *injections: str,
+            deadline_s: float = 240) -> tuple[list[ev.Event], object]:  # fmt: skip
+    """Run the loop to the end, then check replay (deterministic, snapshots match, no anomalies); the log and summary."""
     run = LocalRun(RunOptions(config=cfg, redis_url=redis_url, run_id=run_id, runs_dir=tmp_path,
-                              injections=[parse_injection(s) for s in injections], deadline_s=240))  # fmt: skip
+                              injections=[parse_injection(s) for s in injections], deadline_s=deadline_s))  # fmt: skip
     summary = run.execute()
     client = redis.Redis.from_url(redis_url)
     events = [s.event for s in EventLog(client, run_id).read()]

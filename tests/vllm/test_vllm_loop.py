@@ -13,17 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
+from test_run_loop import execute as run_and_check
 
-from events.store import EventLog
 from schemas import events as ev
 from schemas.config import RunConfig
 from workers.engine import EngineError
 from workers.engines.factory import build_engines
-from workers.local_run import LocalRun, RunOptions
 from workflows.audit import audit
-from workflows.inject import parse_injection
-from workflows.replay import verify
 
 from .conftest import PROMPT, LoopServers
 
@@ -34,19 +30,11 @@ GREEDY_PROMPTS: tuple[tuple[int, ...], ...] = (PROMPT, (1, 5, 9, 14, 7, 15))
 
 def execute(redis_url: str, run_id: str, runs_dir: Path, cfg: RunConfig, servers: LoopServers,
             *injections: str) -> tuple[list[ev.Event], object, float]:  # fmt: skip
+    """The main suite's run-and-check (tests/test_run_loop.py), on a run directory seeded with the servers' policy."""
     servers.seed_run_dir(runs_dir / run_id)
-    run = LocalRun(RunOptions(config=cfg, redis_url=redis_url, run_id=run_id, runs_dir=runs_dir,
-                              injections=[parse_injection(s) for s in injections], deadline_s=300))  # fmt: skip
     started = time.perf_counter()
-    summary = run.execute()
-    wall_s = time.perf_counter() - started
-    client = redis.Redis.from_url(redis_url)
-    events = [s.event for s in EventLog(client, run_id).read()]
-    report = verify(client, run_id)
-    assert report.ok, report.snapshot_checks
-    assert report.state.anomalies == [], report.state.anomalies
-    client.close()
-    return events, summary, wall_s
+    events, summary = run_and_check(redis_url, run_id, runs_dir, cfg, *injections, deadline_s=300)
+    return events, summary, time.perf_counter() - started
 
 
 def of(events: list[ev.Event], cls: type) -> list:  # type: ignore[type-arg]
