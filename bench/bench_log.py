@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from events.codec import decode, encode
-from events.connection import connect
-from events.embedded import find_redis_server, server_version
-from events.store import EventLog
-from schemas.events import Event, SampleFinished, make_event
-from schemas.trajectory import Trajectory
+from rolledger.events.codec import decode, encode
+from rolledger.events.connection import connect
+from rolledger.events.embedded import find_redis_server, server_version
+from rolledger.events.store import EventLog
+from rolledger.schemas.events import Event, SampleFinished, make_event
+from rolledger.schemas.trajectory import Trajectory
 
 BATCH = 100
 

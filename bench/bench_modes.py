@@ -14,9 +14,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from schemas import events as ev
-from schemas.config import RunConfig
-from workers.local_run import LocalRun, RunOptions
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.local_run import LocalRun, RunOptions
 
 
 def measure(mode: str, steps: int, ranks: int, root: Path) -> dict[str, float]:

@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from events.connection import connect
-from events.embedded import find_redis_server, server_version
-from events.store import EventLog
-from schemas.config import AdmissionConfig, RunConfig
-from schemas.events import Event
+from rolledger.events.connection import connect
+from rolledger.events.embedded import find_redis_server, server_version
+from rolledger.events.store import EventLog
+from rolledger.schemas.config import AdmissionConfig, RunConfig
+from rolledger.schemas.events import Event
 from tests.logbuilder import LogBuilder
-from workflows.replay import rebuild
+from rolledger.workflows.replay import rebuild
 
 PAGE = 1000
 APPEND_BATCH = 500

@@ -37,14 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import make_prompts
 from bench_replay import redis_server
 
-from events.connection import connect
-from events.store import EventLog
-from schemas import events as ev
-from schemas.config import ModelConfig, RunConfig, SamplingParams
-from workers.engines.torch_engine import TorchEngine
-from workers.policy_model import build_model, build_tokenizer, policy_state
-from workers.rank import RankWorker
-from workers.weights import state_digest
+from rolledger.events.connection import connect
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import ModelConfig, RunConfig, SamplingParams
+from rolledger.workers.engines.torch_engine import TorchEngine
+from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.rank import RankWorker
+from rolledger.workers.weights import state_digest
 
 RUN_ID = "bench-rollout"
 

@@ -39,9 +39,9 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.weights import WeightManifest
-from workers.staging import DirectoryStagingStore, load_verified
-from workers.weights import state_digest
+from rolledger.schemas.weights import WeightManifest
+from rolledger.workers.staging import DirectoryStagingStore, load_verified
+from rolledger.workers.weights import state_digest
 
 RANK_DEADLINE_S = 600.0
 

@@ -25,8 +25,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from schemas.config import ModelConfig, SamplingParams
-from workers.engines.vllm_engine import VllmEngine, start_vllm_server
+from rolledger.schemas.config import ModelConfig, SamplingParams
+from rolledger.workers.engines.vllm_engine import VllmEngine, start_vllm_server
 
 PROMPT = [1, 4, 5, 14, 6, 15]
 
@@ -76,7 +76,7 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="rolledger-bench-vllm-")
     try:
         if args.url is None:
-            from workers.policy_model import build_model, build_tokenizer, save_policy
+            from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
 
             tok = build_tokenizer()
             model_dir = save_policy(

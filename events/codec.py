@@ -21,8 +21,8 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from schemas.base import PackedArray, PackedArraySchema
-from schemas.events import PAYLOAD_TYPES, Event, upcast
+from rolledger.schemas.base import PackedArray, PackedArraySchema
+from rolledger.schemas.events import PAYLOAD_TYPES, Event, upcast
 
 _ARRAY_EXT = 1
 _PACK_CTX = {"packed": True}

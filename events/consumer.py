@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 
 import redis
 
-from events.codec import DecodeError, decode
-from events.keys import log_key
-from events.store import PAYLOAD_FIELD, PAYLOAD_LOST, as_str, dead_letter
-from schemas.events import Event
+from rolledger.events.codec import DecodeError, decode
+from rolledger.events.keys import log_key
+from rolledger.events.store import PAYLOAD_FIELD, PAYLOAD_LOST, as_str, dead_letter
+from rolledger.schemas.events import Event
 
 
 class Delivery(NamedTuple):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import redis
 
-from events.keys import fence_key, lease_key
+from rolledger.events.keys import fence_key, lease_key
 
 # KEYS: lease, fence. ARGV: holder, ttl ms, our current value ('' if none).
 # Returns -1 when our value is still there (renewed), the new token when acquired, nil when someone else holds it.

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
-from events.connection import connect
-from events.embedded import EmbeddedRedis
+from rolledger.events.connection import connect
+from rolledger.events.embedded import EmbeddedRedis
 
 
 @dataclass(frozen=True)

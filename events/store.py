@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 
 import redis
 
-from events.codec import DecodeError, decode, encode
-from events.keys import dead_letter_key, dedupe_key, log_key
-from schemas.events import Event
+from rolledger.events.codec import DecodeError, decode, encode
+from rolledger.events.keys import dead_letter_key, dedupe_key, log_key
+from rolledger.schemas.events import Event
 
 PAYLOAD_FIELD = b"e"
 TYPE_FIELD = b"t"

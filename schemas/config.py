@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.base import Model
+from rolledger.schemas.base import Model
 
 
 class SamplingParams(Model):

@@ -18,9 +18,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter
 
-from schemas.base import I32Array, Model
-from schemas.config import PartialPolicy, RunConfig, SamplingParams
-from schemas.trajectory import Trajectory
+from rolledger.schemas.base import I32Array, Model
+from rolledger.schemas.config import PartialPolicy, RunConfig, SamplingParams
+from rolledger.schemas.trajectory import Trajectory
 
 
 class Payload(Model):

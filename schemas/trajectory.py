@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.base import F32Array, I8Array, I32Array, Model
-from schemas.config import SamplingParams
+from rolledger.schemas.base import F32Array, I8Array, I32Array, Model
+from rolledger.schemas.config import SamplingParams
 
 
 def trajectory_nbytes(prompt_tokens: int, generated_tokens: int) -> int:

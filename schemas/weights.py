@@ -15,8 +15,8 @@ from typing import Literal
 import xxhash
 from pydantic import Field, field_validator, model_validator
 
-from schemas.base import Model
-from workers.weights import CHECKSUM_ALGO, digest_entries
+from rolledger.schemas.base import Model
+from rolledger.workers.weights import CHECKSUM_ALGO, digest_entries
 
 ChecksumAlgo = Literal["xxh3_128", "blake3"]
 DEFAULT_CHECKSUM_ALGO: ChecksumAlgo = "xxh3_128"  # workers.weights.CHECKSUM_ALGO, typed as the Literal

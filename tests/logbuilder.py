@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.config import AdmissionConfig, PartialPolicy, RunConfig
-from schemas.events import (
+from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig
+from rolledger.schemas.events import (
     AdmissionPaused,
     AdmissionReason,
     AdmissionResumed,
@@ -54,7 +54,7 @@ from schemas.events import (
     UpdateStaged,
     make_event,
 )
-from schemas.trajectory import Trajectory
+from rolledger.schemas.trajectory import Trajectory
 
 
 def weights_digest_for(version: int) -> str:

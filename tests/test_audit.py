@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder, weights_digest_for
 
-from schemas.config import PartialPolicy
-from schemas.events import EnginePaused, Event
-from schemas.trajectory import VersionSpan
-from workflows.audit import AuditReport, audit
+from rolledger.schemas.config import PartialPolicy
+from rolledger.schemas.events import EnginePaused, Event
+from rolledger.schemas.trajectory import VersionSpan
+from rolledger.workflows.audit import AuditReport, audit
 
 
 def only(report: AuditReport, invariant: int) -> list[tuple[str, ...]]:
@@ -276,7 +276,7 @@ def test_inv3_aborted_version_must_leave_ranks_on_the_old_version() -> None:
 
 
 def b_rank_committed(version: int, rank: int):  # type: ignore[no-untyped-def]
-    from schemas.events import RankCommitted
+    from rolledger.schemas.events import RankCommitted
 
     return RankCommitted(version=version, rank=rank, weights_digest=weights_digest_for(version))
 
@@ -552,7 +552,7 @@ def test_inv4_failure_after_commit_rolls_forward_on_the_other_ranks() -> None:
 
 def test_builder_logs_fold_through_the_reducer_without_anomalies() -> None:
     """The builder's logs are the ones the run loop writes: the project's reducer accepts them as they are."""
-    reducer = pytest.importorskip("workflows.reducer")
+    reducer = pytest.importorskip("rolledger.workflows.reducer")
     events = full_log().build()
     state = reducer.replay(events)
     assert state.anomalies == []

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import RunConfig
-from workers.local_run import LocalRun, RunOptions
-from workflows.cli import main
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.local_run import LocalRun, RunOptions
+from rolledger.workers.cli import main
 
 pytestmark = pytest.mark.slow
 

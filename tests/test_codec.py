@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from events.codec import DecodeError, decode, encode
-from schemas.base import F32Array, I8Array, I32Array
-from schemas.events import PAYLOAD_TYPES, Event, SampleScored, make_event
-from schemas.trajectory import Trajectory
+from rolledger.events.codec import DecodeError, decode, encode
+from rolledger.schemas.base import F32Array, I8Array, I32Array
+from rolledger.schemas.events import PAYLOAD_TYPES, Event, SampleScored, make_event
+from rolledger.schemas.trajectory import Trajectory
 
 _ARRAY_MARKERS = {
     id(typing.get_args(I32Array)[1]): st.integers(-(2**31), 2**31 - 1),
@@ -158,7 +158,7 @@ def _sample_finished(logprobs: list[float], n: int = 5) -> Event:
         sampling={"temperature": 0.7}, policy_version=2, weights_digest="w", rank=0, engine="torch",
         cache_generation=1, graph_generation=1,
     )  # fmt: skip
-    from schemas.events import SampleFinished
+    from rolledger.schemas.events import SampleFinished
 
     return make_event(SampleFinished(trajectory=traj), run_id="r", producer="t", policy_version=2)
 
@@ -230,8 +230,8 @@ def test_bad_bytes_raise_decode_error_with_reason(mutate: Any, reason: str) -> N
 
 
 def test_path_field_in_config_encodes() -> None:
-    from schemas.config import RunConfig
-    from schemas.events import RunStarted
+    from rolledger.schemas.config import RunConfig
+    from rolledger.schemas.events import RunStarted
 
     config = RunConfig.model_validate({"update": {"staging_dir": "/tmp/staging"}})
     event = make_event(

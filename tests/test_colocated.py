@@ -10,14 +10,14 @@ import redis
 import torch
 from test_run_loop import execute, of, small
 
-from events.store import EventLog
-from schemas import events as ev
-from schemas.config import RunConfig
-from workers.engines.torch_engine import TorchEngine
-from workers.policy_model import build_model, build_tokenizer
-from workers.rank import RankWorker
-from workflows.audit import audit
-from workflows.reducer import replay
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.engines.torch_engine import TorchEngine
+from rolledger.workers.policy_model import build_model, build_tokenizer
+from rolledger.workers.rank import RankWorker
+from rolledger.workflows.audit import audit
+from rolledger.workflows.reducer import replay
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.connection import connect
-from events.embedded import find_redis_server
+from rolledger.events.connection import connect
+from rolledger.events.embedded import find_redis_server
 
 PASSWORD = "s3cret-pw"
 

@@ -17,11 +17,11 @@ import pytest
 import redis
 from _consumer_proc import complete, completions_key, started_key  # type: ignore[import-not-found]
 
-from events.codec import encode
-from events.consumer import Delivery, GroupConsumer
-from events.keys import dead_letter_key
-from events.store import PAYLOAD_LOST, EventLog, as_str, read_dead_letters
-from schemas.events import Event, SampleScored, make_event
+from rolledger.events.codec import encode
+from rolledger.events.consumer import Delivery, GroupConsumer
+from rolledger.events.keys import dead_letter_key
+from rolledger.events.store import PAYLOAD_LOST, EventLog, as_str, read_dead_letters
+from rolledger.schemas.events import Event, SampleScored, make_event
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 import redis
 
-from events.keys import lease_key
-from events.store import EventLog
-from schemas import events as ev
-from schemas.config import RunConfig
-from workers.coordinator import Coordinator
-from workflows.scheduler import PromptItem
+from rolledger.events.keys import lease_key
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.coordinator import Coordinator
+from rolledger.workflows.scheduler import PromptItem
 
 PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "5", est_completion_tokens=2) for i in range(4)]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import redis
 from test_coordinator_election import Harness, config, stop
 
-from schemas import events as ev
-from workers.coordinator import Coordinator
-from workers.runtime import WorkerKilled
-from workflows.inject import Injector, parse_injection
+from rolledger.schemas import events as ev
+from rolledger.workers.coordinator import Coordinator
+from rolledger.workers.runtime import WorkerKilled
+from rolledger.workflows.inject import Injector, parse_injection
 
 
 def killed_after(h: Harness, decisions: int) -> Coordinator:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from logbuilder import LogBuilder
 
-from schemas import events as ev
-from schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
-from workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
-from workflows.groups import decide_group
-from workflows.reducer import replay
-from workflows.scheduler import PromptItem, order_candidates, remaining_tokens
-from workflows.state import GroupState, RunState, SampleState
-from workflows.update import decide_update
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
+from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
+from rolledger.workflows.groups import decide_group
+from rolledger.workflows.reducer import replay
+from rolledger.workflows.scheduler import PromptItem, order_candidates, remaining_tokens
+from rolledger.workflows.state import GroupState, RunState, SampleState
+from rolledger.workflows.update import decide_update
 
 PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3, 4), "7", est_completion_tokens=2 + (i % 3)) for i in range(50)]
 
@@ -24,7 +24,7 @@ def config(**kw: object) -> RunConfig:
 
 
 def fold_all(state: RunState, payloads: list[ev.Payload], version: int | None = None) -> RunState:
-    from workflows.reducer import fold
+    from rolledger.workflows.reducer import fold
 
     for p in payloads:
         fold(state, ev.make_event(p, run_id="r", producer="test", policy_version=state.policy_version if version is None else version))
@@ -252,7 +252,7 @@ def test_a_rank_with_the_wrong_digest_or_a_stale_probe_is_quarantined_and_the_re
 
 # ---------------------------------------------------------------- the run waits for its ranks
 def test_nothing_is_decided_until_every_rank_joined_and_a_missing_rank_fails_the_run() -> None:
-    from workers.coordinator import decide
+    from rolledger.workers.coordinator import decide
 
     b = LogBuilder(ranks=2).start_run(join_ranks=False)
     b.join(0)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.store import EventLog
-from schemas import events as ev
-from workflows.audit import audit
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.workflows.audit import audit
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ num_prompts = 64
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "workflows.cli", "--json-logs", *args],
+    return subprocess.Popen([sys.executable, "-m", "rolledger.workers.cli", "--json-logs", *args],
                             stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
 

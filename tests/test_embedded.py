@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from events import embedded
-from events.connection import connect
-from events.consumer import GroupConsumer
-from events.embedded import SOCKET_POINTER, EmbeddedRedis, find_redis_server, server_version
-from events.store import EventLog
-from schemas.events import Event, SampleScored, make_event
+from rolledger.events import embedded
+from rolledger.events.connection import connect
+from rolledger.events.consumer import GroupConsumer
+from rolledger.events.embedded import SOCKET_POINTER, EmbeddedRedis, find_redis_server, server_version
+from rolledger.events.store import EventLog
+from rolledger.schemas.events import Event, SampleScored, make_event
 
 
 def scored(i: int) -> Event:

@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_run_loop import execute, of, small
 
-from schemas import events as ev
-from schemas.config import ModelConfig, SamplingParams
-from workers.engines.torch_engine import TorchEngine
-from workers.grpo import sequence_logprobs
-from workers.policy_model import build_model, build_tokenizer, policy_state
-from workflows.audit import audit
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import ModelConfig, SamplingParams
+from rolledger.workers.engines.torch_engine import TorchEngine
+from rolledger.workers.grpo import sequence_logprobs
+from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workflows.audit import audit
 
 
 def test_a_parked_sample_continues_on_the_new_weights_with_stamped_spans() -> None:

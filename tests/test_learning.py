@@ -17,18 +17,18 @@ import tempfile
 import pytest
 import torch
 
-from schemas.config import ModelConfig, SamplingParams, TaskConfig, TrainerConfig
-from workers.engines.torch_engine import TorchEngine
-from workers.grpo import (
+from rolledger.schemas.config import ModelConfig, SamplingParams, TaskConfig, TrainerConfig
+from rolledger.workers.engines.torch_engine import TorchEngine
+from rolledger.workers.grpo import (
     RolloutSample,
     group_advantages,
     grpo_step,
     make_optimizer,
     warm_start,
 )
-from workers.policy_model import build_model, build_tokenizer, load_policy, model_config, policy_state, save_policy
-from workers.tasks import make_prompts, parse_answer, score, supervised_examples
-from workers.weights import state_digest
+from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, model_config, policy_state, save_policy
+from rolledger.workers.tasks import make_prompts, parse_answer, score, supervised_examples
+from rolledger.workers.weights import state_digest
 
 SEED = 0
 WARM_START_STEPS = 400

@@ -7,8 +7,8 @@ import time
 import pytest
 import redis
 
-from events.keys import lease_key
-from events.lease import LeaderLease
+from rolledger.events.keys import lease_key
+from rolledger.events.lease import LeaderLease
 
 
 def test_two_contenders_exactly_one_gets_the_token(redis_client: redis.Redis, run_id: str) -> None:

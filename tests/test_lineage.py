@@ -8,9 +8,9 @@ import json
 import pytest
 from logbuilder import LogBuilder
 
-from schemas.events import Event
-from workflows.audit import audit
-from workflows.lineage import lineage
+from rolledger.schemas.events import Event
+from rolledger.workflows.audit import audit
+from rolledger.workflows.lineage import lineage
 
 
 def build() -> tuple[LogBuilder, list[Event]]:

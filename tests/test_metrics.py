@@ -5,8 +5,8 @@ from __future__ import annotations
 from logbuilder import LogBuilder
 from prometheus_client import generate_latest
 
-from workers.metrics import RunMetrics
-from workflows.reducer import replay
+from rolledger.workers.metrics import RunMetrics
+from rolledger.workflows.reducer import replay
 
 
 def test_metrics_reflect_the_state_and_the_events() -> None:

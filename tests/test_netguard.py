@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from workers.netguard import EngineAddressError, check_engine_address, is_allowed_ip
+from rolledger.workers.netguard import EngineAddressError, check_engine_address, is_allowed_ip
 
 
 @pytest.mark.parametrize(

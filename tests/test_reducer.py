@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
-from schemas import events as ev
-from workflows.reducer import evolve, fold, replay
-from workflows.state import RunState
+from rolledger.schemas import events as ev
+from rolledger.workflows.reducer import evolve, fold, replay
+from rolledger.workflows.state import RunState
 
 OPS = st.lists(
     st.sampled_from(["group", "partial_group", "consume", "update", "failed_update", "cancel", "drop"]),

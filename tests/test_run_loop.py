@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from events.store import EventLog
-from schemas import events as ev
-from schemas.config import RunConfig
-from workers.local_run import LocalRun, RunOptions
-from workflows.audit import audit
-from workflows.inject import parse_injection
-from workflows.replay import verify
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.local_run import LocalRun, RunOptions
+from rolledger.workflows.audit import audit
+from rolledger.workflows.inject import parse_injection
+from rolledger.workflows.replay import verify
 
 pytestmark = pytest.mark.slow
 

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from schemas.weights import TensorEntry, WeightManifest
-from workers import staging
-from workers.staging import (
+from rolledger.schemas.weights import TensorEntry, WeightManifest
+from rolledger.workers import staging
+from rolledger.workers.staging import (
     DirectoryStagingStore,
     StagingError,
     StagingStore,
@@ -34,7 +34,7 @@ from workers.staging import (
     open_version,
     read_manifest,
 )
-from workers.weights import digest_entries, state_digest, tensor_checksum
+from rolledger.workers.weights import digest_entries, state_digest, tensor_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -349,7 +349,7 @@ def test_killed_writer_leaves_no_version(store: DirectoryStagingStore) -> None:
     script = f"""
 import os, sys, torch
 from pathlib import Path
-from workers import staging
+from rolledger.workers import staging
 def die(tensors, filename, metadata=None):
     Path(filename).write_bytes(b"\\x00" * 1000)
     os._exit(3)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from logbuilder import LogBuilder
 
-from workflows.timeline import build_timeline, write_timeline
+from rolledger.workflows.timeline import build_timeline, write_timeline
 
 
 def run_log() -> list:  # type: ignore[type-arg]

@@ -10,12 +10,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from schemas.config import ModelConfig, SamplingParams
-from workers.engine import Engine, IllegalEngineOrder, WeightValidationError
-from workers.engines.torch_engine import TorchEngine
-from workers.grpo import sequence_logprobs
-from workers.policy_model import build_model, build_tokenizer, policy_state
-from workers.weights import state_digest
+from rolledger.schemas.config import ModelConfig, SamplingParams
+from rolledger.workers.engine import Engine, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.engines.torch_engine import TorchEngine
+from rolledger.workers.grpo import sequence_logprobs
+from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.weights import state_digest
 
 DEADLINE_S = 10.0
 

@@ -26,14 +26,14 @@ from typing import Literal, TypeVar
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from schemas import events as ev
-from schemas.config import RunConfig
-from schemas.trajectory import Trajectory
-from workflows.audit import Violation, audit
-from workflows.groups import decide_groups
-from workflows.reducer import fold, replay
-from workflows.state import RunState
-from workflows.update import decide_update
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.schemas.trajectory import Trajectory
+from rolledger.workflows.audit import Violation, audit
+from rolledger.workflows.groups import decide_groups
+from rolledger.workflows.reducer import fold, replay
+from rolledger.workflows.state import RunState
+from rolledger.workflows.update import decide_update
 
 Phase = Literal["prepare", "transfer", "commit", "stale"]
 RUN = "sim"

@@ -15,12 +15,12 @@ import pytest
 import redis
 import torch
 
-from events.consumer import GroupConsumer
-from events.store import EventLog
-from schemas import events as ev
-from schemas.config import RunConfig, SamplingParams
-from workers.policy_model import build_model, build_tokenizer, policy_state, save_policy
-from workers.weights import state_digest
+from rolledger.events.consumer import GroupConsumer
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig, SamplingParams
+from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state, save_policy
+from rolledger.workers.weights import state_digest
 
 pytestmark = pytest.mark.slow
 GROUPS = 6
@@ -34,7 +34,7 @@ def _sample_id(p: ev.Payload) -> str:
 
 def _worker(redis_url: str, run_id: str, rank: int, name: str, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "ROLLEDGER_TEST_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "workflows.cli", "--json-logs", "worker", "rank", "--redis", redis_url, "--run", run_id,
+    cmd = [sys.executable, "-m", "rolledger.workers.cli", "--json-logs", "worker", "rank", "--redis", redis_url, "--run", run_id,
            "--rank", str(rank), "--name", name, "--claim-idle-ms", "500"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 

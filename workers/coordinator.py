@@ -14,17 +14,17 @@ from collections.abc import Sequence
 
 import redis
 
-from events.lease import LeaderLease
-from schemas import events as ev
-from workers.runtime import Follower, Worker, WorkerKilled
-from workflows.admission import AdmissionInputs, decide_admission
-from workflows.groups import decide_groups
-from workflows.handoff import decide_handoff
-from workflows.inject import Injector
-from workflows.replay import latest_snapshot, take_snapshot
-from workflows.scheduler import PromptItem
-from workflows.state import RunState
-from workflows.update import decide_update
+from rolledger.events.lease import LeaderLease
+from rolledger.schemas import events as ev
+from rolledger.workers.runtime import Follower, Worker, WorkerKilled
+from rolledger.workflows.admission import AdmissionInputs, decide_admission
+from rolledger.workflows.groups import decide_groups
+from rolledger.workflows.handoff import decide_handoff
+from rolledger.workflows.inject import Injector
+from rolledger.workflows.replay import latest_snapshot, take_snapshot
+from rolledger.workflows.scheduler import PromptItem
+from rolledger.workflows.state import RunState
+from rolledger.workflows.update import decide_update
 
 # Decisions whose loss in a host crash would let a restarted coordinator decide differently: wait for the AOF.
 DURABLE_DECISIONS = (ev.UpdateCommitted, ev.UpdateAborted, ev.PolicyPublished)

@@ -14,7 +14,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-from schemas.config import SamplingParams
+from rolledger.schemas.config import SamplingParams
 
 PauseMode = Literal["abort", "wait", "keep"]
 WakeTag = Literal["weights", "kv_cache"]

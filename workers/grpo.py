@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
-from schemas.config import TrainerConfig
-from workers.tasks import SupervisedExample
+from rolledger.schemas.config import TrainerConfig
+from rolledger.workers.tasks import SupervisedExample
 
 
 class TrajectoryLike(Protocol):

@@ -21,27 +21,27 @@ import redis
 import structlog
 import torch
 
-from events.connection import connect
-from events.embedded import EmbeddedRedis
-from events.store import EventLog
-from schemas import events as ev
-from schemas.config import RunConfig
-from workers.coordinator import Coordinator
-from workers.engines.factory import build_engines
-from workers.grpo import warm_start
-from workers.metrics import RunMetrics
-from workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
-from workers.rank import RankWorker
-from workers.reward import RewardWorker
-from workers.runtime import Follower, Worker
-from workers.staging import DirectoryStagingStore
-from workers.tasks import make_prompts, supervised_examples
-from workers.trainer import TrainerWorker
-from workers.weights import state_digest
-from workflows.inject import Injection, Injector
-from workflows.replay import take_snapshot
-from workflows.scheduler import PromptItem
-from workflows.summary import Summary, summarize
+from rolledger.events.connection import connect
+from rolledger.events.embedded import EmbeddedRedis
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.coordinator import Coordinator
+from rolledger.workers.engines.factory import build_engines
+from rolledger.workers.grpo import warm_start
+from rolledger.workers.metrics import RunMetrics
+from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
+from rolledger.workers.rank import RankWorker
+from rolledger.workers.reward import RewardWorker
+from rolledger.workers.runtime import Follower, Worker
+from rolledger.workers.staging import DirectoryStagingStore
+from rolledger.workers.tasks import make_prompts, supervised_examples
+from rolledger.workers.trainer import TrainerWorker
+from rolledger.workers.weights import state_digest
+from rolledger.workflows.inject import Injection, Injector
+from rolledger.workflows.replay import take_snapshot
+from rolledger.workflows.scheduler import PromptItem
+from rolledger.workflows.summary import Summary, summarize
 
 log = structlog.get_logger("run")
 

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from schemas import events as ev
-from workflows.scheduler import remaining_tokens
-from workflows.state import RunState
+from rolledger.schemas import events as ev
+from rolledger.workflows.scheduler import remaining_tokens
+from rolledger.workflows.state import RunState
 
 ADMISSION_REASONS = ("bytes", "lag", "update", "handoff", "manual", "rate")
 

@@ -23,7 +23,7 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from schemas.config import ModelConfig
+from rolledger.schemas.config import ModelConfig
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 TASK_CHARS = "0123456789+= "

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import structlog
 
-from events.connection import connect
-from events.store import EventLog
-from schemas import events as ev
-from schemas.config import RunConfig
-from workers.engine import Engine
-from workers.runtime import Worker
+from rolledger.events.connection import connect
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.engine import Engine
+from rolledger.workers.runtime import Worker
 
 log = structlog.get_logger("process")
 
@@ -42,9 +42,9 @@ def _serve(worker: Worker) -> int:
 
 
 def run_coordinator(redis_url: str, run_id: str) -> int:
-    from workers.coordinator import Coordinator
-    from workers.local_run import prompt_items
-    from workers.policy_model import load_policy
+    from rolledger.workers.coordinator import Coordinator
+    from rolledger.workers.local_run import prompt_items
+    from rolledger.workers.policy_model import load_policy
 
     client = connect(redis_url)
     started = _run_started(client, run_id)
@@ -55,7 +55,7 @@ def run_coordinator(redis_url: str, run_id: str) -> int:
 
 def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None,
                claim_idle_ms: int = 5000) -> int:
-    from workers.policy_model import load_policy
+    from rolledger.workers.policy_model import load_policy
 
     client = connect(redis_url)
     started = _run_started(client, run_id)
@@ -63,14 +63,14 @@ def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: s
     model, tokenizer = load_policy(Path(started.model_dir))
     worker: Worker
     if kind in ("rollout", "rank"):
-        from workers.engines.torch_engine import TorchEngine
-        from workers.policy_model import policy_state
-        from workers.rank import RankWorker
+        from rolledger.workers.engines.torch_engine import TorchEngine
+        from rolledger.workers.policy_model import policy_state
+        from rolledger.workers.rank import RankWorker
 
         initial = {k: v.clone() for k, v in policy_state(model).items()}  # what a quarantined rank rejoins on at v0
         engine: Engine
         if cfg.engine == "vllm":  # this process is the rank agent of a vLLM server (cfg.vllm_urls[rank])
-            from workers.engines.factory import connect_vllm_rank
+            from rolledger.workers.engines.factory import connect_vllm_rank
 
             engine = connect_vllm_rank(cfg, rank, Path(started.model_dir))
         else:
@@ -79,12 +79,12 @@ def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: s
         if name:
             worker.name = name
     elif kind == "reward":
-        from workers.reward import RewardWorker
+        from rolledger.workers.reward import RewardWorker
 
         worker = RewardWorker(client, run_id, name or "reward", tokenizer, claim_idle_ms=claim_idle_ms)
     elif kind == "trainer":
-        from workers.staging import DirectoryStagingStore
-        from workers.trainer import TrainerWorker
+        from rolledger.workers.staging import DirectoryStagingStore
+        from rolledger.workers.trainer import TrainerWorker
 
         staging = DirectoryStagingStore(cfg.update.staging_dir or Path(started.model_dir).parent / "staging")
         worker = TrainerWorker(client, run_id, name or "trainer", model, staging)

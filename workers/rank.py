@@ -23,13 +23,13 @@ from collections.abc import Callable
 import redis
 import torch
 
-from events.consumer import Delivery, GroupConsumer
-from schemas import events as ev
-from schemas.trajectory import Trajectory, VersionSpan
-from workers.engine import Engine, GroupOutput, IllegalEngineOrder, SampleOutput
-from workers.runtime import Follower, Worker, WorkerKilled
-from workers.staging import StagingError, load_verified, read_manifest
-from workflows.inject import Injector
+from rolledger.events.consumer import Delivery, GroupConsumer
+from rolledger.schemas import events as ev
+from rolledger.schemas.trajectory import Trajectory, VersionSpan
+from rolledger.workers.engine import Engine, GroupOutput, IllegalEngineOrder, SampleOutput
+from rolledger.workers.runtime import Follower, Worker, WorkerKilled
+from rolledger.workers.staging import StagingError, load_verified, read_manifest
+from rolledger.workflows.inject import Injector
 
 
 class RankWorker(Worker):

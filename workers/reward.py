@@ -10,11 +10,11 @@ from typing import Any
 
 import redis
 
-from events.consumer import GroupConsumer
-from schemas import events as ev
-from workers.runtime import Follower, Worker, WorkerKilled
-from workers.tasks import score
-from workflows.inject import Injector
+from rolledger.events.consumer import GroupConsumer
+from rolledger.schemas import events as ev
+from rolledger.workers.runtime import Follower, Worker, WorkerKilled
+from rolledger.workers.tasks import score
+from rolledger.workflows.inject import Injector
 
 
 class RewardWorker(Worker):

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import redis
 import structlog
 
-from events.store import ConcurrencyConflict, EventLog, StoredEvent
-from schemas import events as ev
-from workflows.reducer import fold
-from workflows.state import RunState
+from rolledger.events.store import ConcurrencyConflict, EventLog, StoredEvent
+from rolledger.schemas import events as ev
+from rolledger.workflows.reducer import fold
+from rolledger.workflows.state import RunState
 
 
 class Follower:

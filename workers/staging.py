@@ -40,8 +40,8 @@ import xxhash
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from schemas.weights import DEFAULT_CHECKSUM_ALGO, DTYPE_SIZES, ChecksumAlgo, TensorEntry, WeightManifest
-from workers.weights import dtype_name
+from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, DTYPE_SIZES, ChecksumAlgo, TensorEntry, WeightManifest
+from rolledger.workers.weights import dtype_name
 
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"

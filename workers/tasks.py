@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from schemas.config import TaskConfig
+from rolledger.schemas.config import TaskConfig
 
 EOS_TEXT = "<eos>"
 

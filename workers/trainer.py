@@ -16,16 +16,16 @@ import time
 import redis
 import torch
 
-from schemas import events as ev
-from schemas.config import RunConfig
-from schemas.trajectory import Trajectory
-from workers.grpo import grpo_step, make_optimizer, sequence_logprobs
-from workers.policy_model import policy_state
-from workers.runtime import Follower, Worker, WorkerKilled
-from workers.staging import DirectoryStagingStore
-from workflows.handoff import engines_asleep
-from workflows.inject import Injector
-from workflows.state import GroupState, RunState
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.schemas.trajectory import Trajectory
+from rolledger.workers.grpo import grpo_step, make_optimizer, sequence_logprobs
+from rolledger.workers.policy_model import policy_state
+from rolledger.workers.runtime import Follower, Worker, WorkerKilled
+from rolledger.workers.staging import DirectoryStagingStore
+from rolledger.workflows.handoff import engines_asleep
+from rolledger.workflows.inject import Injector
+from rolledger.workflows.state import GroupState, RunState
 
 
 class TrainerWorker(Worker):

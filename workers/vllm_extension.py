@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from workers.weights import CHECKSUM_ALGO, digest_entries, dtype_name, state_digest, tensor_checksum
+from rolledger.workers.weights import CHECKSUM_ALGO, digest_entries, dtype_name, state_digest, tensor_checksum
 
 Result = dict[str, Any]
 
@@ -245,8 +245,8 @@ class RolledgerWorkerExtension:
         return self._rolledger_answer(True, stage="prepare", staged_digest=buf.digest)
 
     def _rolledger_prepare(self, st: _State, version: int, uri: str, manifest_json: str) -> _Buffer:
-        from schemas.weights import WeightManifest
-        from workers.staging import StagingError, load_verified
+        from rolledger.schemas.weights import WeightManifest
+        from rolledger.workers.staging import StagingError, load_verified
 
         if st.live is None:
             raise _PrepareError("*", st.init_error or "no live weights known")

@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from schemas import events as ev
-from schemas.config import RunConfig, SamplingParams
-from schemas.trajectory import trajectory_nbytes
-from workflows.scheduler import PromptItem, order_candidates
-from workflows.state import RunState
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig, SamplingParams
+from rolledger.schemas.trajectory import trajectory_nbytes
+from rolledger.workflows.scheduler import PromptItem, order_candidates
+from rolledger.workflows.state import RunState
 
 OWNED_REASONS: tuple[ev.AdmissionReason, ...] = ("bytes", "lag", "rate")
 

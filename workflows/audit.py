@@ -55,8 +55,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from schemas.config import RunConfig
-from schemas.events import (
+from rolledger.schemas.config import RunConfig
+from rolledger.schemas.events import (
     AdmissionPaused,
     BatchConsumed,
     CacheInvalidated,
@@ -87,7 +87,7 @@ from schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
-from schemas.trajectory import Trajectory
+from rolledger.schemas.trajectory import Trajectory
 
 INVARIANTS: dict[int, str] = {
     1: "no sample holds tokens from two policy versions (unless interruptible, and then each span is stamped)",

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from schemas import events as ev
-from schemas.trajectory import trajectory_nbytes
-from workflows.state import GroupState, RunState, SampleState
+from rolledger.schemas import events as ev
+from rolledger.schemas.trajectory import trajectory_nbytes
+from rolledger.workflows.state import GroupState, RunState, SampleState
 
 
 def decide_groups(state: RunState, now: float) -> list[ev.Payload]:

@@ -12,8 +12,8 @@ Every stage is an event with its wall time, so the timeline and the duty-cycle t
 
 from __future__ import annotations
 
-from schemas import events as ev
-from workflows.state import RunState
+from rolledger.schemas import events as ev
+from rolledger.workflows.state import RunState
 
 
 def decide_handoff(state: RunState) -> list[ev.Payload]:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from schemas.events import (
+from rolledger.schemas.events import (
     BatchConsumed,
     CacheInvalidated,
     Event,
@@ -40,7 +40,7 @@ from schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
-from workflows.audit import UpdateTracker
+from rolledger.workflows.audit import UpdateTracker
 
 
 @dataclass(frozen=True)

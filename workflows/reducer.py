@@ -12,8 +12,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 
-from schemas import events as ev
-from workflows.state import Anomaly, GroupState, RankState, RunState, SampleState, UpdateState
+from rolledger.schemas import events as ev
+from rolledger.workflows.state import Anomaly, GroupState, RankState, RunState, SampleState, UpdateState
 
 _RECENT_IDS = 1024
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import msgpack
 import redis
 
-from events.keys import snapshots_key
-from events.store import EventLog, StoredEvent
-from workflows.reducer import fold
-from workflows.state import RunState
+from rolledger.events.keys import snapshots_key
+from rolledger.events.store import EventLog, StoredEvent
+from rolledger.workflows.reducer import fold
+from rolledger.workflows.state import RunState
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from workflows.state import GroupState
+from rolledger.workflows.state import GroupState
 
 
 @dataclass(frozen=True)

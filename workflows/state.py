@@ -15,7 +15,7 @@ import msgpack
 import xxhash
 from pydantic import TypeAdapter
 
-from schemas.config import RunConfig
+from rolledger.schemas.config import RunConfig
 
 GroupStatus = Literal["admitted", "generating", "complete", "partial", "cancelled", "scored", "consumed", "dropped"]
 SampleStatus = Literal["started", "finished", "failed", "cancelled"]

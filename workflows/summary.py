@@ -7,8 +7,8 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from schemas import events as ev
-from workflows.state import RunState
+from rolledger.schemas import events as ev
+from rolledger.workflows.state import RunState
 
 EDGE_STEPS = 5  # reward_first / reward_last average this many steps
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas import events as ev
+from rolledger.schemas import events as ev
 
 COLORS = {
     "generate": "#4C9BE8",

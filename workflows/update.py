@@ -15,8 +15,8 @@ commits it; a transaction whose commit is logged is rolled forward by whoever ho
 
 from __future__ import annotations
 
-from schemas import events as ev
-from workflows.state import RunState, UpdateState
+from rolledger.schemas import events as ev
+from rolledger.workflows.state import RunState, UpdateState
 
 
 def in_service(state: RunState) -> tuple[int, ...]:

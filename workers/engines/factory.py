@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from schemas.config import RunConfig
-from workers.engine import Engine, EngineError
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.engine import Engine, EngineError
 
 
 def build_engines(
@@ -31,8 +31,8 @@ def build_engines(
 ) -> tuple[list[Engine], Callable[[], None]]:
     """The engines for `cfg.ranks` ranks and a function that releases them (servers started here are stopped)."""
     if cfg.engine == "torch":
-        from workers.engines.torch_engine import TorchEngine
-        from workers.policy_model import load_policy
+        from rolledger.workers.engines.torch_engine import TorchEngine
+        from rolledger.workers.policy_model import load_policy
 
         engines: list[Engine] = []
         for r in range(cfg.ranks):
@@ -68,8 +68,8 @@ def checkpoint_dtype(model_dir: Path) -> str:
 
 def initial_digest(model_dir: Path) -> str:
     """state_digest of the saved policy, computed exactly as RunStarted's initial_weights_digest is."""
-    from workers.policy_model import load_policy, policy_state
-    from workers.weights import state_digest
+    from rolledger.workers.policy_model import load_policy, policy_state
+    from rolledger.workers.weights import state_digest
 
     model, _ = load_policy(model_dir)
     return state_digest(policy_state(model))
@@ -135,7 +135,7 @@ def _free_port() -> int:
 
 def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[Any]:
     """Start `cfg.ranks` vLLM servers from `model_dir` in parallel; on any failure stop the others and raise."""
-    from workers.engines.vllm_engine import VllmServer, start_vllm_server
+    from rolledger.workers.engines.vllm_engine import VllmServer, start_vllm_server
 
     dtype = checkpoint_dtype(model_dir)
     extra = ["--logprobs-mode", f"{cfg.sampling.logprob_mode}_logprobs"]
@@ -166,8 +166,8 @@ def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[A
 def connect_vllm_rank(cfg: RunConfig, rank: int, model_dir: Path) -> Any:
     """The VllmEngine of one rank of a distributed run (`rolledger worker rank --rank R`): the server at
     cfg.vllm_urls[R], address-checked, and checked against the run's initial policy like build_vllm_engines does."""
-    from workers.engines.vllm_engine import VllmEngine
-    from workers.netguard import check_engine_address
+    from rolledger.workers.engines.vllm_engine import VllmEngine
+    from rolledger.workers.netguard import check_engine_address
 
     if rank >= len(cfg.vllm_urls):
         raise ValueError(f"vllm_urls has {len(cfg.vllm_urls)} URL(s); rank {rank} has none (one vLLM server per rank)")
@@ -185,10 +185,10 @@ def connect_vllm_rank(cfg: RunConfig, rank: int, model_dir: Path) -> Any:
 
 def build_vllm_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[list[Any], Callable[[], None]]:
     """One VllmEngine per rank, checked against the run's initial policy, and the close function."""
-    from workers.netguard import check_engine_address
+    from rolledger.workers.netguard import check_engine_address
 
     model_dir = Path(model_dir).absolute()
-    from workers.engines.vllm_engine import VllmEngine
+    from rolledger.workers.engines.vllm_engine import VllmEngine
 
     want_dtype = checkpoint_dtype(model_dir)
     want_digest = initial_digest(model_dir)

@@ -44,8 +44,8 @@ import torch
 import xxhash
 from transformers import DynamicCache
 
-from schemas.config import SamplingParams
-from workers.engine import (
+from rolledger.schemas.config import SamplingParams
+from rolledger.workers.engine import (
     CommitReport,
     EngineCapabilities,
     EngineError,
@@ -61,8 +61,8 @@ from workers.engine import (
     WakeTag,
     WeightValidationError,
 )
-from workers.policy_model import policy_state
-from workers.weights import dtype_name, state_digest
+from rolledger.workers.policy_model import policy_state
+from rolledger.workers.weights import dtype_name, state_digest
 
 FinishReason = Literal["stop", "length", "abort"]
 _WAKE_ORDER: tuple[WakeTag, ...] = ("weights", "kv_cache")

@@ -43,8 +43,8 @@ import httpx
 import torch
 import xxhash
 
-from schemas.config import SamplingParams
-from workers.engine import (
+from rolledger.schemas.config import SamplingParams
+from rolledger.workers.engine import (
     CommitReport,
     EngineCapabilities,
     EngineError,
@@ -60,9 +60,9 @@ from workers.engine import (
     WakeTag,
     WeightValidationError,
 )
-from workers.netguard import check_engine_address
+from rolledger.workers.netguard import check_engine_address
 
-DEFAULT_EXTENSION = "workers.vllm_extension.RolledgerWorkerExtension"
+DEFAULT_EXTENSION = "rolledger.workers.vllm_extension.RolledgerWorkerExtension"
 PROBE_PROMPT: tuple[int, ...] = (1, 4, 5, 6, 7)  # a fixed token sequence; any ids inside a tiny vocab
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -426,7 +426,7 @@ class VllmEngine:
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Write `tensors` to a private temporary staging directory, then prepare_from_uri (local servers only)."""
-        from workers.staging import DirectoryStagingStore
+        from rolledger.workers.staging import DirectoryStagingStore
 
         if self._st.asleep_level:
             raise IllegalEngineOrder(f"rank {self.rank}: weights must not be sent while asleep; wake weights first")

@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 from pydantic import ValidationError
 
-from schemas.config import RunConfig
+from rolledger.schemas.config import RunConfig
 
 
 class _CurrentStderr:
@@ -59,9 +59,9 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from workers.local_run import LocalRun, RunOptions
-    from workflows.inject import parse_injection
-    from workflows.progress import LiveProgress
+    from rolledger.workers.local_run import LocalRun, RunOptions
+    from rolledger.workflows.inject import parse_injection
+    from rolledger.workers.progress import LiveProgress
 
     try:
         cfg = _config_from_args(args)
@@ -85,13 +85,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from events.open_run import open_run
+    from rolledger.events.open_run import open_run
 
     return open_run(args.run, args.redis, Path(args.runs_dir))
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from workflows.replay import verify
+    from rolledger.workflows.replay import verify
 
     with _open(args) as (client, run_id):
         report = verify(client, run_id, until=args.until)
@@ -110,7 +110,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        from workflows.progress import status_table
+        from rolledger.workers.progress import status_table
 
         Console().print(status_table(state))
         print(f"digest {report.digest} (replayed twice: {'same' if out['deterministic'] else 'DIFFERENT'})")
@@ -128,14 +128,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _events(client, run_id):  # type: ignore[no-untyped-def]
-    from events.store import EventLog
+    from rolledger.events.store import EventLog
 
     return [s.event for s in EventLog(client, run_id).read()]
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from workflows.audit import audit
-    from workflows.replay import verify
+    from rolledger.workflows.audit import audit
+    from rolledger.workflows.replay import verify
 
     with _open(args) as (client, run_id):
         events = _events(client, run_id)
@@ -146,7 +146,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from workflows.lineage import lineage
+    from rolledger.workflows.lineage import lineage
 
     with _open(args) as (client, run_id):
         events = _events(client, run_id)
@@ -160,7 +160,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from workflows.timeline import build_timeline, write_timeline
+    from rolledger.workflows.timeline import build_timeline, write_timeline
 
     with _open(args) as (client, run_id):
         events = _events(client, run_id)
@@ -173,9 +173,9 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from events.store import EventLog
-    from workflows.progress import status_table
-    from workflows.replay import latest_snapshot, rebuild
+    from rolledger.events.store import EventLog
+    from rolledger.workers.progress import status_table
+    from rolledger.workflows.replay import latest_snapshot, rebuild
 
     with _open(args) as (client, run_id):  # the latest snapshot plus the tail after it: fast on a long run
         state, _ = rebuild(EventLog(client, run_id), from_snapshot=latest_snapshot(client, run_id))
@@ -184,13 +184,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from workers.processes import run_coordinator
+    from rolledger.workers.processes import run_coordinator
 
     return run_coordinator(args.redis, args.run)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from workers.processes import run_worker
+    from rolledger.workers.processes import run_worker
 
     return run_worker(args.kind, args.redis, args.run, rank=args.rank, name=args.name, claim_idle_ms=args.claim_idle_ms)
 

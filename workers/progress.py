@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from workflows.state import RunState
+from rolledger.workflows.state import RunState
 
 
 def status_table(state: RunState) -> Table:

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from test_run_loop import execute as run_and_check
 
-from schemas import events as ev
-from schemas.config import RunConfig
-from workers.engine import EngineError
-from workers.engines.factory import build_engines
-from workflows.audit import audit
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import RunConfig
+from rolledger.workers.engine import EngineError
+from rolledger.workers.engines.factory import build_engines
+from rolledger.workflows.audit import audit
 
 from .conftest import PROMPT, LoopServers
 
@@ -57,7 +57,7 @@ def assert_every_rank_joined_before_the_first_update(events: list[ev.Event]) -> 
 
 def served(servers: LoopServers) -> list[tuple[object, ...]]:
     """What each server serves, asked directly: weights digest, live digest, /weight_info, greedy outputs."""
-    from workers.engines.vllm_engine import VllmEngine
+    from rolledger.workers.engines.vllm_engine import VllmEngine
 
     from .conftest import GREEDY
 
@@ -83,7 +83,7 @@ def test_build_engines_refuses_a_url_count_that_is_not_the_rank_count(
 def test_build_engines_refuses_a_public_address_before_any_request(
     vllm_loop_servers: LoopServers, tmp_path: Path
 ) -> None:
-    from workers.netguard import EngineAddressError
+    from rolledger.workers.netguard import EngineAddressError
 
     cfg = vllm_loop_servers.config(vllm_urls=("http://8.8.8.8:8000", vllm_loop_servers.urls[1]))
     with pytest.raises(EngineAddressError):
@@ -91,7 +91,7 @@ def test_build_engines_refuses_a_public_address_before_any_request(
 
 
 def test_build_engines_refuses_servers_on_other_weights(fresh_loop_servers: LoopServers, tmp_path: Path) -> None:
-    from workers.local_run import prepare_policy
+    from rolledger.workers.local_run import prepare_policy
 
     other = fresh_loop_servers.config(seed=7)  # another seed: another warm-started initial policy
     prepare_policy(other, tmp_path / "model")
@@ -110,7 +110,7 @@ def test_build_engines_refuses_colocated_mode_without_sleep_mode(
 def test_rank_engines_probe_health_while_paused_and_leave_servers_running(
     fresh_loop_servers: LoopServers, tmp_path: Path
 ) -> None:
-    from workers.engines.factory import initial_digest
+    from rolledger.workers.engines.factory import initial_digest
 
     engines, close = build_engines(fresh_loop_servers.config(), fresh_loop_servers.model_dir, None, tmp_path)
     try:

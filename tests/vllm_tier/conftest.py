@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas.config import ModelConfig, SamplingParams
+from rolledger.schemas.config import ModelConfig, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def vllm_import_error() -> str:
     """'' when `import vllm` works in this interpreter, else why not.
 
     Checked in a subprocess run from the repository root: inside pytest, `tests/` is on sys.path, so `import vllm`
-    here would find this test package (tests/vllm) instead of the real one.
+    here would find this test package (tests/vllm_tier) instead of the real one.
     """
     proc = subprocess.run(
         [sys.executable, "-c", "import vllm"], check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
@@ -94,14 +94,14 @@ class VllmCluster:
 
     def other_state(self, seed: int) -> dict[str, torch.Tensor]:
         """Weights of a differently initialised policy of the same shape (a 'trained' update)."""
-        from workers.policy_model import build_model, policy_state
+        from rolledger.workers.policy_model import build_model, policy_state
 
         vocab = int(self.base_state()["model.embed_tokens.weight"].shape[0])
         model = build_model(ModelConfig(dtype="bfloat16"), vocab, seed=seed)
         return {k: v.clone() for k, v in policy_state(model).items()}
 
     def stage(self, version: int, tensors: Mapping[str, torch.Tensor]):  # -> workers.staging.StagedUpdate
-        from workers.staging import DirectoryStagingStore
+        from rolledger.workers.staging import DirectoryStagingStore
 
         base = max(e.policy_version for e in self.engines)
         return DirectoryStagingStore(self.staging_root).stage(version, min(base, version - 1), tensors)
@@ -113,7 +113,7 @@ class VllmCluster:
 
 
 def _build_checkpoint(directory: Path) -> Path:
-    from workers.policy_model import build_model, build_tokenizer, save_policy
+    from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
 
     torch.manual_seed(0)
     tok = build_tokenizer()
@@ -125,7 +125,7 @@ def _build_checkpoint(directory: Path) -> Path:
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
     if vllm_import_error():
         pytest.skip(skip_reason())
-    from workers.engines.vllm_engine import VllmEngine, VllmServer, start_vllm_server
+    from rolledger.workers.engines.vllm_engine import VllmEngine, VllmServer, start_vllm_server
 
     root = tmp_path_factory.mktemp("vllm_tier")
     model_dir = _build_checkpoint(root / "model")
@@ -193,7 +193,7 @@ class LoopServers:
         return tuple(s.url for s in self.servers)
 
     def config(self, **overrides: object):  # -> schemas.config.RunConfig
-        from schemas.config import RunConfig
+        from rolledger.schemas.config import RunConfig
 
         data = {**LOOP_CONFIG, "vllm_urls": self.urls, **overrides}
         return RunConfig.model_validate(data)
@@ -210,7 +210,7 @@ class LoopServers:
         return [str(httpx.get(f"{u}/weight_info", timeout=30).json().get("weight_version")) for u in self.urls]
 
     def ensure_fresh(self) -> None:
-        from workers.engines.factory import start_rank_servers
+        from rolledger.workers.engines.factory import start_rank_servers
 
         stale = [r for r, v in enumerate(self.versions()) if v not in ("default", "0")]
         if not stale:
@@ -226,9 +226,9 @@ def vllm_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop
     """Two servers started by `rolledger run`'s own launcher (workers.engines.factory) from a loop policy."""
     if vllm_import_error():
         pytest.skip(skip_reason())
-    from schemas.config import RunConfig
-    from workers.engines.factory import start_rank_servers
-    from workers.local_run import prepare_policy
+    from rolledger.schemas.config import RunConfig
+    from rolledger.workers.engines.factory import start_rank_servers
+    from rolledger.workers.local_run import prepare_policy
 
     root = tmp_path_factory.mktemp("vllm_loop")
     cfg = RunConfig.model_validate(LOOP_CONFIG)

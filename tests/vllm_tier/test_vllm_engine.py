@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from schemas.config import SamplingParams
-from workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
-from workers.weights import state_digest
+from rolledger.schemas.config import SamplingParams
+from rolledger.workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.weights import state_digest
 
 from .conftest import GREEDY, PROMPT, VllmCluster
 
