@@ -44,15 +44,32 @@ BATCH = 100
 
 def sample_event(i: int, tokens: int = 24) -> Event:
     traj = Trajectory(
-        trajectory_id=f"g{i // 8:06d}/{i % 8}", group_id=f"g{i // 8:06d}", prompt_id=f"p{i}", index=i % 8,
-        prompt_token_ids=list(range(100, 132)), token_ids=list(range(1000, 1000 + tokens)), loss_mask=[1] * tokens,
-        positions=list(range(32, 32 + tokens)), logprobs=[-0.25 - j / 100 for j in range(tokens)],
-        logprob_mode="raw", finish_reason="stop", sampling={"temperature": 1.0, "max_tokens": 64},
-        policy_version=3, weights_digest="b3:" + "ab" * 32, rank=0, engine="torch", cache_generation=2,
+        trajectory_id=f"g{i // 8:06d}/{i % 8}",
+        group_id=f"g{i // 8:06d}",
+        prompt_id=f"p{i}",
+        index=i % 8,
+        prompt_token_ids=list(range(100, 132)),
+        token_ids=list(range(1000, 1000 + tokens)),
+        loss_mask=[1] * tokens,
+        positions=list(range(32, 32 + tokens)),
+        logprobs=[-0.25 - j / 100 for j in range(tokens)],
+        logprob_mode="raw",
+        finish_reason="stop",
+        sampling={"temperature": 1.0, "max_tokens": 64},
+        policy_version=3,
+        weights_digest="b3:" + "ab" * 32,
+        rank=0,
+        engine="torch",
+        cache_generation=2,
         graph_generation=2,
-    )  # fmt: skip
-    return make_event(SampleFinished(trajectory=traj, gen_ms=12.5), run_id="bench", producer="rollout-0",
-                      policy_version=3, causation_id="01J0000000000000000000000")  # fmt: skip
+    )
+    return make_event(
+        SampleFinished(trajectory=traj, gen_ms=12.5),
+        run_id="bench",
+        producer="rollout-0",
+        policy_version=3,
+        causation_id="01J0000000000000000000000",
+    )
 
 
 def free_port() -> int:
@@ -92,10 +109,26 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="rl-bench-"))
     port = free_port()
     proc = subprocess.Popen(
-        [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(workdir),
-         "--appendonly", "yes" if args.aof else "no", "--appendfsync", "everysec", "--logfile", str(workdir / "log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            str(binary),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(workdir),
+            "--appendonly",
+            "yes" if args.aof else "no",
+            "--appendfsync",
+            "everysec",
+            "--logfile",
+            str(workdir / "log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         client = connect(f"redis://127.0.0.1:{port}/0")
         deadline = time.monotonic() + 20
@@ -120,8 +153,10 @@ def run(client: Any, binary: Path, args: argparse.Namespace) -> None:
     print(
         f"redis-server {'.'.join(map(str, server_version(binary)))} ({binary}), aof={'everysec' if args.aof else 'off'}"
     )
-    print(f"event: SampleFinished, {len(blobs[0])} bytes encoded; n={args.n}, unpipelined n={args.n_unpipelined}, "
-          f"best of {args.repeats}")  # fmt: skip
+    print(
+        f"event: SampleFinished, {len(blobs[0])} bytes encoded; n={args.n}, unpipelined n={args.n_unpipelined}, "
+        f"best of {args.repeats}"
+    )
     rows: list[tuple[str, float, float, str]] = []
 
     def best(measure: Callable[[int], tuple[float, list[float]]], n: int) -> tuple[float, float]:
@@ -241,8 +276,10 @@ def run(client: Any, binary: Path, args: argparse.Namespace) -> None:
     print(f"\n{'measurement':<46} {'ours ev/s':>11} {'raw ev/s':>11} {'ratio':>6}  note")
     for name, ours, raw, note in rows:
         print(f"{name:<46} {ours:>11,.0f} {raw:>11,.0f} {ours / raw:>6.2f}  {note}")
-    print(f"\naims: append ratio >= 0.5 (unpipelined {rows[0][1] / rows[0][2]:.2f}, pipelined {rows[2][1] / rows[2][2]:.2f}); "
-          f"decoded read >= 100k ev/s ({our_r:,.0f})")  # fmt: skip
+    print(
+        f"\naims: append ratio >= 0.5 (unpipelined {rows[0][1] / rows[0][2]:.2f}, pipelined {rows[2][1] / rows[2][2]:.2f}); "
+        f"decoded read >= 100k ev/s ({our_r:,.0f})"
+    )
 
 
 if __name__ == "__main__":

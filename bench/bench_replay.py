@@ -47,8 +47,8 @@ from rolledger.events.embedded import find_redis_server, server_version
 from rolledger.events.store import EventLog
 from rolledger.schemas.config import AdmissionConfig, RunConfig
 from rolledger.schemas.events import Event
-from tests.logbuilder import LogBuilder
 from rolledger.workflows.replay import rebuild
+from tests.logbuilder import LogBuilder
 
 PAGE = 1000
 APPEND_BATCH = 500
@@ -70,10 +70,26 @@ def redis_server(aof: bool = False, deadline_s: float = 20.0) -> Iterator[tuple[
     workdir = Path(tempfile.mkdtemp(prefix="rl-bench-"))
     port = free_port()
     proc = subprocess.Popen(
-        [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(workdir),
-         "--appendonly", "yes" if aof else "no", "--appendfsync", "everysec", "--logfile", str(workdir / "log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            str(binary),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(workdir),
+            "--appendonly",
+            "yes" if aof else "no",
+            "--appendfsync",
+            "everysec",
+            "--logfile",
+            str(workdir / "log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     try:
         client = connect(url)
@@ -107,9 +123,11 @@ class RunWriter:
         self, sink: Callable[[list[Event]], object], *, run_id: str, group_size: int, ranks: int, seed: int = 0
     ) -> None:
         config = RunConfig(
-            group_size=group_size, ranks=ranks, steps=1_000_000,
+            group_size=group_size,
+            ranks=ranks,
+            steps=1_000_000,
             admission=AdmissionConfig(max_queued_bytes=1 << 40, max_lag=4),
-        )  # fmt: skip
+        )
         self.b = LogBuilder(config, run_id=run_id)
         self.sink = sink
         self.rng = random.Random(seed)
@@ -141,10 +159,14 @@ class RunWriter:
             k = self.rng.randint(10, 30)
             start = len(self._prompt)
             b.finish(
-                sid, prompt_token_ids=self._prompt, token_ids=[self.rng.randrange(50_000) for _ in range(k)],
-                loss_mask=[1] * k, positions=list(range(start, start + k)),
-                logprobs=[-self.rng.random() * 3 for _ in range(k)], finish_reason="stop" if i % 4 else "length",
-            )  # fmt: skip
+                sid,
+                prompt_token_ids=self._prompt,
+                token_ids=[self.rng.randrange(50_000) for _ in range(k)],
+                loss_mask=[1] * k,
+                positions=list(range(start, start + k)),
+                logprobs=[-self.rng.random() * 3 for _ in range(k)],
+                finish_reason="stop" if i % 4 else "length",
+            )
         for sid in ids:
             b.score(sid, reward=float(self.rng.random() < 0.5))
         b.complete(gid, accepted=ids)
@@ -154,9 +176,10 @@ class RunWriter:
         b = self.b
         done = [self.group(rank=i % b.config.ranks) for i in range(groups)]
         b.consume(
-            [g for g, _, _ in done], trajectory_ids=tuple(s for _, ids, _ in done for s in ids),
+            [g for g, _, _ in done],
+            trajectory_ids=tuple(s for _, ids, _ in done for s in ids),
             versions=tuple(v for _, _, v in done),
-        )  # fmt: skip
+        )
         for _, ids, _ in done:
             for sid in ids:
                 b._started.pop(sid, None)
@@ -217,8 +240,10 @@ def main() -> None:
     with redis_server() as (url, binary):
         client = connect(url)
         log = EventLog(client, "bench-replay")
-        print(f"redis-server {'.'.join(map(str, server_version(binary)))} ({binary}), no persistence; "
-              f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")  # fmt: skip
+        print(
+            f"redis-server {'.'.join(map(str, server_version(binary)))} ({binary}), no persistence; "
+            f"{os.cpu_count()} CPUs, load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}"
+        )
 
         t = time.perf_counter()
         writer = RunWriter(log.append_many, run_id=log.run_id, group_size=args.group_size, ranks=args.ranks)
@@ -234,8 +259,10 @@ def main() -> None:
         print(f"mix: {mix}")
         sample: Any = client.xrange(log.key, "-", "+", count=2000)
         sizes = [len(f[b"e"]) for _, f in sample]
-        print(f"encoded size: mean {sum(sizes) / len(sizes):.0f} B over the first {len(sizes)} entries; "
-              f"largest {max(sizes)} B")  # fmt: skip
+        print(
+            f"encoded size: mean {sum(sizes) / len(sizes):.0f} B over the first {len(sizes)} entries; "
+            f"largest {max(sizes)} B"
+        )
 
         state_box: list[Any] = []
 
@@ -255,9 +282,7 @@ def main() -> None:
                 p = measure(name, fn)
                 assert p.events == n, f"{name} saw {p.events} of {n} events"
                 prev = best.get(name)
-                best[name] = p if prev is None else Phase(
-                    name, n, min(prev.wall_s, p.wall_s), min(prev.cpu_s, p.cpu_s)
-                )  # fmt: skip
+                best[name] = p if prev is None else Phase(name, n, min(prev.wall_s, p.wall_s), min(prev.cpu_s, p.cpu_s))
         phases = [best[name] for name, _ in runs]
         load_after = os.getloadavg()
 
@@ -270,16 +295,20 @@ def main() -> None:
     decode_us = (b.wall_s - a.wall_s) / n * 1e6
     fold_us = (c.wall_s - b.wall_s) / n * 1e6
     print(f"\ndecode (b - a): {decode_us:.2f} us/event; fold (c - b): {fold_us:.2f} us/event")
-    print(f"fold cost / read+decode cost: {(c.wall_s - b.wall_s) / b.wall_s:.2f} (wall), "
-          f"{(c.cpu_s - b.cpu_s) / b.cpu_s:.2f} (cpu)")  # fmt: skip
+    print(
+        f"fold cost / read+decode cost: {(c.wall_s - b.wall_s) / b.wall_s:.2f} (wall), "
+        f"{(c.cpu_s - b.cpu_s) / b.cpu_s:.2f} (cpu)"
+    )
     per_million = c.wall_s / n * 1_000_000
     verdict = "meets" if per_million < AIM_SECONDS_PER_MILLION else "misses"
     print(
         f"rebuild of 1M events: {per_million:.1f} s {'measured' if n >= 1_000_000 else 'projected'} "
         f"({verdict} the < {AIM_SECONDS_PER_MILLION:.0f} s aim)"
     )
-    print(f"state: {state.events_applied:,} events applied, {len(state.anomalies)} anomalies, "
-          f"digest {state.digest()[:16]}")  # fmt: skip
+    print(
+        f"state: {state.events_applied:,} events applied, {len(state.anomalies)} anomalies, "
+        f"digest {state.digest()[:16]}"
+    )
     print(
         f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} "
         f"(shared machine: numbers move with other users' load)"

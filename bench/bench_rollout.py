@@ -102,8 +102,14 @@ def through_rolledger(
     client = connect(url)
     log = EventLog(client, RUN_ID)
     n, max_tokens = cfg.group_size, cfg.sampling.max_tokens
-    log.append(ev.make_event(ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model))),
-                             run_id=RUN_ID, producer="bench", policy_version=0))  # fmt: skip
+    log.append(
+        ev.make_event(
+            ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model))),
+            run_id=RUN_ID,
+            producer="bench",
+            policy_version=0,
+        )
+    )
     worker = RankWorker(client, RUN_ID, 0, engine)
     worker.start()
     try:
@@ -111,14 +117,24 @@ def through_rolledger(
         admitted = [
             ev.make_event(
                 ev.GroupAdmitted(
-                    group_id=f"g{g:06d}", prompt_id=f"p{g}", prompt_token_ids=ids, n=n,
-                    sampling=sampling_for(g, max_tokens), partial_policy=cfg.partial_policy, answer="0",
-                    est_remaining_tokens=n * max_tokens, est_bytes=1000 * n, queued_bytes=0, byte_cap=10**12,
+                    group_id=f"g{g:06d}",
+                    prompt_id=f"p{g}",
+                    prompt_token_ids=ids,
+                    n=n,
+                    sampling=sampling_for(g, max_tokens),
+                    partial_policy=cfg.partial_policy,
+                    answer="0",
+                    est_remaining_tokens=n * max_tokens,
+                    est_bytes=1000 * n,
+                    queued_bytes=0,
+                    byte_cap=10**12,
                 ),
-                run_id=RUN_ID, producer="bench", policy_version=0,
+                run_id=RUN_ID,
+                producer="bench",
+                policy_version=0,
             )
             for g, ids in enumerate(prompts)
-        ]  # fmt: skip
+        ]
         before = engine.stats.prefill_tokens_computed
         start = time.perf_counter()
         log.append_many(admitted)
@@ -168,12 +184,16 @@ def main() -> None:
         ours = through_rolledger(url, e, model, cfg, prompts, args.deadline_s)
     load_after = os.getloadavg()
 
-    print(f"\ngroups={args.groups} n={args.n} prompt tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
-          f"max_tokens={args.max_tokens} torch threads={args.threads} redis aof={'off' if args.no_aof else 'everysec'}")  # fmt: skip
+    print(
+        f"\ngroups={args.groups} n={args.n} prompt tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
+        f"max_tokens={args.max_tokens} torch threads={args.threads} redis aof={'off' if args.no_aof else 'everysec'}"
+    )
     print(f"{'path':<18} {'seconds':>8} {'gen tokens':>11} {'tok/s':>8} {'vs direct':>10} {'prefill/group':>14}")
     for r in (base, ours, nocache):
-        print(f"{r.name:<18} {r.seconds:>8.2f} {r.tokens:>11} {r.tok_s:>8.0f} {r.tok_s / base.tok_s:>9.2f}x "
-              f"{r.prefill_per_group:>14.1f}")  # fmt: skip
+        print(
+            f"{r.name:<18} {r.seconds:>8.2f} {r.tokens:>11} {r.tok_s:>8.0f} {r.tok_s / base.tok_s:>9.2f}x "
+            f"{r.prefill_per_group:>14.1f}"
+        )
     same = "same tokens" if ours.tokens == base.tokens else f"TOKEN COUNTS DIFFER ({ours.tokens} vs {base.tokens})"
     print(
         f"\nrolledger overhead: {ours.tok_s / base.tok_s:.2f}x the direct rate "

@@ -135,10 +135,26 @@ class EmbeddedRedis:
             sock.unlink()
         log = self.run_dir / "redis.log"
         args = [
-            str(binary), "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-            "--dir", str(self.run_dir), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-            "--daemonize", "no", "--logfile", str(log),
-        ]  # fmt: skip
+            str(binary),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(self.run_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(log),
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.socket_path = sock
         client = redis.Redis(unix_socket_path=str(sock), socket_timeout=5, retry=Retry(NoBackoff(), 0))

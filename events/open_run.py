@@ -36,7 +36,9 @@ def resolve(ref: str, runs_dir: Path = Path("runs")) -> RunRef:
 
 
 @contextmanager
-def open_run(ref: str, redis_url: str | None = None, runs_dir: Path = Path("runs")) -> Iterator[tuple[redis.Redis, str]]:
+def open_run(
+    ref: str, redis_url: str | None = None, runs_dir: Path = Path("runs")
+) -> Iterator[tuple[redis.Redis, str]]:
     run = resolve(ref, runs_dir)
     url = redis_url or os.environ.get("REDIS_URL")
     if url:

@@ -139,8 +139,17 @@ def dead_letter(
     """
     once = once_key if once_key is not None else (stream_id or "")
     fields: list[bytes | str] = [
-        "source", stream_id or "", "raw", raw or b"", "reason", reason, "consumer", consumer, "at", repr(time.time())
-    ]  # fmt: skip
+        "source",
+        stream_id or "",
+        "raw",
+        raw or b"",
+        "reason",
+        reason,
+        "consumer",
+        consumer,
+        "at",
+        repr(time.time()),
+    ]
     result = client.eval(_DEAD_LETTER_LUA, 2, dead_letter_key(run_id), seen_key(run_id), once, *fields)
     return as_str(result)
 

@@ -60,10 +60,13 @@ class TrainerConfig(Model):
     lr: float = Field(1e-4, gt=0)
     groups_per_step: int = Field(8, ge=1)
     clip_eps: float = Field(0.2, gt=0)
-    warm_start_steps: int = Field(400, ge=0, description="supervised steps run before RL (a tiny model learns little from scratch)")
+    warm_start_steps: int = Field(
+        400, ge=0, description="supervised steps run before RL (a tiny model learns little from scratch)"
+    )
     warm_start_lr: float = Field(1e-3, gt=0)
     max_logprob_gap: float = Field(
-        1e-3, gt=0,
+        1e-3,
+        gt=0,
         description="median |trainer - engine| logprob on on-policy tokens above which the weights did not arrive: "
         "the trainer halts the run instead of training (float32 engines agree to ~1e-7; raise it for bf16 engines)",
     )
@@ -94,7 +97,9 @@ class ModelConfig(Model):
 class TaskConfig(Model):
     kind: Literal["addition"] = "addition"
     max_operand: int = Field(49, ge=1)
-    num_prompts: int = Field(64, ge=1, description="a small pool: each prompt recurs, so reward tracks the policy, not prompt difficulty")
+    num_prompts: int = Field(
+        64, ge=1, description="a small pool: each prompt recurs, so reward tracks the policy, not prompt difficulty"
+    )
 
 
 class RunConfig(Model):

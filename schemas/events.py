@@ -328,20 +328,43 @@ class CommandRefused(Payload):
 
 
 AnyPayload = Annotated[
-    RunStarted | RunFinished
-    | GroupAdmitted | AdmissionPaused | AdmissionResumed
-    | SampleStarted | SampleFinished | SampleFailed | SampleCancelled | GroupCompleted | GroupCancelled
+    RunStarted
+    | RunFinished
+    | GroupAdmitted
+    | AdmissionPaused
+    | AdmissionResumed
+    | SampleStarted
+    | SampleFinished
+    | SampleFailed
+    | SampleCancelled
+    | GroupCompleted
+    | GroupCancelled
     | SampleScored
-    | BatchConsumed | TrajectoryDropped | TrainStepFinished
-    | UpdateStaged | PrepareRequested | RankPrepared | RankPrepareFailed | UpdateCommitted | UpdateAborted
-    | RankCommitted | CacheInvalidated | HealthPassed | HealthFailed | PolicyPublished
-    | EngineSlept | EngineWoke | EnginePaused | EngineResumed | RankJoined | RankQuarantined | CommandRefused,
+    | BatchConsumed
+    | TrajectoryDropped
+    | TrainStepFinished
+    | UpdateStaged
+    | PrepareRequested
+    | RankPrepared
+    | RankPrepareFailed
+    | UpdateCommitted
+    | UpdateAborted
+    | RankCommitted
+    | CacheInvalidated
+    | HealthPassed
+    | HealthFailed
+    | PolicyPublished
+    | EngineSlept
+    | EngineWoke
+    | EnginePaused
+    | EngineResumed
+    | RankJoined
+    | RankQuarantined
+    | CommandRefused,
     Field(discriminator="type"),
-]  # fmt: skip
+]
 
-PAYLOAD_TYPES: dict[str, type[Payload]] = {
-    cls.model_fields["type"].default: cls for cls in Payload.__subclasses__()
-}
+PAYLOAD_TYPES: dict[str, type[Payload]] = {cls.model_fields["type"].default: cls for cls in Payload.__subclasses__()}
 
 
 class Event(Model):

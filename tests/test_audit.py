@@ -69,10 +69,13 @@ def test_inv1_two_versions_in_a_non_interruptible_sample() -> None:
         g = b.last_group
         b.start(f"{g}/0").start(f"{g}/1")
         spans = (
-            (VersionSpan(start=0, end=1, policy_version=0, weights_digest="w0000"),
-             VersionSpan(start=1, end=2, policy_version=1, weights_digest="w0001"))
-            if bad else ()
-        )  # fmt: skip
+            (
+                VersionSpan(start=0, end=1, policy_version=0, weights_digest="w0000"),
+                VersionSpan(start=1, end=2, policy_version=1, weights_digest="w0001"),
+            )
+            if bad
+            else ()
+        )
         b.finish(f"{g}/0", spans=spans).finish(f"{g}/1").complete(g)
         return b.finish_run()
 

@@ -9,15 +9,23 @@ from pathlib import Path
 import pytest
 
 from rolledger.schemas.config import RunConfig
-from rolledger.workers.local_run import LocalRun, RunOptions
 from rolledger.workers.cli import main
+from rolledger.workers.local_run import LocalRun, RunOptions
 
 pytestmark = pytest.mark.slow
 
 
-def test_commands_reopen_a_finished_embedded_run_from_its_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = RunConfig.model_validate({"steps": 2, "group_size": 4, "trainer": {"warm_start_steps": 10, "groups_per_step": 2},
-                                    "task": {"num_prompts": 16}})  # fmt: skip
+def test_commands_reopen_a_finished_embedded_run_from_its_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = RunConfig.model_validate(
+        {
+            "steps": 2,
+            "group_size": 4,
+            "trainer": {"warm_start_steps": 10, "groups_per_step": 2},
+            "task": {"num_prompts": 16},
+        }
+    )
     run = LocalRun(RunOptions(config=cfg, run_id="emb", runs_dir=tmp_path))  # no Redis URL: the embedded server
     assert run.execute().status == "completed"
     run_dir = str(tmp_path / "emb")

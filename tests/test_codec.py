@@ -49,9 +49,13 @@ def _bounded(base: str, metadata: list[Any]) -> st.SearchStrategy[Any]:
             min_value=None if lo is None else int(lo) + excl_lo, max_value=None if hi is None else int(hi) - excl_hi
         )
     return st.floats(
-        min_value=lo, max_value=hi, exclude_min=excl_lo, exclude_max=excl_hi, allow_nan=False,
+        min_value=lo,
+        max_value=hi,
+        exclude_min=excl_lo,
+        exclude_max=excl_hi,
+        allow_nan=False,
         allow_infinity=lo is None and hi is None,
-    )  # fmt: skip
+    )
 
 
 def strategy_for(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[Any]:
@@ -152,12 +156,25 @@ def test_every_event_type_round_trips(type_name: str) -> None:
 
 def _sample_finished(logprobs: list[float], n: int = 5) -> Event:
     traj = Trajectory(
-        trajectory_id="g000001/0", group_id="g000001", prompt_id="p1", index=0,
-        prompt_token_ids=[1, 2, 3], token_ids=list(range(100_000, 100_000 + n)), loss_mask=[1, 0, 1, 1, -1][:n],
-        positions=list(range(3, 3 + n)), logprobs=logprobs, logprob_mode="raw", finish_reason="stop",
-        sampling={"temperature": 0.7}, policy_version=2, weights_digest="w", rank=0, engine="torch",
-        cache_generation=1, graph_generation=1,
-    )  # fmt: skip
+        trajectory_id="g000001/0",
+        group_id="g000001",
+        prompt_id="p1",
+        index=0,
+        prompt_token_ids=[1, 2, 3],
+        token_ids=list(range(100_000, 100_000 + n)),
+        loss_mask=[1, 0, 1, 1, -1][:n],
+        positions=list(range(3, 3 + n)),
+        logprobs=logprobs,
+        logprob_mode="raw",
+        finish_reason="stop",
+        sampling={"temperature": 0.7},
+        policy_version=2,
+        weights_digest="w",
+        rank=0,
+        engine="torch",
+        cache_generation=1,
+        graph_generation=1,
+    )
     from rolledger.schemas.events import SampleFinished
 
     return make_event(SampleFinished(trajectory=traj), run_id="r", producer="t", policy_version=2)
@@ -187,19 +204,23 @@ def test_arrays_travel_as_binary_not_number_lists() -> None:
 def test_out_of_range_array_value_is_refused_at_encode() -> None:
     event = _sample_finished([0.0] * 5)
     bad = event.model_copy(
-        update={"payload": event.payload.model_copy(  # type: ignore[union-attr]
-            update={"trajectory": event.payload.trajectory.model_copy(update={"token_ids": [2**40] * 5})}  # type: ignore[union-attr]
-        )}
-    )  # fmt: skip
+        update={
+            "payload": event.payload.model_copy(  # type: ignore[union-attr]
+                update={"trajectory": event.payload.trajectory.model_copy(update={"token_ids": [2**40] * 5})}  # type: ignore[union-attr]
+            )
+        }
+    )
     with pytest.raises(ValueError, match="signed integer is greater than maximum"):
         encode(bad)  # PydanticSerializationError (a ValueError) from the int32 packer
 
 
 def test_older_schema_is_upcast() -> None:
     event = make_event(
-        SampleScored(sample_id="g1/0", group_id="g1", reward=1.0, correct=True), run_id="r", producer="t",
+        SampleScored(sample_id="g1/0", group_id="g1", reward=1.0, correct=True),
+        run_id="r",
+        producer="t",
         policy_version=0,
-    )  # fmt: skip
+    )
     raw = msgpack.unpackb(encode(event), raw=False)
     raw["v"] = 1
     del raw["p"]["correct"]
@@ -221,9 +242,11 @@ def test_older_schema_is_upcast() -> None:
 )
 def test_bad_bytes_raise_decode_error_with_reason(mutate: Any, reason: str) -> None:
     event = make_event(
-        SampleScored(sample_id="g1/0", group_id="g1", reward=0.5, correct=False), run_id="r", producer="t",
+        SampleScored(sample_id="g1/0", group_id="g1", reward=0.5, correct=False),
+        run_id="r",
+        producer="t",
         policy_version=0,
-    )  # fmt: skip
+    )
     raw = msgpack.unpackb(encode(event), raw=False)
     with pytest.raises(DecodeError, match=reason):
         decode(mutate(raw))
@@ -266,18 +289,27 @@ def test_decoded_arrays_are_plain_lists_of_python_numbers() -> None:
         ("token_ids", msgpack.ExtType(1, b"i" + bytes(19)), "has 19 bytes, not a multiple of 4"),
         ("token_ids", msgpack.ExtType(1, b""), "unknown typecode ''"),
         # a float32 array where int32 token ids belong: its values are checked one by one, and 0.5 is no token id
-        ("token_ids", msgpack.ExtType(1, b"f" + array.array("f", [0.5] * 5).tobytes()),
-         "trajectory.token_ids.0: Input should be a valid integer"),
+        (
+            "token_ids",
+            msgpack.ExtType(1, b"f" + array.array("f", [0.5] * 5).tobytes()),
+            "trajectory.token_ids.0: Input should be a valid integer",
+        ),
         # an int32 array where int8 masks belong: 300 does not fit
-        ("loss_mask", msgpack.ExtType(1, b"i" + array.array("i", [1, 1, 300, 1, 1]).tobytes()),
-         "element 2 \\(300\\) does not fit int8"),
+        (
+            "loss_mask",
+            msgpack.ExtType(1, b"i" + array.array("i", [1, 1, 300, 1, 1]).tobytes()),
+            "element 2 \\(300\\) does not fit int8",
+        ),
         # aligned lengths are still checked by Trajectory's own validator
-        ("logprobs", msgpack.ExtType(1, b"f" + array.array("f", [0.0] * 4).tobytes()),
-         "logprobs has 4 entries for 5 generated tokens"),
+        (
+            "logprobs",
+            msgpack.ExtType(1, b"f" + array.array("f", [0.0] * 4).tobytes()),
+            "logprobs has 4 entries for 5 generated tokens",
+        ),
         # another ext code is not an array: it arrives as an ExtType (a 2-tuple) and fails as a list of ints
         ("positions", msgpack.ExtType(7, b"i" + bytes(20)), "trajectory.positions.1: Input should be a valid integer"),
     ],
-)  # fmt: skip
+)
 def test_bad_packed_arrays_raise_decode_error_with_reason(name: str, ext: msgpack.ExtType, reason: str) -> None:
     with pytest.raises(DecodeError, match=reason):
         decode(_with_array(_raw_sample_finished(), name, ext))
@@ -304,9 +336,11 @@ def test_integral_floats_in_an_int_array_are_accepted_as_ints() -> None:
 )
 def test_malformed_envelopes_raise_decode_error(mutate: Any, reason: str) -> None:
     event = make_event(
-        SampleScored(sample_id="g1/0", group_id="g1", reward=0.5, correct=False), run_id="r", producer="t",
+        SampleScored(sample_id="g1/0", group_id="g1", reward=0.5, correct=False),
+        run_id="r",
+        producer="t",
         policy_version=0,
-    )  # fmt: skip
+    )
     raw = msgpack.unpackb(encode(event), raw=False)
     with pytest.raises(DecodeError, match=reason):
         decode(msgpack.packb(mutate(raw), use_bin_type=True))
@@ -317,8 +351,14 @@ def test_array_fields_accept_arrays_bytes_tensors_and_refuse_out_of_range_values
 
     base = _sample_finished([0.0] * 5).payload.trajectory  # type: ignore[union-attr]
     fields = base.model_dump()
-    ok = Trajectory(**{**fields, "token_ids": torch.arange(5, dtype=torch.int64), "logprobs": array.array("d", [0.25] * 5),
-                       "positions": array.array("i", range(5)).tobytes()})  # fmt: skip
+    ok = Trajectory(
+        **{
+            **fields,
+            "token_ids": torch.arange(5, dtype=torch.int64),
+            "logprobs": array.array("d", [0.25] * 5),
+            "positions": array.array("i", range(5)).tobytes(),
+        }
+    )
     assert ok.token_ids == [0, 1, 2, 3, 4] and ok.logprobs == [0.25] * 5 and ok.positions == [0, 1, 2, 3, 4]
     assert type(ok.token_ids) is list
     with pytest.raises(ValidationError, match=r"token_ids\n.*element 3 \(2147483648\) does not fit int32"):

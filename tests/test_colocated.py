@@ -34,10 +34,19 @@ def test_colocated_handoffs_sleep_train_wake_in_order(redis_url: str, run_id: st
     assert len(slept) == 3 * 2  # every step, both ranks
     assert all(s.verified and s.bytes_freed > 0 and s.level == level for s in slept)
     for rank in (0, 1):
-        seq = [(e.type, getattr(e.payload, "tags", None)) for e in per_rank(events, rank)
-               if e.type in ("EngineSlept", "EngineWoke", "RankCommitted", "HealthPassed", "EngineResumed")]  # fmt: skip
-        expected = [("EngineSlept", None), ("EngineWoke", ("weights",)), ("RankCommitted", None),
-                    ("EngineWoke", ("kv_cache",)), ("HealthPassed", None), ("EngineResumed", None)] * 3  # fmt: skip
+        seq = [
+            (e.type, getattr(e.payload, "tags", None))
+            for e in per_rank(events, rank)
+            if e.type in ("EngineSlept", "EngineWoke", "RankCommitted", "HealthPassed", "EngineResumed")
+        ]
+        expected = [
+            ("EngineSlept", None),
+            ("EngineWoke", ("weights",)),
+            ("RankCommitted", None),
+            ("EngineWoke", ("kv_cache",)),
+            ("HealthPassed", None),
+            ("EngineResumed", None),
+        ] * 3
         assert seq == expected
     woke = [w for w in of(events, ev.EngineWoke) if w.tags == ("weights",)]
     assert all(w.bytes_restored > 0 for w in woke)  # the weights' memory comes back (level 2: reallocated, refilled)
@@ -92,8 +101,10 @@ def test_delayed_trainer_keeps_queue_and_lag_within_their_caps(redis_url: str, r
 
 def test_lag_cap_is_enforced_again_at_consumption(redis_url: str, run_id: str, tmp_path: Path) -> None:
     """A group that waited past the cap (admitted under a looser cap, consumed under max_lag 0) is dropped, counted."""
-    cfg = small(admission={"max_lag": 0, "throttle_to_drain_rate": False, "max_inflight_groups": 8},
-                trainer={"warm_start_steps": 10, "groups_per_step": 1})  # fmt: skip
+    cfg = small(
+        admission={"max_lag": 0, "throttle_to_drain_rate": False, "max_inflight_groups": 8},
+        trainer={"warm_start_steps": 10, "groups_per_step": 1},
+    )
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
     assert audit(events).ok
     consumed = of(events, ev.BatchConsumed)

@@ -57,8 +57,11 @@ class Server:
         while not self.sock.exists():  # the unix socket appears once the server listens
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                logs = [(workdir / n).read_text(errors="replace")[-1500:] for n in ("stderr.txt", "redis.log")
-                        if (workdir / n).exists()]  # fmt: skip
+                logs = [
+                    (workdir / n).read_text(errors="replace")[-1500:]
+                    for n in ("stderr.txt", "redis.log")
+                    if (workdir / n).exists()
+                ]
                 raise RuntimeError(f"redis-server did not start: {' '.join(logs)}")
             time.sleep(0.01)  # polling readiness with a deadline
 
@@ -172,14 +175,55 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 def _make_pki(d: Path) -> None:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by the CA."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-             "-subj", "/CN=rolledger-test-ca", cwd=d)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rolledger-test-ca",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.crt", "-days", "2", "-extfile", "san.ext", cwd=d)  # fmt: skip
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            cwd=d,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +235,22 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
     port = _free_port()
     try:
         server = Server(
-            tmp_path_factory.mktemp("tls"), "--port", "0", "--tls-port", str(port),
-            "--tls-cert-file", str(pki / "server.crt"), "--tls-key-file", str(pki / "server.key"),
-            "--tls-ca-cert-file", str(pki / "ca.crt"),
-            "--tls-auth-clients", "yes", "--requirepass", PASSWORD,
-        )  # fmt: skip
+            tmp_path_factory.mktemp("tls"),
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(pki / "server.crt"),
+            "--tls-key-file",
+            str(pki / "server.key"),
+            "--tls-ca-cert-file",
+            str(pki / "ca.crt"),
+            "--tls-auth-clients",
+            "yes",
+            "--requirepass",
+            PASSWORD,
+        )
     except RuntimeError as exc:
         if "Bad directive" in str(exc) and "tls-port" in str(exc):  # the build has no TLS at all
             pytest.skip(f"{find_redis_server()} was built without TLS support: {exc}")
@@ -216,9 +271,12 @@ def test_rediss_url_gives_an_ssl_connection_class() -> None:
 def test_tls_with_ca_and_client_certificate(tls_server: tuple[Server, Path]) -> None:
     server, pki = tls_server
     client = connect(
-        f"rediss://127.0.0.1:{server.port}", password=PASSWORD, tls_ca=str(pki / "ca.crt"),
-        tls_cert=str(pki / "client.crt"), tls_key=str(pki / "client.key"),
-    )  # fmt: skip
+        f"rediss://127.0.0.1:{server.port}",
+        password=PASSWORD,
+        tls_ca=str(pki / "ca.crt"),
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+    )
     assert client.ping()
     client.close()
 
@@ -232,11 +290,18 @@ def test_tls_without_client_certificate_refused(tls_server: tuple[Server, Path])
 def test_tls_unknown_ca_refused_unless_insecure(tls_server: tuple[Server, Path]) -> None:
     server, pki = tls_server
     with pytest.raises(redis.ConnectionError):  # the system store does not know our test CA
-        connect(f"rediss://127.0.0.1:{server.port}", password=PASSWORD, tls_cert=str(pki / "client.crt"),
-                tls_key=str(pki / "client.key")).ping()  # fmt: skip
+        connect(
+            f"rediss://127.0.0.1:{server.port}",
+            password=PASSWORD,
+            tls_cert=str(pki / "client.crt"),
+            tls_key=str(pki / "client.key"),
+        ).ping()
     client = connect(
-        f"rediss://127.0.0.1:{server.port}", password=PASSWORD, tls_insecure=True,
-        tls_cert=str(pki / "client.crt"), tls_key=str(pki / "client.key"),
-    )  # fmt: skip
+        f"rediss://127.0.0.1:{server.port}",
+        password=PASSWORD,
+        tls_insecure=True,
+        tls_cert=str(pki / "client.crt"),
+        tls_key=str(pki / "client.key"),
+    )
     assert client.ping()
     client.close()

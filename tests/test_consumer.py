@@ -29,8 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 def scored(i: int, sample_id: str | None = None) -> Event:
     return make_event(
         SampleScored(sample_id=sample_id or f"g{i}/0", group_id=f"g{i}", reward=0.5, correct=False),
-        run_id="r", producer="test", policy_version=0,
-    )  # fmt: skip
+        run_id="r",
+        producer="test",
+        policy_version=0,
+    )
 
 
 def drain(consumer: GroupConsumer, *, timeout_s: float = 20.0, count: int = 10) -> list[Delivery]:
@@ -95,8 +97,11 @@ def test_sigkilled_consumer_process_is_reclaimed_exactly_once(
 
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "_consumer_proc.py"), redis_url, run_id, "workers", "victim", "10", "4"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], 30.0)

@@ -24,10 +24,14 @@ PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "5", est_completion_tokens=2) for i
 
 
 def config(*, ranks: int = 1, prepare_deadline_s: float = 60.0) -> RunConfig:
-    return RunConfig.model_validate({
-        "ranks": ranks, "group_size": 2, "steps": 5,
-        "update": {"prepare_deadline_s": prepare_deadline_s, "drain_deadline_s": 60, "commit_deadline_s": 60},
-    })  # fmt: skip
+    return RunConfig.model_validate(
+        {
+            "ranks": ranks,
+            "group_size": 2,
+            "steps": 5,
+            "update": {"prepare_deadline_s": prepare_deadline_s, "drain_deadline_s": 60, "commit_deadline_s": 60},
+        }
+    )
 
 
 class Harness:
@@ -56,7 +60,9 @@ class Harness:
             if found:
                 return found[0]
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {deadline_s}s waiting for {what}; log: {[e.type for e in self.events()]}")
+                raise AssertionError(
+                    f"timed out after {deadline_s}s waiting for {what}; log: {[e.type for e in self.events()]}"
+                )
             time.sleep(0.02)  # polling the log with a deadline, not synchronising
 
     def wait_type(self, cls: type, deadline_s: float = 30.0, **fields: object) -> ev.Event:
@@ -67,11 +73,24 @@ class Harness:
 
     # ------------------------------------------------------------ the trainer and the ranks
     def stage(self, v: int) -> None:
-        self.emit(ev.UpdateStaged(version=v, base_version=v - 1, manifest_digest=f"m{v:04d}", weights_digest=f"w{v:04d}",
-                                  uri=f"file:///nowhere/v{v}", bytes=4096, tensors=1), "trainer")  # fmt: skip
+        self.emit(
+            ev.UpdateStaged(
+                version=v,
+                base_version=v - 1,
+                manifest_digest=f"m{v:04d}",
+                weights_digest=f"w{v:04d}",
+                uri=f"file:///nowhere/v{v}",
+                bytes=4096,
+                tensors=1,
+            ),
+            "trainer",
+        )
 
     def prepared(self, v: int, rank: int) -> None:
-        self.emit(ev.RankPrepared(version=v, rank=rank, manifest_digest=f"m{v:04d}", staged_digest=f"w{v:04d}"), f"rank-{rank}")
+        self.emit(
+            ev.RankPrepared(version=v, rank=rank, manifest_digest=f"m{v:04d}", staged_digest=f"w{v:04d}"),
+            f"rank-{rank}",
+        )
 
     def drained(self, rank: int) -> None:
         self.emit(ev.EnginePaused(rank=rank, mode="wait"), f"rank-{rank}")
@@ -89,8 +108,12 @@ class Harness:
         self.wait_type(ev.PrepareRequested, version=v)
         for r in range(self.cfg.ranks):
             self.prepared(v, r)
-        self.wait_for(f"AdmissionPaused(update) for v{v}", lambda e: isinstance(e.payload, ev.AdmissionPaused)
-                      and e.payload.reason == "update" and self._after_prepare(e, v))  # fmt: skip
+        self.wait_for(
+            f"AdmissionPaused(update) for v{v}",
+            lambda e: (
+                isinstance(e.payload, ev.AdmissionPaused) and e.payload.reason == "update" and self._after_prepare(e, v)
+            ),
+        )
         for r in range(self.cfg.ranks):
             self.drained(r)
         self.wait_type(ev.UpdateCommitted, version=v)
@@ -100,7 +123,9 @@ class Harness:
 
     def _after_prepare(self, e: ev.Event, v: int) -> bool:
         ids = [x.event_id for x in self.events()]
-        asked = next(x.event_id for x in self.events() if isinstance(x.payload, ev.PrepareRequested) and x.payload.version == v)
+        asked = next(
+            x.event_id for x in self.events() if isinstance(x.payload, ev.PrepareRequested) and x.payload.version == v
+        )
         return ids.index(e.event_id) > ids.index(asked)
 
     def lease_holder(self) -> str | None:
@@ -133,7 +158,9 @@ def crash(c: Coordinator) -> None:
     assert not c.alive
 
 
-def test_two_coordinators_one_leader_and_the_other_takes_over_with_a_larger_fence(redis_client: redis.Redis, run_id: str) -> None:
+def test_two_coordinators_one_leader_and_the_other_takes_over_with_a_larger_fence(
+    redis_client: redis.Redis, run_id: str
+) -> None:
     h = Harness(redis_client, run_id, config())
     h.stage(1)
     a = Coordinator(redis_client, run_id, "coord-a", PROMPTS, lease_ttl_ms=2000)
@@ -155,7 +182,7 @@ def test_two_coordinators_one_leader_and_the_other_takes_over_with_a_larger_fenc
         assert h.lease_holder() == leader.name  # not released: the other must wait for it to expire
         h.stage(2)
         h.run_update(2)
-        after = decisions(h.events(), {a.name, b.name})[len(before):]
+        after = decisions(h.events(), {a.name, b.name})[len(before) :]
         assert {e.producer for e in after} == {other.name}
         assert fences(after) == {old_fence + 1}  # a new tenure, a larger token, on every update decision
         assert h.lease_holder() == other.name and other.decisions > 0

@@ -12,9 +12,10 @@ import redis
 from test_coordinator_election import Harness, config, stop
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.injection import parse_injection
 from rolledger.workers.coordinator import Coordinator
+from rolledger.workers.faults import Injector
 from rolledger.workers.runtime import WorkerKilled
-from rolledger.workflows.inject import Injector, parse_injection
 
 
 def killed_after(h: Harness, decisions: int) -> Coordinator:
@@ -57,7 +58,9 @@ def test_a_coordinator_lost_before_deciding_is_replaced_and_the_transaction_abor
     assert not [e for e in log if e.producer == second.name and not isinstance(e.payload, ev.UpdateAborted)]
 
 
-def test_a_coordinator_lost_after_the_commit_is_replaced_and_the_update_rolls_forward(redis_client: redis.Redis, run_id: str) -> None:
+def test_a_coordinator_lost_after_the_commit_is_replaced_and_the_update_rolls_forward(
+    redis_client: redis.Redis, run_id: str
+) -> None:
     h = Harness(redis_client, run_id, config(ranks=2))
     h.stage(1)
     first = killed_after(h, 3)  # PrepareRequested, AdmissionPaused(update), UpdateCommitted

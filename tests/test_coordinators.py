@@ -27,7 +27,12 @@ def fold_all(state: RunState, payloads: list[ev.Payload], version: int | None = 
     from rolledger.workflows.reducer import fold
 
     for p in payloads:
-        fold(state, ev.make_event(p, run_id="r", producer="test", policy_version=state.policy_version if version is None else version))
+        fold(
+            state,
+            ev.make_event(
+                p, run_id="r", producer="test", policy_version=state.policy_version if version is None else version
+            ),
+        )
     return state
 
 
@@ -52,9 +57,15 @@ def test_srgf_admits_the_shortest_estimated_groups_first() -> None:
 
 def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() -> None:
     one = bytes_estimate(4, 2, 2)
-    cfg = config(admission=AdmissionConfig(max_queued_bytes=2 * one + one // 2, max_inflight_groups=8, throttle_to_drain_rate=False))
+    cfg = config(
+        admission=AdmissionConfig(
+            max_queued_bytes=2 * one + one // 2, max_inflight_groups=8, throttle_to_drain_rate=False
+        )
+    )
     state = started(cfg)
-    first = decide_admission(state, AdmissionInputs(now=0.0, prompts=[p for p in PROMPTS if p.est_completion_tokens == 2]))
+    first = decide_admission(
+        state, AdmissionInputs(now=0.0, prompts=[p for p in PROMPTS if p.est_completion_tokens == 2])
+    )
     admitted = [p for p in first if isinstance(p, ev.GroupAdmitted)]
     assert len(admitted) == 2
     assert all(p.queued_bytes <= p.byte_cap for p in admitted)
@@ -66,25 +77,46 @@ def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() ->
     # the two groups are generated, scored, completed and consumed: the queue drains and admission reopens
     for g in admitted:
         gid = g.group_id
-        fold_all(state, [ev.SampleStarted(sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=0, policy_version=0, weights_digest="w") for i in range(2)])
+        fold_all(
+            state,
+            [
+                ev.SampleStarted(
+                    sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=0, policy_version=0, weights_digest="w"
+                )
+                for i in range(2)
+            ],
+        )
         state.groups[gid].samples[0].status = state.groups[gid].samples[1].status = "finished"
         state.groups[gid].samples[0].tokens = state.groups[gid].samples[1].tokens = 2
-        fold_all(state, [ev.GroupCompleted(group_id=gid, accepted=(f"{gid}/0", f"{gid}/1"), status="complete", bytes=one)])
+        fold_all(
+            state, [ev.GroupCompleted(group_id=gid, accepted=(f"{gid}/0", f"{gid}/1"), status="complete", bytes=one)]
+        )
     assert state.admission.queued_bytes == 2 * one
     assert decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS)) == []  # still over: stays paused
     for g in admitted:
         state.groups[g.group_id].status = "scored"
-    fold_all(state, [ev.BatchConsumed(step=1, group_ids=tuple(g.group_id for g in admitted), versions=(0, 0), lags=(0, 0), trajectory_ids=())])
+    fold_all(
+        state,
+        [
+            ev.BatchConsumed(
+                step=1, group_ids=tuple(g.group_id for g in admitted), versions=(0, 0), lags=(0, 0), trajectory_ids=()
+            )
+        ],
+    )
     reopened = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
     assert isinstance(reopened[0], ev.AdmissionResumed) and reopened[0].reason == "bytes"
     assert any(isinstance(p, ev.GroupAdmitted) for p in reopened)
 
 
 def test_lag_cap_bounds_admission_by_the_published_version() -> None:
-    cfg = config(admission=AdmissionConfig(max_lag=0, throttle_to_drain_rate=False), trainer=TrainerConfig(groups_per_step=1))
+    cfg = config(
+        admission=AdmissionConfig(max_lag=0, throttle_to_drain_rate=False), trainer=TrainerConfig(groups_per_step=1)
+    )
     state = started(cfg)
     out = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
-    assert sum(isinstance(p, ev.GroupAdmitted) for p in out) == 1  # the group trained at step 1 is the only one with lag 0
+    assert (
+        sum(isinstance(p, ev.GroupAdmitted) for p in out) == 1
+    )  # the group trained at step 1 is the only one with lag 0
     fold_all(state, out)
     again = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
     assert [(type(p).__name__, getattr(p, "reason", None)) for p in again] == [("AdmissionPaused", "lag")]
@@ -95,7 +127,9 @@ def test_lag_cap_bounds_admission_by_the_published_version() -> None:
 
 
 def test_rate_gate_keeps_at_most_two_batches_ahead_of_the_trainer() -> None:
-    cfg = config(trainer=TrainerConfig(groups_per_step=2), admission=AdmissionConfig(max_inflight_groups=16, max_lag=10))
+    cfg = config(
+        trainer=TrainerConfig(groups_per_step=2), admission=AdmissionConfig(max_inflight_groups=16, max_lag=10)
+    )
     out = decide_admission(started(cfg), AdmissionInputs(now=0.0, prompts=PROMPTS))
     assert sum(isinstance(p, ev.GroupAdmitted) for p in out) == 4
 
@@ -144,11 +178,16 @@ def test_partial_policy_semantics(kind: str, k: int | None, statuses: list[str],
     else:
         assert isinstance(decision, ev.GroupCompleted)
         assert (decision.status, len(decision.accepted)) == expected
-        assert all(decision.accepted[i] in {f"g1/{j}" for j, s in enumerate(statuses) if s == "finished"} for i in range(len(decision.accepted)))
+        assert all(
+            decision.accepted[i] in {f"g1/{j}" for j, s in enumerate(statuses) if s == "finished"}
+            for i in range(len(decision.accepted))
+        )
 
 
 def test_first_k_accepts_the_first_k_finished_in_index_order() -> None:
-    decision = decide_group(group("first_k", 4, 2, ["finished", "started", "finished", "finished"]), now=0.0, deadline=None)
+    decision = decide_group(
+        group("first_k", 4, 2, ["finished", "started", "finished", "finished"]), now=0.0, deadline=None
+    )
     assert isinstance(decision, ev.GroupCompleted) and decision.accepted == ("g1/0", "g1/2")
 
 
@@ -191,8 +230,13 @@ def test_commit_only_after_every_rank_prepared_and_drained() -> None:
 def test_any_prepare_failure_aborts_and_nothing_commits() -> None:
     _, state = staged()
     fold_all(state, decide_update(state, 100.0, 7))
-    fold_all(state, [ev.RankPrepared(version=1, rank=0, manifest_digest="m0001", staged_digest="w0001"),
-                     ev.RankPrepareFailed(version=1, rank=1, phase="transfer", tensor="model.norm.weight", reason="checksum")])  # fmt: skip
+    fold_all(
+        state,
+        [
+            ev.RankPrepared(version=1, rank=0, manifest_digest="m0001", staged_digest="w0001"),
+            ev.RankPrepareFailed(version=1, rank=1, phase="transfer", tensor="model.norm.weight", reason="checksum"),
+        ],
+    )
     out = decide_update(state, 101.0, 7)
     assert len(out) == 1 and isinstance(out[0], ev.UpdateAborted) and out[0].failed_ranks == (1,)
     fold_all(state, out)
@@ -228,11 +272,21 @@ def committed(ranks: int = 2) -> RunState:
 
 def test_publish_after_every_rank_swapped_and_passed_health() -> None:
     state = committed()
-    fold_all(state, [ev.RankCommitted(version=1, rank=0, weights_digest="w0001"),
-                     ev.HealthPassed(rank=0, version=1, weights_digest="w0001", probe_digest="p")])  # fmt: skip
+    fold_all(
+        state,
+        [
+            ev.RankCommitted(version=1, rank=0, weights_digest="w0001"),
+            ev.HealthPassed(rank=0, version=1, weights_digest="w0001", probe_digest="p"),
+        ],
+    )
     assert decide_update(state, 100.0, 1) == []
-    fold_all(state, [ev.RankCommitted(version=1, rank=1, weights_digest="w0001"),
-                     ev.HealthPassed(rank=1, version=1, weights_digest="w0001", probe_digest="p")])  # fmt: skip
+    fold_all(
+        state,
+        [
+            ev.RankCommitted(version=1, rank=1, weights_digest="w0001"),
+            ev.HealthPassed(rank=1, version=1, weights_digest="w0001", probe_digest="p"),
+        ],
+    )
     out = decide_update(state, 100.0, 1)
     assert isinstance(out[0], ev.PolicyPublished) and out[0].ranks == (0, 1) and out[0].weights_digest == "w0001"
     fold_all(state, out)
@@ -242,7 +296,13 @@ def test_publish_after_every_rank_swapped_and_passed_health() -> None:
 def test_a_rank_with_the_wrong_digest_or_a_stale_probe_is_quarantined_and_the_rest_publish() -> None:
     state = committed(3)
     fold_all(state, [ev.RankCommitted(version=1, rank=r, weights_digest="w0001") for r in range(3)])
-    fold_all(state, [ev.HealthPassed(rank=r, version=1, weights_digest="w0001", probe_digest="old" if r == 2 else "new") for r in range(3)])
+    fold_all(
+        state,
+        [
+            ev.HealthPassed(rank=r, version=1, weights_digest="w0001", probe_digest="old" if r == 2 else "new")
+            for r in range(3)
+        ],
+    )
     out = decide_update(state, 100.0, 1)
     assert [(type(p).__name__, getattr(p, "rank", None)) for p in out] == [("RankQuarantined", 2)]
     fold_all(state, out)

@@ -34,8 +34,12 @@ num_prompts = 64
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "rolledger.workers.cli", "--json-logs", *args],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "rolledger.workers.cli", "--json-logs", *args],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def test_a_run_across_processes_completes_and_audits_clean(redis_url: str, run_id: str, tmp_path: Path) -> None:
@@ -45,8 +49,21 @@ def test_a_run_across_processes_completes_and_audits_clean(redis_url: str, run_i
     log = EventLog(client, run_id)
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        procs["driver"] = _spawn(["run", "--redis", redis_url, "--run-id", run_id, "--config", str(cfg),
-                                  "--runs-dir", str(tmp_path), "--external-workers"], tmp_path / "driver.log")  # fmt: skip
+        procs["driver"] = _spawn(
+            [
+                "run",
+                "--redis",
+                redis_url,
+                "--run-id",
+                run_id,
+                "--config",
+                str(cfg),
+                "--runs-dir",
+                str(tmp_path),
+                "--external-workers",
+            ],
+            tmp_path / "driver.log",
+        )
         deadline = time.monotonic() + 120
         while log.length() == 0:  # the driver warms the policy up, then appends RunStarted
             assert procs["driver"].poll() is None, (tmp_path / "driver.log").read_text()[-2000:]

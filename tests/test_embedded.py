@@ -19,8 +19,10 @@ from rolledger.schemas.events import Event, SampleScored, make_event
 def scored(i: int) -> Event:
     return make_event(
         SampleScored(sample_id=f"g{i}/0", group_id=f"g{i}", reward=0.1, correct=False),
-        run_id="emb", producer="test", policy_version=0,
-    )  # fmt: skip
+        run_id="emb",
+        producer="test",
+        policy_version=0,
+    )
 
 
 @pytest.mark.parametrize("how", ["shutdown", "sigkill"])

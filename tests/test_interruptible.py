@@ -62,7 +62,11 @@ def test_a_parked_sample_continues_on_the_new_weights_with_stamped_spans() -> No
 
 @pytest.mark.slow
 def test_an_interruptible_run_stamps_spans_and_audits_clean(redis_url: str, run_id: str, tmp_path: Path) -> None:
-    cfg = small(interruptible=True, sampling={"max_tokens": 40, "stop_token_ids": []}, trainer={"warm_start_steps": 0, "groups_per_step": 2})
+    cfg = small(
+        interruptible=True,
+        sampling={"max_tokens": 40, "stop_token_ids": []},
+        trainer={"warm_start_steps": 0, "groups_per_step": 2},
+    )
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
     assert summary.status == "completed"  # type: ignore[attr-defined]
     report = audit(events)

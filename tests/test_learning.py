@@ -26,7 +26,14 @@ from rolledger.workers.grpo import (
     make_optimizer,
     warm_start,
 )
-from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, model_config, policy_state, save_policy
+from rolledger.workers.policy_model import (
+    build_model,
+    build_tokenizer,
+    load_policy,
+    model_config,
+    policy_state,
+    save_policy,
+)
 from rolledger.workers.tasks import make_prompts, parse_answer, score, supervised_examples
 from rolledger.workers.weights import state_digest
 

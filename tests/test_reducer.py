@@ -63,7 +63,9 @@ def test_replay_is_deterministic_and_snapshot_plus_tail_equals_full(ops: list[st
 def test_a_valid_log_has_no_anomalies_and_consistent_counters(ops: list[str]) -> None:
     state = replay(build_log(ops, 2))
     assert state.anomalies == []
-    assert state.admission.queued_bytes == sum(g.bytes for g in state.groups.values() if g.status in ("complete", "partial", "scored"))
+    assert state.admission.queued_bytes == sum(
+        g.bytes for g in state.groups.values() if g.status in ("complete", "partial", "scored")
+    )
     assert state.admission.inflight == sum(1 for g in state.groups.values() if g.status in ("admitted", "generating"))
     published = [u.version for u in state.updates.values() if u.status == "published"]
     assert state.policy_version == max(published, default=0)

@@ -14,9 +14,9 @@ import redis
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
+from rolledger.schemas.injection import parse_injection
 from rolledger.workers.local_run import LocalRun, RunOptions
 from rolledger.workflows.audit import audit
-from rolledger.workflows.inject import parse_injection
 from rolledger.workflows.replay import verify
 
 pytestmark = pytest.mark.slow
@@ -35,11 +35,20 @@ def small(**kw: object) -> RunConfig:
     return RunConfig.model_validate(base)
 
 
-def execute(redis_url: str, run_id: str, tmp_path: Path, cfg: RunConfig, *injections: str,
-            deadline_s: float = 240) -> tuple[list[ev.Event], object]:  # fmt: skip
+def execute(
+    redis_url: str, run_id: str, tmp_path: Path, cfg: RunConfig, *injections: str, deadline_s: float = 240
+) -> tuple[list[ev.Event], object]:
     """Run the loop to the end, then check replay (deterministic, snapshots match, no anomalies); the log and summary."""
-    run = LocalRun(RunOptions(config=cfg, redis_url=redis_url, run_id=run_id, runs_dir=tmp_path,
-                              injections=[parse_injection(s) for s in injections], deadline_s=deadline_s))  # fmt: skip
+    run = LocalRun(
+        RunOptions(
+            config=cfg,
+            redis_url=redis_url,
+            run_id=run_id,
+            runs_dir=tmp_path,
+            injections=[parse_injection(s) for s in injections],
+            deadline_s=deadline_s,
+        )
+    )
     summary = run.execute()
     client = redis.Redis.from_url(redis_url)
     events = [s.event for s in EventLog(client, run_id).read()]
@@ -54,7 +63,9 @@ def of(events: list[ev.Event], cls: type) -> list:  # type: ignore[type-arg]
     return [e.payload for e in events if isinstance(e.payload, cls)]
 
 
-def test_loop_finishes_audits_clean_and_every_trajectory_carries_its_provenance(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def test_loop_finishes_audits_clean_and_every_trajectory_carries_its_provenance(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small())
     assert summary.status == "completed" and summary.steps == 3  # type: ignore[attr-defined]
     report = audit(events)
@@ -93,7 +104,9 @@ def test_a_rank_failing_before_commit_aborts_the_update_and_every_rank_keeps_the
     assert audit(events).ok
 
 
-def test_a_corrupt_staged_file_is_caught_by_its_checksum_naming_the_tensor(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def test_a_corrupt_staged_file_is_caught_by_its_checksum_naming_the_tensor(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
     events, _ = execute(redis_url, run_id, tmp_path, small(), "corrupt-rank=0")
     failed = of(events, ev.RankPrepareFailed)
     assert len(failed) == 1 and failed[0].rank == 0 and failed[0].tensor
@@ -101,7 +114,9 @@ def test_a_corrupt_staged_file_is_caught_by_its_checksum_naming_the_tensor(redis
     assert len(of(events, ev.UpdateAborted)) == 1 and audit(events).ok
 
 
-def test_a_rank_failing_its_commit_is_quarantined_and_rejoins_on_the_published_version(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def test_a_rank_failing_its_commit_is_quarantined_and_rejoins_on_the_published_version(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small(), "fail-rank=1@commit")
     q = of(events, ev.RankQuarantined)
     assert len(q) == 1 and q[0].rank == 1
@@ -114,7 +129,9 @@ def test_a_rank_failing_its_commit_is_quarantined_and_rejoins_on_the_published_v
     assert summary.status == "completed" and audit(events).ok  # type: ignore[attr-defined]
 
 
-def test_stale_weights_are_caught_by_the_probe_and_the_rank_never_serves_them(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def test_stale_weights_are_caught_by_the_probe_and_the_rank_never_serves_them(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small(ranks=3), "stale-weights=2")
     q = of(events, ev.RankQuarantined)
     assert len(q) == 1 and q[0].rank == 2 and "probe" in q[0].reason
@@ -135,7 +152,9 @@ def test_the_default_run_learns(redis_url: str, run_id: str, tmp_path: Path) -> 
     assert audit(events).ok
 
 
-def test_first_k_groups_train_on_exactly_k_and_every_sample_still_ends(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def test_first_k_groups_train_on_exactly_k_and_every_sample_still_ends(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
     cfg = small(group_size=4, partial_policy={"kind": "first_k", "k": 2})
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
     assert summary.status == "completed" and audit(events).ok  # type: ignore[attr-defined]
@@ -144,12 +163,17 @@ def test_first_k_groups_train_on_exactly_k_and_every_sample_still_ends(redis_url
     accepted = {sid for p in completed.values() for sid in p.accepted}
     for batch in of(events, ev.BatchConsumed):
         assert set(batch.trajectory_ids) <= accepted  # the trainer never sees a sample the policy did not accept
-    ends = [p.trajectory.trajectory_id if isinstance(p, ev.SampleFinished) else p.sample_id
-            for p in (e.payload for e in events) if isinstance(p, (ev.SampleFinished, ev.SampleCancelled, ev.SampleFailed))]  # fmt: skip
+    ends = [
+        p.trajectory.trajectory_id if isinstance(p, ev.SampleFinished) else p.sample_id
+        for p in (e.payload for e in events)
+        if isinstance(p, (ev.SampleFinished, ev.SampleCancelled, ev.SampleFailed))
+    ]
     assert len(ends) == len(set(ends)) == len(of(events, ev.SampleStarted))
 
 
-def test_a_single_stale_rank_is_caught_by_logprob_agreement_and_the_run_halts(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def test_a_single_stale_rank_is_caught_by_logprob_agreement_and_the_run_halts(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
     """With one rank there is no probe majority: the rank claims v1 and keeps serving v0. The trainer, holding v1,
     recomputes the logprobs of the tokens stamped v1, sees the gap, and halts instead of training on them."""
     cfg = small(ranks=1, steps=4, admission={"max_lag": 0}, trainer={"warm_start_steps": 20, "groups_per_step": 2})

@@ -20,8 +20,10 @@ from rolledger.schemas.events import AdmissionPaused, Event, SampleScored, make_
 def scored(i: int, run_id: str = "r") -> Event:
     return make_event(
         SampleScored(sample_id=f"g{i}/0", group_id=f"g{i}", reward=i / 10, correct=i % 2 == 0),
-        run_id=run_id, producer="test", policy_version=0,
-    )  # fmt: skip
+        run_id=run_id,
+        producer="test",
+        policy_version=0,
+    )
 
 
 def test_append_and_read_back_in_order(redis_client: redis.Redis, run_id: str) -> None:

@@ -99,10 +99,18 @@ class SimRank:
 class Sim:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.cfg = RunConfig.model_validate({
-            "ranks": plan.ranks, "group_size": N_SAMPLES, "steps": 1000,
-            "update": {"prepare_deadline_s": DEADLINE_S, "drain_deadline_s": DEADLINE_S, "commit_deadline_s": DEADLINE_S},
-        })  # fmt: skip
+        self.cfg = RunConfig.model_validate(
+            {
+                "ranks": plan.ranks,
+                "group_size": N_SAMPLES,
+                "steps": 1000,
+                "update": {
+                    "prepare_deadline_s": DEADLINE_S,
+                    "drain_deadline_s": DEADLINE_S,
+                    "commit_deadline_s": DEADLINE_S,
+                },
+            }
+        )
         self.log: list[ev.Event] = []
         self.state = RunState()  # the fold of the whole log: what the coordinator decides on
         self.now = 1_000.0
@@ -121,8 +129,14 @@ class Sim:
     # ------------------------------------------------------------ the log
     def emit(self, payloads: list[ev.Payload], producer: str, version: int | None = None) -> None:
         for p in payloads:
-            e = ev.make_event(p, run_id=RUN, producer=producer, wall_time=self.now, event_id=f"01SIM{len(self.log):021d}",
-                              policy_version=self.state.policy_version if version is None else version)  # fmt: skip
+            e = ev.make_event(
+                p,
+                run_id=RUN,
+                producer=producer,
+                wall_time=self.now,
+                event_id=f"01SIM{len(self.log):021d}",
+                policy_version=self.state.policy_version if version is None else version,
+            )
             self.log.append(e)
             fold(self.state, e)
 
@@ -150,18 +164,44 @@ class Sim:
         if self.state.open_update is not None or len(self.state.updates) >= self.plan.versions:
             return
         v = max(self.state.updates, default=0) + 1
-        self.emit([ev.UpdateStaged(version=v, base_version=self.state.policy_version, manifest_digest=m(v),
-                                   weights_digest=w(v), uri=f"sim://v{v}", bytes=4096, tensors=1)], "trainer")  # fmt: skip
+        self.emit(
+            [
+                ev.UpdateStaged(
+                    version=v,
+                    base_version=self.state.policy_version,
+                    manifest_digest=m(v),
+                    weights_digest=w(v),
+                    uri=f"sim://v{v}",
+                    bytes=4096,
+                    tensors=1,
+                )
+            ],
+            "trainer",
+        )
 
     def admission(self) -> None:
         waiting = [g for g in self.state.groups.values() if g.status == "admitted" and g.group_id not in self.taken]
         if not self.state.admission.open or self.admitted >= self.plan.groups or len(waiting) >= 2:
             return
         self.admitted += 1
-        self.emit([ev.GroupAdmitted(group_id=f"g{self.admitted:04d}", prompt_id=f"p{self.admitted}", prompt_token_ids=[1, 2, 3],
-                                    n=N_SAMPLES, sampling=self.cfg.sampling, partial_policy=self.cfg.partial_policy, answer="5",
-                                    est_remaining_tokens=4, est_bytes=100, queued_bytes=0,
-                                    byte_cap=self.cfg.admission.max_queued_bytes)], "admission")  # fmt: skip
+        self.emit(
+            [
+                ev.GroupAdmitted(
+                    group_id=f"g{self.admitted:04d}",
+                    prompt_id=f"p{self.admitted}",
+                    prompt_token_ids=[1, 2, 3],
+                    n=N_SAMPLES,
+                    sampling=self.cfg.sampling,
+                    partial_policy=self.cfg.partial_policy,
+                    answer="5",
+                    est_remaining_tokens=4,
+                    est_bytes=100,
+                    queued_bytes=0,
+                    byte_cap=self.cfg.admission.max_queued_bytes,
+                )
+            ],
+            "admission",
+        )
 
     # ------------------------------------------------------------ a rank's control thread (workers/rank.py _react)
     def control(self, r: SimRank) -> None:
@@ -199,11 +239,22 @@ class Sim:
     def prepare(self, r: SimRank, p: ev.PrepareRequested) -> None:
         phase = self.failure(r, p.version, ("prepare", "transfer"))
         if phase is not None:
-            self.emit([ev.RankPrepareFailed(version=p.version, rank=r.rank, phase=phase, reason="injected")], f"rank-{r.rank}", r.version)  # type: ignore[arg-type]
+            self.emit(
+                [ev.RankPrepareFailed(version=p.version, rank=r.rank, phase=phase, reason="injected")],
+                f"rank-{r.rank}",
+                r.version,
+            )  # type: ignore[arg-type]
             return
         r.staged = p.version
-        self.emit([ev.RankPrepared(version=p.version, rank=r.rank, manifest_digest=p.manifest_digest, staged_digest=w(p.version))],
-                  f"rank-{r.rank}", r.version)  # fmt: skip
+        self.emit(
+            [
+                ev.RankPrepared(
+                    version=p.version, rank=r.rank, manifest_digest=p.manifest_digest, staged_digest=w(p.version)
+                )
+            ],
+            f"rank-{r.rank}",
+            r.version,
+        )
 
     def report_drained(self, r: SimRank) -> None:
         s = r.state
@@ -230,8 +281,14 @@ class Sim:
         if self.failure(r, v, ("stale",)) or r.claim is not None:  # claims v, keeps serving the old weights
             r.staged, r.claim = None, (v, w(v))
             r.claimed.add(v)
-            self.emit([ev.RankCommitted(version=v, rank=r.rank, weights_digest=w(v)),
-                       ev.HealthPassed(rank=r.rank, version=v, weights_digest=w(v), probe_digest=probe(r.digest))], who, v)  # fmt: skip
+            self.emit(
+                [
+                    ev.RankCommitted(version=v, rank=r.rank, weights_digest=w(v)),
+                    ev.HealthPassed(rank=r.rank, version=v, weights_digest=w(v), probe_digest=probe(r.digest)),
+                ],
+                who,
+                v,
+            )
             return
         if r.staged != v:
             self.problems.append(f"(c) rank {r.rank} told to commit v{v}, which it never prepared")
@@ -239,9 +296,15 @@ class Sim:
             return
         r.staged = None
         self.set_live(r, v, "commit")
-        self.emit([ev.RankCommitted(version=v, rank=r.rank, weights_digest=r.digest),
-                   ev.CacheInvalidated(rank=r.rank, kind="prefix", generation=r.cache_gen, version=v),
-                   ev.HealthPassed(rank=r.rank, version=v, weights_digest=r.digest, probe_digest=probe(r.digest))], who, v)  # fmt: skip
+        self.emit(
+            [
+                ev.RankCommitted(version=v, rank=r.rank, weights_digest=r.digest),
+                ev.CacheInvalidated(rank=r.rank, kind="prefix", generation=r.cache_gen, version=v),
+                ev.HealthPassed(rank=r.rank, version=v, weights_digest=r.digest, probe_digest=probe(r.digest)),
+            ],
+            who,
+            v,
+        )
 
     def resume(self, r: SimRank) -> None:
         if r.paused:
@@ -254,10 +317,16 @@ class Sim:
     def rejoin(self, r: SimRank) -> None:
         r.serving, r.claim, r.staged = False, None, None
         s = r.state
-        committed = [v for v, u in s.updates.items() if u.status in ("committed", "invalidated", "healthy", "published")]
+        committed = [
+            v for v, u in s.updates.items() if u.status in ("committed", "invalidated", "healthy", "published")
+        ]
         self.set_live(r, max([*committed, s.policy_version]), "rejoin")
         r.drained_for = None
-        self.emit([ev.RankJoined(rank=r.rank, engine="sim", policy_version=r.version, weights_digest=r.digest)], f"rank-{r.rank}", r.version)
+        self.emit(
+            [ev.RankJoined(rank=r.rank, engine="sim", policy_version=r.version, weights_digest=r.digest)],
+            f"rank-{r.rank}",
+            r.version,
+        )
         if s.open_update is not None:
             r.resume_when_closed = True
         else:
@@ -270,12 +339,27 @@ class Sim:
             gid, (v, digest) = r.busy, r.stamp()
             r.busy = None
             if r.busy_refused:  # the engine refuses to generate while paused: the samples fail
-                self.emit([ev.SampleFailed(sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=r.rank, error="paused")
-                           for i in range(N_SAMPLES)], who, v)  # fmt: skip
+                self.emit(
+                    [
+                        ev.SampleFailed(sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=r.rank, error="paused")
+                        for i in range(N_SAMPLES)
+                    ],
+                    who,
+                    v,
+                )
                 return
             if (v, digest) != r.busy_stamp:
-                self.problems.append(f"(a) group {gid} on rank {r.rank} started on {r.busy_stamp}, finished on {(v, digest)}")
-            self.emit([ev.SampleFinished(trajectory=self.trajectory(r, gid, i, v, digest), answer="5") for i in range(N_SAMPLES)], who, v)
+                self.problems.append(
+                    f"(a) group {gid} on rank {r.rank} started on {r.busy_stamp}, finished on {(v, digest)}"
+                )
+            self.emit(
+                [
+                    ev.SampleFinished(trajectory=self.trajectory(r, gid, i, v, digest), answer="5")
+                    for i in range(N_SAMPLES)
+                ],
+                who,
+                v,
+            )
             return
         if not r.serving:
             return
@@ -288,14 +372,38 @@ class Sim:
         if v in self.aborted():
             self.problems.append(f"(a) rank {r.rank} starts {gid} on v{v}, which was aborted")
         r.busy, r.busy_stamp, r.busy_refused = gid, (v, digest), r.paused
-        self.emit([ev.SampleStarted(sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=r.rank, policy_version=v, weights_digest=digest)
-                   for i in range(N_SAMPLES)], who, v)  # fmt: skip
+        self.emit(
+            [
+                ev.SampleStarted(
+                    sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=r.rank, policy_version=v, weights_digest=digest
+                )
+                for i in range(N_SAMPLES)
+            ],
+            who,
+            v,
+        )
 
     def trajectory(self, r: SimRank, gid: str, i: int, v: int, digest: str) -> Trajectory:
-        return Trajectory(trajectory_id=f"{gid}/{i}", group_id=gid, prompt_id="p", index=i, prompt_token_ids=[1, 2, 3],
-                          token_ids=[7, 8], loss_mask=[1, 1], positions=[3, 4], logprobs=[-0.5, -0.25], logprob_mode="raw",
-                          finish_reason="stop", sampling=self.cfg.sampling, policy_version=v, weights_digest=digest,
-                          rank=r.rank, engine="sim", cache_generation=r.cache_gen, graph_generation=0)  # fmt: skip
+        return Trajectory(
+            trajectory_id=f"{gid}/{i}",
+            group_id=gid,
+            prompt_id="p",
+            index=i,
+            prompt_token_ids=[1, 2, 3],
+            token_ids=[7, 8],
+            loss_mask=[1, 1],
+            positions=[3, 4],
+            logprobs=[-0.5, -0.25],
+            logprob_mode="raw",
+            finish_reason="stop",
+            sampling=self.cfg.sampling,
+            policy_version=v,
+            weights_digest=digest,
+            rank=r.rank,
+            engine="sim",
+            cache_generation=r.cache_gen,
+            graph_generation=0,
+        )
 
     # ------------------------------------------------------------ scheduling
     @property
@@ -373,7 +481,9 @@ def check_properties(sim: Sim, rounds: int) -> None:
     stale = {r.rank for r in sim.ranks if r.claim is not None}
     for r in sim.ranks:
         if r.rank not in stale:
-            assert (r.version, r.digest) == (state.policy_version, w(state.policy_version)), f"rank {r.rank} runs v{r.version}/{r.digest}"
+            assert (r.version, r.digest) == (state.policy_version, w(state.policy_version)), (
+                f"rank {r.rank} runs v{r.version}/{r.digest}"
+            )
     # (c) decisions
     commits = [p.version for _, p in of(log, ev.UpdateCommitted)]
     aborts = [p.version for _, p in of(log, ev.UpdateAborted)]
@@ -382,7 +492,9 @@ def check_properties(sim: Sim, rounds: int) -> None:
     assert len(set(commits)) == len(commits) and len(set(aborts)) == len(aborts), (commits, aborts)
     assert len(published) == len(publishes), [p.version for p in publishes]
     assert not set(commits) & set(aborts), (commits, aborts)
-    assert sorted(commits) == sorted(published) and sorted(set(commits) | set(aborts)) == list(range(1, sim.plan.versions + 1))
+    assert sorted(commits) == sorted(published) and sorted(set(commits) | set(aborts)) == list(
+        range(1, sim.plan.versions + 1)
+    )
     for v, u in state.updates.items():
         assert u.status == ("published" if v in commits else "aborted"), (v, u.status)
     published_stale: set[tuple[int, int]] = set()  # (version, rank): published on a rank that only claimed it
@@ -392,7 +504,9 @@ def check_properties(sim: Sim, rounds: int) -> None:
         assert set(pub.ranks) == set(c.ranks) - quarantined, (c.version, pub.ranks, c.ranks, quarantined)
         for rank in pub.ranks:
             swapped = any(ver == c.version and why == "commit" for _, ver, why in sim.ranks[rank].history)
-            assert swapped or c.version in sim.ranks[rank].claimed, f"v{c.version} published on rank {rank}, which never swapped to it"
+            assert swapped or c.version in sim.ranks[rank].claimed, (
+                f"v{c.version} published on rank {rank}, which never swapped to it"
+            )
             if not swapped:
                 published_stale.add((c.version, rank))
     # (a)/(b) aborted versions were never live anywhere, and nothing swapped while their transaction was open
@@ -400,7 +514,9 @@ def check_properties(sim: Sim, rounds: int) -> None:
         asked = next((i for i, p in of(log, ev.PrepareRequested) if p.version == a.version), j)
         for r in sim.ranks:
             assert all(ver != a.version for _, ver, _ in r.history), f"rank {r.rank} went live on aborted v{a.version}"
-            assert not [h for h in r.history if asked < h[0] <= j and h[2] == "commit"], f"rank {r.rank} swapped during aborted v{a.version}"
+            assert not [h for h in r.history if asked < h[0] <= j and h[2] == "commit"], (
+                f"rank {r.rank} swapped during aborted v{a.version}"
+            )
     # (a) the drain: no rank starts a group after it reported EnginePaused
     assert not drain_violations(log), drain_violations(log)
     # (e) audit and reducer
@@ -411,7 +527,11 @@ def check_properties(sim: Sim, rounds: int) -> None:
 
     for v, rank in published_stale:
         assert any(names_stale(x, v, rank) for x in report.violations), report.render()
-    bad = [x for x in report.violations if x.invariant in (2, 3, 4) and not any(names_stale(x, v, rank) for v, rank in published_stale)]
+    bad = [
+        x
+        for x in report.violations
+        if x.invariant in (2, 3, 4) and not any(names_stale(x, v, rank) for v, rank in published_stale)
+    ]
     assert not bad, report.render()
     assert state.anomalies == [], state.anomalies
 
@@ -448,11 +568,20 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 
 
 @SETTINGS
-@example(plan=Plan(1, 1, {1: (0, "commit")}, None, 0), schedule=[], jumps=set())  # every rank quarantined: the update must still end
-@example(plan=Plan(2, 2, {1: (0, "commit")}, None, 0), schedule=[], jumps=set())  # a rank rejoined behind, and an update staged under the previous pause
-@given(plan=plans(), schedule=st.lists(st.integers(0, 63), max_size=MAX_DRAWN),
-       jumps=st.sets(st.integers(0, MAX_DRAWN - 1), max_size=2))  # fmt: skip
-def test_simulated_the_transaction_is_fail_closed_under_failures_crashes_and_clock_jumps(plan: Plan, schedule: list[int], jumps: set[int]) -> None:
+@example(
+    plan=Plan(1, 1, {1: (0, "commit")}, None, 0), schedule=[], jumps=set()
+)  # every rank quarantined: the update must still end
+@example(
+    plan=Plan(2, 2, {1: (0, "commit")}, None, 0), schedule=[], jumps=set()
+)  # a rank rejoined behind, and an update staged under the previous pause
+@given(
+    plan=plans(),
+    schedule=st.lists(st.integers(0, 63), max_size=MAX_DRAWN),
+    jumps=st.sets(st.integers(0, MAX_DRAWN - 1), max_size=2),
+)
+def test_simulated_the_transaction_is_fail_closed_under_failures_crashes_and_clock_jumps(
+    plan: Plan, schedule: list[int], jumps: set[int]
+) -> None:
     sim = Sim(plan)
     rounds = sim.run(schedule, jumps)
     check_properties(sim, rounds)
@@ -483,7 +612,9 @@ def test_simulated_every_update_drains_under_its_own_pause() -> None:
     assert rounds < MAX_ROUNDS and sorted(sim.state.updates) == [1, 2]
     # each transaction's drain starts at its own AdmissionPaused (its drain deadline counts from there, and its ranks
     # stop serving on it); under a pause left over from v1, v2's ranks report EnginePaused while still serving
-    assert all(u.paused_at > 0 for u in sim.state.updates.values()), [(v, u.paused_at) for v, u in sim.state.updates.items()]
+    assert all(u.paused_at > 0 for u in sim.state.updates.values()), [
+        (v, u.paused_at) for v, u in sim.state.updates.items()
+    ]
 
 
 def test_simulated_a_group_started_before_the_rank_read_the_pause_is_drained_before_the_commit() -> None:

@@ -34,8 +34,24 @@ def _sample_id(p: ev.Payload) -> str:
 
 def _worker(redis_url: str, run_id: str, rank: int, name: str, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "ROLLEDGER_TEST_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "rolledger.workers.cli", "--json-logs", "worker", "rank", "--redis", redis_url, "--run", run_id,
-           "--rank", str(rank), "--name", name, "--claim-idle-ms", "500"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rolledger.workers.cli",
+        "--json-logs",
+        "worker",
+        "rank",
+        "--redis",
+        redis_url,
+        "--run",
+        run_id,
+        "--rank",
+        str(rank),
+        "--name",
+        name,
+        "--claim-idle-ms",
+        "500",
+    ]
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -47,7 +63,9 @@ def _wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[
         time.sleep(0.05)  # polling the log with a deadline
 
 
-def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
     torch.manual_seed(0)
     cfg = RunConfig.model_validate({"group_size": N, "sampling": {"max_tokens": 24}})
     tok = build_tokenizer()
@@ -62,9 +80,21 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(redis_u
     emit(ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model)), model_dir=str(model_dir)))
     prompt = list(tok("12+34=")["input_ids"])
     for g in range(GROUPS):
-        emit(ev.GroupAdmitted(group_id=f"g{g:06d}", prompt_id=f"p{g}", prompt_token_ids=prompt, n=N,
-                              sampling=SamplingParams(max_tokens=24, stop_token_ids=()), partial_policy=cfg.partial_policy,
-                              answer="46", est_remaining_tokens=8 * N, est_bytes=1000, queued_bytes=0, byte_cap=10**9))  # fmt: skip
+        emit(
+            ev.GroupAdmitted(
+                group_id=f"g{g:06d}",
+                prompt_id=f"p{g}",
+                prompt_token_ids=prompt,
+                n=N,
+                sampling=SamplingParams(max_tokens=24, stop_token_ids=()),
+                partial_policy=cfg.partial_policy,
+                answer="46",
+                est_remaining_tokens=8 * N,
+                est_bytes=1000,
+                queued_bytes=0,
+                byte_cap=10**9,
+            )
+        )
 
     def events() -> list[ev.Event]:
         return [s.event for s in log.read()]
@@ -72,7 +102,9 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(redis_u
     a = _worker(redis_url, run_id, 0, "A", tmp_path / "a.log")
     try:
         # kill A as soon as it has started a group (its samples are in flight, its entry pending)
-        _wait_for(lambda: any(isinstance(e.payload, ev.SampleStarted) for e in events()), 120, "worker A to start a group")
+        _wait_for(
+            lambda: any(isinstance(e.payload, ev.SampleStarted) for e in events()), 120, "worker A to start a group"
+        )
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=30)
     finally:
@@ -80,6 +112,7 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(redis_u
             a.kill()
     b = _worker(redis_url, run_id, 1, "B", tmp_path / "b.log")
     try:
+
         def all_terminal() -> bool:
             ends = {_sample_id(e.payload) for e in events() if isinstance(e.payload, TERMINAL)}
             return len(ends) == GROUPS * N

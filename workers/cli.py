@@ -59,8 +59,8 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from rolledger.schemas.injection import parse_injection
     from rolledger.workers.local_run import LocalRun, RunOptions
-    from rolledger.workflows.inject import parse_injection
     from rolledger.workers.progress import LiveProgress
 
     try:
@@ -70,12 +70,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"rolledger run: invalid configuration: {exc}", file=sys.stderr)
         return 2
     progress = LiveProgress()
-    opts = RunOptions(config=cfg, redis_url=args.redis, run_id=args.run_id, runs_dir=Path(args.runs_dir),
-                      injections=injections, metrics_port=args.metrics_port,
-                      on_progress=lambda f: progress.update(f.state),
-                      on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps),
-                      external_workers=args.external_workers,
-                      model_dir=Path(args.model_dir) if args.model_dir else None)  # fmt: skip
+    opts = RunOptions(
+        config=cfg,
+        redis_url=args.redis,
+        run_id=args.run_id,
+        runs_dir=Path(args.runs_dir),
+        injections=injections,
+        metrics_port=args.metrics_port,
+        on_progress=lambda f: progress.update(f.state),
+        on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps),
+        external_workers=args.external_workers,
+        model_dir=Path(args.model_dir) if args.model_dir else None,
+    )
     run = LocalRun(opts)
     with progress:
         summary = run.execute()
@@ -102,7 +108,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "deterministic": report.digest == report.digest_again,
         "snapshot_plus_tail": report.tail_digest,
         "last_stream_id": report.last_stream_id,
-        "snapshots": [{"event_id": e, "recorded": a, "replayed": b, "ok": a == b} for e, a, b in report.snapshot_checks],
+        "snapshots": [
+            {"event_id": e, "recorded": a, "replayed": b, "ok": a == b} for e, a, b in report.snapshot_checks
+        ],
         "state": state.to_dict(),
     }
     if args.json:
@@ -202,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the RL loop (embedded Redis and the torch engine by default)")
     run.add_argument("--config", help="TOML, JSON or YAML run config")
-    run.add_argument("--redis", help="Redis URL (redis://, rediss://, unix://); default: REDIS_URL or an embedded server")
+    run.add_argument(
+        "--redis", help="Redis URL (redis://, rediss://, unix://); default: REDIS_URL or an embedded server"
+    )
     run.add_argument("--engine", choices=["torch", "vllm"])
     run.add_argument("--ranks", type=int)
     run.add_argument("--mode", choices=["colocated", "disaggregated"])
@@ -213,11 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inject", action="append", default=[], metavar="SPEC", help="fault injection, see DESIGN.md")
     run.add_argument("--vllm-url", action="append", help="an already running vLLM server (one per rank)")
     run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    run.add_argument("--external-workers", action="store_true",
-                     help="start the run and follow it; the coordinator and workers run as their own processes "
-                          "(`rolledger coordinator`, `rolledger worker KIND`)")  # fmt: skip
-    run.add_argument("--model-dir", help="an existing policy directory to start from (no warm start); "
-                                         "with --external-workers every process must see the same path")  # fmt: skip
+    run.add_argument(
+        "--external-workers",
+        action="store_true",
+        help="start the run and follow it; the coordinator and workers run as their own processes "
+        "(`rolledger coordinator`, `rolledger worker KIND`)",
+    )
+    run.add_argument(
+        "--model-dir",
+        help="an existing policy directory to start from (no warm start); "
+        "with --external-workers every process must see the same path",
+    )
     run.set_defaults(func=cmd_run)
 
     def run_ref(p: argparse.ArgumentParser) -> None:
@@ -262,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--run", required=True)
     worker.add_argument("--rank", type=int, default=0, help="rank of a rollout/rank worker")
     worker.add_argument("--name", help="consumer name (default: KIND-RANK or KIND)")
-    worker.add_argument("--claim-idle-ms", type=int, default=5000,
-                        help="reclaim work a dead consumer left pending this long (ms)")  # fmt: skip
+    worker.add_argument(
+        "--claim-idle-ms", type=int, default=5000, help="reclaim work a dead consumer left pending this long (ms)"
+    )
     worker.set_defaults(func=cmd_worker)
     return parser
 

@@ -16,11 +16,11 @@ import redis
 
 from rolledger.events.lease import LeaderLease
 from rolledger.schemas import events as ev
+from rolledger.workers.faults import Injector
 from rolledger.workers.runtime import Follower, Worker, WorkerKilled
 from rolledger.workflows.admission import AdmissionInputs, decide_admission
 from rolledger.workflows.groups import decide_groups
 from rolledger.workflows.handoff import decide_handoff
-from rolledger.workflows.inject import Injector
 from rolledger.workflows.replay import latest_snapshot, take_snapshot
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.state import RunState
@@ -57,7 +57,11 @@ def decide(state: RunState, now: float, fence: int, inputs: AdmissionInputs) -> 
     missing = [r for r in range(state.config.ranks) if r not in state.ranks]
     if missing:  # nothing is admitted or updated before every rank has joined: a run on fewer ranks is another run
         if now > state.first_wall_time + state.config.join_deadline_s:
-            return [ev.RunFinished(status="failed", reason=f"ranks {missing} did not join within {state.config.join_deadline_s:g} s")]
+            return [
+                ev.RunFinished(
+                    status="failed", reason=f"ranks {missing} did not join within {state.config.join_deadline_s:g} s"
+                )
+            ]
         return []
     out: list[ev.Payload] = decide_update(state, now, fence)
     out += decide_groups(state, now)
@@ -72,8 +76,17 @@ def decide(state: RunState, now: float, fence: int, inputs: AdmissionInputs) -> 
 class Coordinator(Worker):
     kind = "coordinator"
 
-    def __init__(self, client: redis.Redis, run_id: str, name: str, prompts: Sequence[PromptItem], *,
-                 lease_ttl_ms: int = 3000, injector: Injector | None = None, snapshot_every: int = 500) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        name: str,
+        prompts: Sequence[PromptItem],
+        *,
+        lease_ttl_ms: int = 3000,
+        injector: Injector | None = None,
+        snapshot_every: int = 500,
+    ) -> None:
         super().__init__(client, run_id, name)
         self.prompts = list(prompts)
         self.follower = Follower(self.log)
@@ -89,8 +102,14 @@ class Coordinator(Worker):
     def respawn(self) -> Coordinator:
         """A new coordinator: it rebuilds the state from the log, takes the lease when the old one expires (a larger
         fencing token) and finishes whatever the dead one left open."""
-        return Coordinator(self.client, self.run_id, self.next_name(), self.prompts,
-                           lease_ttl_ms=self.lease.ttl_ms, injector=self.injector)
+        return Coordinator(
+            self.client,
+            self.run_id,
+            self.next_name(),
+            self.prompts,
+            lease_ttl_ms=self.lease.ttl_ms,
+            injector=self.injector,
+        )
 
     def run(self) -> None:
         renew_at = 0.0
@@ -112,11 +131,17 @@ class Coordinator(Worker):
             payloads = decide(state, now, fence, AdmissionInputs(now=now, prompts=self.prompts))
             if not payloads:
                 continue
-            if self.emitter.emit_if(payloads, expected_last_id=self.follower.last_id, policy_version=state.policy_version):
+            if self.emitter.emit_if(
+                payloads, expected_last_id=self.follower.last_id, policy_version=state.policy_version
+            ):
                 self.decisions += 1
-                if any(isinstance(p, DURABLE_DECISIONS) for p in payloads) and not self.log.wait_durable(timeout_ms=1000):
+                if any(isinstance(p, DURABLE_DECISIONS) for p in payloads) and not self.log.wait_durable(
+                    timeout_ms=1000
+                ):
                     # the decision stands (it is in the log); say that a host crash could still lose it
-                    self.logger.warning("update decision not known durable (AOF off?)", decisions=[p.type for p in payloads])
+                    self.logger.warning(
+                        "update decision not known durable (AOF off?)", decisions=[p.type for p in payloads]
+                    )
                 kill = self.injector.peek("kill-worker", worker="coordinator")
                 if kill is not None and self.decisions >= kill.after:
                     self.injector.take("kill-worker", worker="coordinator")

@@ -26,8 +26,10 @@ from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
+from rolledger.schemas.injection import Injection
 from rolledger.workers.coordinator import Coordinator
 from rolledger.workers.engines.factory import build_engines
+from rolledger.workers.faults import Injector
 from rolledger.workers.grpo import warm_start
 from rolledger.workers.metrics import RunMetrics
 from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
@@ -38,7 +40,6 @@ from rolledger.workers.staging import DirectoryStagingStore
 from rolledger.workers.tasks import make_prompts, supervised_examples
 from rolledger.workers.trainer import TrainerWorker
 from rolledger.workers.weights import state_digest
-from rolledger.workflows.inject import Injection, Injector
 from rolledger.workflows.replay import take_snapshot
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.summary import Summary, summarize
@@ -85,8 +86,15 @@ def prepare_policy(
     model = build_model(cfg.model, len(tokenizer), cfg.seed)
     if cfg.trainer.warm_start_steps:
         examples = supervised_examples(cfg.task, cfg.seed, 4096)
-        warm_start(model, tokenizer, examples, cfg.trainer.warm_start_steps, cfg.trainer.warm_start_lr, cfg.seed,
-                   on_step=on_step)
+        warm_start(
+            model,
+            tokenizer,
+            examples,
+            cfg.trainer.warm_start_steps,
+            cfg.trainer.warm_start_lr,
+            cfg.seed,
+            on_step=on_step,
+        )
     save_policy(model_dir, model, tokenizer)
     return model, tokenizer
 
@@ -135,10 +143,16 @@ class LocalRun:
         model, tokenizer = prepare_policy(cfg, model_dir, self.opts.on_warm_start)
         logbook = EventLog(client, self.run_id)
         if logbook.length() == 0:
-            logbook.append(ev.make_event(
-                ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model)),
-                              model_dir=str(model_dir)),
-                run_id=self.run_id, producer="run", policy_version=0))  # fmt: skip
+            logbook.append(
+                ev.make_event(
+                    ev.RunStarted(
+                        config=cfg, initial_weights_digest=state_digest(policy_state(model)), model_dir=str(model_dir)
+                    ),
+                    run_id=self.run_id,
+                    producer="run",
+                    policy_version=0,
+                )
+            )
         if not self.opts.external_workers:
             self._start_workers(client, model, tokenizer, model_dir)
         return self._follow(client, logbook, keep_events)
@@ -147,12 +161,15 @@ class LocalRun:
         cfg = self.cfg
         injector = Injector(self.opts.injections)
         staging = DirectoryStagingStore(cfg.update.staging_dir or self.run_dir / "staging")
-        self.workers.append(Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer), injector=injector))
+        self.workers.append(
+            Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer), injector=injector)
+        )
         initial = {k: v.clone() for k, v in policy_state(model).items()}
         engines, self._close_engines = build_engines(cfg, model_dir, tokenizer, self.run_dir)
         for r, engine in enumerate(engines):
-            self.workers.append(RankWorker(client, self.run_id, r, engine, injector=injector,
-                                           initial_weights=lambda: dict(initial)))  # fmt: skip
+            self.workers.append(
+                RankWorker(client, self.run_id, r, engine, injector=injector, initial_weights=lambda: dict(initial))
+            )
         self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer, injector=injector))
         self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging, injector=injector))
         for w in self.workers:
@@ -171,9 +188,16 @@ class LocalRun:
                 self.opts.on_progress(follower)
             self._restart_dead()
             if time.monotonic() > deadline:
-                logbook.append(ev.make_event(ev.RunFinished(status="aborted", reason="run deadline passed",
-                                                            steps=follower.state.trainer.step),
-                                             run_id=self.run_id, producer="run", policy_version=follower.state.policy_version))  # fmt: skip
+                logbook.append(
+                    ev.make_event(
+                        ev.RunFinished(
+                            status="aborted", reason="run deadline passed", steps=follower.state.trainer.step
+                        ),
+                        run_id=self.run_id,
+                        producer="run",
+                        policy_version=follower.state.policy_version,
+                    )
+                )
                 follower.poll(block_ms=200)
                 break
         take_snapshot(client, self.run_id, follower.state, follower.last_id)
@@ -198,6 +222,11 @@ class LocalRun:
             elif not w.stop_event.is_set():  # a crash nothing restarts: fail the run now, not at its deadline
                 w.stop()
                 assert self.client is not None
-                EventLog(self.client, self.run_id).append(ev.make_event(
-                    ev.RunFinished(status="failed", reason=f"worker {w.name} crashed: {w.error!r}"),
-                    run_id=self.run_id, producer="run", policy_version=0))  # fmt: skip
+                EventLog(self.client, self.run_id).append(
+                    ev.make_event(
+                        ev.RunFinished(status="failed", reason=f"worker {w.name} crashed: {w.error!r}"),
+                        run_id=self.run_id,
+                        producer="run",
+                        policy_version=0,
+                    )
+                )

@@ -25,12 +25,18 @@ class RunMetrics:
         self.policy_version = Gauge("rolledger_policy_version", "last published policy version", registry=r)
         self.queued_bytes = Gauge("rolledger_queued_bytes", "bytes of completed, untrained groups", registry=r)
         self.lag = Gauge("rolledger_lag_versions", "current version minus the oldest untrained version", registry=r)
-        self.admission_paused = Gauge("rolledger_admission_paused", "1 while admission is paused for the reason",
-                                      ["reason"], registry=r)  # fmt: skip
-        self.remaining = Gauge("rolledger_group_remaining_tokens", "estimated tokens a group still has to generate",
-                               ["group"], registry=r)  # fmt: skip
-        self.consumed_lag = Histogram("rolledger_consumed_lag_versions", "trained version minus generating version",
-                                      buckets=(0, 1, 2, 3, 4, 8), registry=r)  # fmt: skip
+        self.admission_paused = Gauge(
+            "rolledger_admission_paused", "1 while admission is paused for the reason", ["reason"], registry=r
+        )
+        self.remaining = Gauge(
+            "rolledger_group_remaining_tokens", "estimated tokens a group still has to generate", ["group"], registry=r
+        )
+        self.consumed_lag = Histogram(
+            "rolledger_consumed_lag_versions",
+            "trained version minus generating version",
+            buckets=(0, 1, 2, 3, 4, 8),
+            registry=r,
+        )
         self.updates = Counter("rolledger_updates_total", "weight updates by outcome", ["outcome"], registry=r)
         self.trajectories = Counter("rolledger_trajectories_total", "finished samples", registry=r)
         self._groups: set[str] = set()

@@ -53,8 +53,9 @@ def run_coordinator(redis_url: str, run_id: str) -> int:
     return _serve(Coordinator(client, run_id, name, prompt_items(started.config, tokenizer)))
 
 
-def run_worker(kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None,
-               claim_idle_ms: int = 5000) -> int:
+def run_worker(
+    kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int = 5000
+) -> int:
     from rolledger.workers.policy_model import load_policy
 
     client = connect(redis_url)

@@ -30,7 +30,10 @@ def status_table(state: RunState) -> Table:
     t.add_row("admission", "open" if state.admission.open else "paused: " + ", ".join(state.admission.paused))
     t.add_row("groups admitted / in flight", f"{state.admission.admitted} / {state.admission.inflight}")
     aborted = sum(1 for u in state.updates.values() if u.status == "aborted")
-    t.add_row("updates published / aborted", f"{sum(1 for u in state.updates.values() if u.status == 'published')} / {aborted}")
+    t.add_row(
+        "updates published / aborted",
+        f"{sum(1 for u in state.updates.values() if u.status == 'published')} / {aborted}",
+    )
     t.add_row("events", str(state.events_applied))
     return t
 

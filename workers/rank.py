@@ -27,16 +27,25 @@ from rolledger.events.consumer import Delivery, GroupConsumer
 from rolledger.schemas import events as ev
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.workers.engine import Engine, GroupOutput, IllegalEngineOrder, SampleOutput
+from rolledger.workers.faults import Injector
 from rolledger.workers.runtime import Follower, Worker, WorkerKilled
 from rolledger.workers.staging import StagingError, load_verified, read_manifest
-from rolledger.workflows.inject import Injector
 
 
 class RankWorker(Worker):
     kind = "rank"
 
-    def __init__(self, client: redis.Redis, run_id: str, rank: int, engine: Engine, *, injector: Injector | None = None,
-                 claim_idle_ms: int = 5000, initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        rank: int,
+        engine: Engine,
+        *,
+        injector: Injector | None = None,
+        claim_idle_ms: int = 5000,
+        initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         super().__init__(client, run_id, f"rank-{rank}")
         self.rank = rank
         self.engine = engine
@@ -63,9 +72,16 @@ class RankWorker(Worker):
         state = self.follower.state
         if self.rank not in state.ranks:
             caps = self.engine.capabilities
-            self._emit(ev.RankJoined(rank=self.rank, engine=caps.name, policy_version=self.engine.policy_version,
-                                     weights_digest=self.engine.weights_digest(), sleep_levels=caps.sleep_levels,
-                                     logprob_mode=caps.logprob_mode))  # fmt: skip
+            self._emit(
+                ev.RankJoined(
+                    rank=self.rank,
+                    engine=caps.name,
+                    policy_version=self.engine.policy_version,
+                    weights_digest=self.engine.weights_digest(),
+                    sleep_levels=caps.sleep_levels,
+                    logprob_mode=caps.logprob_mode,
+                )
+            )
         self._set_serving(True)
         self._start_rollout()
         while not self.stop_event.is_set():
@@ -113,7 +129,10 @@ class RankWorker(Worker):
             self._resume(e.event_id)
         elif isinstance(p, ev.UpdateAborted):
             self.engine.discard_weights()
-            if self.follower.state.ranks.get(self.rank) and self.follower.state.ranks[self.rank].status != "quarantined":
+            if (
+                self.follower.state.ranks.get(self.rank)
+                and self.follower.state.ranks[self.rank].status != "quarantined"
+            ):
                 if self._asleep:
                     self._wake_on_old_weights(e.event_id)
                 self._resume(e.event_id)
@@ -125,7 +144,12 @@ class RankWorker(Worker):
         started = time.perf_counter()
         fail = self.injector.take("fail-rank", rank=self.rank, phase="prepare")
         if fail is not None:
-            self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase="prepare", reason=f"injected ({fail.spec})"), causation_id=cause)
+            self._emit(
+                ev.RankPrepareFailed(
+                    version=p.version, rank=self.rank, phase="prepare", reason=f"injected ({fail.spec})"
+                ),
+                causation_id=cause,
+            )
             return
         if "weights" in self._asleep:  # colocated: the weights wake first; weights are never sent to a sleeping engine
             self._wake(["weights"], cause)
@@ -133,7 +157,9 @@ class RankWorker(Worker):
             manifest = read_manifest(u.uri, expected_digest=p.manifest_digest)
             fail = self.injector.take("fail-rank", rank=self.rank, phase="transfer")
             if fail is not None:
-                raise StagingError(None, f"transfer interrupted (injected {fail.spec})", kind="unreadable", version=p.version)
+                raise StagingError(
+                    None, f"transfer interrupted (injected {fail.spec})", kind="unreadable", version=p.version
+                )
             corrupt = self.injector.take("corrupt-rank", rank=self.rank)
             prepare_from_uri = getattr(self.engine, "prepare_from_uri", None)
             if prepare_from_uri is not None:  # a remote engine (vLLM) reads and verifies the staged files itself
@@ -145,14 +171,35 @@ class RankWorker(Worker):
                 staged = self.engine.stage_weights(p.version, dict(tensors))
         except StagingError as exc:
             phase = "transfer" if exc.kind in ("unreadable", "truncated") else "prepare"
-            self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)), causation_id=cause)  # type: ignore[arg-type]
+            self._emit(
+                ev.RankPrepareFailed(
+                    version=p.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)
+                ),
+                causation_id=cause,
+            )  # type: ignore[arg-type]
             return
         except Exception as exc:  # noqa: BLE001 - the engine refused (shape/dtype) or anything else: fail closed
-            self._emit(ev.RankPrepareFailed(version=p.version, rank=self.rank, phase="prepare",
-                                            tensor=getattr(exc, "tensor", None), reason=str(exc)), causation_id=cause)  # fmt: skip
+            self._emit(
+                ev.RankPrepareFailed(
+                    version=p.version,
+                    rank=self.rank,
+                    phase="prepare",
+                    tensor=getattr(exc, "tensor", None),
+                    reason=str(exc),
+                ),
+                causation_id=cause,
+            )
             return
-        self._emit(ev.RankPrepared(version=p.version, rank=self.rank, manifest_digest=p.manifest_digest,
-                                   staged_digest=staged, prepare_ms=(time.perf_counter() - started) * 1e3), causation_id=cause)  # fmt: skip
+        self._emit(
+            ev.RankPrepared(
+                version=p.version,
+                rank=self.rank,
+                manifest_digest=p.manifest_digest,
+                staged_digest=staged,
+                prepare_ms=(time.perf_counter() - started) * 1e3,
+            ),
+            causation_id=cause,
+        )
 
     def _report_drained(self) -> None:
         """Once generation stopped for the open update: pause the engine and say so (the coordinator commits then)."""
@@ -178,7 +225,10 @@ class RankWorker(Worker):
         fail = self.injector.take("fail-rank", rank=self.rank, phase="commit")
         if fail is not None:
             self.engine.discard_weights()
-            self._emit(ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed (injected {fail.spec})"), causation_id=cause)
+            self._emit(
+                ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed (injected {fail.spec})"),
+                causation_id=cause,
+            )
             return
         if self.injector.take("stale-weights", rank=self.rank) is not None or self._claim is not None:
             # the fault: claim the manifest's version and digest, keep serving the old weights
@@ -186,22 +236,39 @@ class RankWorker(Worker):
         try:
             if self._claim is not None:
                 self.engine.discard_weights()
-                events: list[ev.Payload] = [ev.RankCommitted(version=p.version, rank=self.rank, weights_digest=self._claim[1])]
+                events: list[ev.Payload] = [
+                    ev.RankCommitted(version=p.version, rank=self.rank, weights_digest=self._claim[1])
+                ]
             else:
                 report = self.engine.commit_weights(p.version)
                 events = [
-                    ev.RankCommitted(version=p.version, rank=self.rank, weights_digest=report.weights_digest,
-                                     commit_ms=(time.perf_counter() - started) * 1e3),
-                    ev.CacheInvalidated(rank=self.rank, kind="prefix", generation=report.cache_generation, version=p.version),
-                ]  # fmt: skip
+                    ev.RankCommitted(
+                        version=p.version,
+                        rank=self.rank,
+                        weights_digest=report.weights_digest,
+                        commit_ms=(time.perf_counter() - started) * 1e3,
+                    ),
+                    ev.CacheInvalidated(
+                        rank=self.rank, kind="prefix", generation=report.cache_generation, version=p.version
+                    ),
+                ]
                 if report.graphs_invalidated:
-                    events.append(ev.CacheInvalidated(rank=self.rank, kind="graph", generation=report.graph_generation, version=p.version))
+                    events.append(
+                        ev.CacheInvalidated(
+                            rank=self.rank, kind="graph", generation=report.graph_generation, version=p.version
+                        )
+                    )
         except IllegalEngineOrder as exc:
-            self._emit(ev.CommandRefused(command=f"commit v{p.version}", reason=str(exc), rank=self.rank),
-                       ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit refused: {exc}"), causation_id=cause)  # fmt: skip
+            self._emit(
+                ev.CommandRefused(command=f"commit v{p.version}", reason=str(exc), rank=self.rank),
+                ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit refused: {exc}"),
+                causation_id=cause,
+            )
             return
         except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
-            self._emit(ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed: {exc}"), causation_id=cause)
+            self._emit(
+                ev.HealthFailed(rank=self.rank, version=p.version, reason=f"commit failed: {exc}"), causation_id=cause
+            )
             return
         if "kv_cache" in self._asleep:  # colocated: the KV cache wakes after the new weights are in, before the probe
             report_kv = self.engine.wake(["kv_cache"])
@@ -209,8 +276,11 @@ class RankWorker(Worker):
             events.append(ev.EngineWoke(rank=self.rank, tags=("kv_cache",), bytes_restored=report_kv.bytes_restored))
         health = self.engine.health()
         if health.ok:
-            events.append(ev.HealthPassed(rank=self.rank, version=p.version, weights_digest=self._stamp()[1],
-                                          probe_digest=health.probe_digest))  # fmt: skip
+            events.append(
+                ev.HealthPassed(
+                    rank=self.rank, version=p.version, weights_digest=self._stamp()[1], probe_digest=health.probe_digest
+                )
+            )
         else:
             events.append(ev.HealthFailed(rank=self.rank, version=p.version, reason=health.detail))
         self._emit(*events, causation_id=cause)
@@ -229,13 +299,17 @@ class RankWorker(Worker):
         report = self.engine.sleep(level)
         self._sleep_pending = False
         self._asleep, self._sleep_level = ["weights", "kv_cache"], level
-        self._emit(ev.EngineSlept(rank=self.rank, level=level, bytes_freed=report.bytes_freed, verified=report.verified))  # type: ignore[arg-type]
+        self._emit(
+            ev.EngineSlept(rank=self.rank, level=level, bytes_freed=report.bytes_freed, verified=report.verified)
+        )  # type: ignore[arg-type]
 
     def _wake(self, tags: list[str], cause: str) -> None:
         report = self.engine.wake(tags)  # type: ignore[arg-type]
         for t in tags:
             self._asleep.remove(t)
-        self._emit(ev.EngineWoke(rank=self.rank, tags=tuple(tags), bytes_restored=report.bytes_restored), causation_id=cause)  # type: ignore[arg-type]
+        self._emit(
+            ev.EngineWoke(rank=self.rank, tags=tuple(tags), bytes_restored=report.bytes_restored), causation_id=cause
+        )  # type: ignore[arg-type]
 
     def _wake_on_old_weights(self, cause: str) -> None:
         """The update aborted while this rank slept: back to the published version. Level 1 restores its host copy;
@@ -277,7 +351,9 @@ class RankWorker(Worker):
         self._claim = None
         state = self.follower.state
         # the version to rejoin on: the newest one whose commit is decided (roll forward), else the published one
-        committed = [v for v, u in state.updates.items() if u.status in ("committed", "invalidated", "healthy", "published")]
+        committed = [
+            v for v, u in state.updates.items() if u.status in ("committed", "invalidated", "healthy", "published")
+        ]
         version = max([*committed, state.policy_version])
         try:
             self.engine.stage_weights(version, self._published_weights(version))
@@ -286,9 +362,17 @@ class RankWorker(Worker):
             self.logger.error("rejoin failed; rank stays quarantined", error=str(exc))
             return
         self._drained_for = None
-        self._emit(ev.RankJoined(rank=self.rank, engine=self.engine.capabilities.name, policy_version=version,
-                                 weights_digest=report.weights_digest, sleep_levels=self.engine.capabilities.sleep_levels,
-                                 logprob_mode=self.engine.capabilities.logprob_mode), causation_id=cause)  # fmt: skip
+        self._emit(
+            ev.RankJoined(
+                rank=self.rank,
+                engine=self.engine.capabilities.name,
+                policy_version=version,
+                weights_digest=report.weights_digest,
+                sleep_levels=self.engine.capabilities.sleep_levels,
+                logprob_mode=self.engine.capabilities.logprob_mode,
+            ),
+            causation_id=cause,
+        )
         if state.open_update is not None:  # generation stays stopped until the open transaction is closed
             self._resume_when_closed = True
         else:
@@ -300,7 +384,9 @@ class RankWorker(Worker):
         name = self.name if self._rollout_incarnation == 1 else f"{self.name}.{self._rollout_incarnation}"
         consumer = GroupConsumer(self.client, self.run_id, "rollout", name, claim_idle_ms=self.claim_idle_ms)
         consumer.ensure_group()
-        self._rollout = threading.Thread(target=self._rollout_main, args=(consumer,), name=f"{name}-rollout", daemon=True)
+        self._rollout = threading.Thread(
+            target=self._rollout_main, args=(consumer,), name=f"{name}-rollout", daemon=True
+        )
         self._rollout.start()
 
     def _rollout_main(self, consumer: GroupConsumer) -> None:
@@ -341,9 +427,17 @@ class RankWorker(Worker):
         g = state.groups[p.group_id]
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
         if g.samples:  # reclaimed from a dead worker: close what it left open, never run a sample twice
-            orphans = [ev.SampleFailed(sample_id=ids[s.index], group_id=p.group_id, index=s.index, rank=self.rank,
-                                       error="worker lost before the sample finished")
-                       for s in g.samples.values() if s.status == "started"]  # fmt: skip
+            orphans = [
+                ev.SampleFailed(
+                    sample_id=ids[s.index],
+                    group_id=p.group_id,
+                    index=s.index,
+                    rank=self.rank,
+                    error="worker lost before the sample finished",
+                )
+                for s in g.samples.values()
+                if s.status == "started"
+            ]
             self._emit(*orphans, causation_id=d.event.event_id)
             consumer.ack(d.stream_id)
             return True
@@ -357,9 +451,20 @@ class RankWorker(Worker):
                 consumer.ack(d.stream_id)
                 return True
             version, digest = self._stamp()
-            self._emit(*[ev.SampleStarted(sample_id=ids[i], group_id=p.group_id, index=i, rank=self.rank,
-                                          policy_version=version, weights_digest=digest) for i in range(p.n)],
-                       causation_id=d.event.event_id)  # fmt: skip
+            self._emit(
+                *[
+                    ev.SampleStarted(
+                        sample_id=ids[i],
+                        group_id=p.group_id,
+                        index=i,
+                        rank=self.rank,
+                        policy_version=version,
+                        weights_digest=digest,
+                    )
+                    for i in range(p.n)
+                ],
+                causation_id=d.event.event_id,
+            )
             kill = self.injector.peek("kill-worker", worker="rollout")
             if kill is not None and self.groups_done + 1 >= kill.after:
                 self.injector.take("kill-worker", worker="rollout")
@@ -376,19 +481,27 @@ class RankWorker(Worker):
                 # one sample ended: log it now, so a first-k group can complete while the others still run
                 out_so_far = GroupOutput([], version, digest, self.engine_generation()[0], self.engine_generation()[1])
                 t = self._trajectory(p, i, s, out_so_far)
-                self._emit(ev.SampleFinished(trajectory=t, answer=p.answer, gen_ms=(time.perf_counter() - started) * 1e3),
-                           causation_id=d.event.event_id)  # fmt: skip
+                self._emit(
+                    ev.SampleFinished(trajectory=t, answer=p.answer, gen_ms=(time.perf_counter() - started) * 1e3),
+                    causation_id=d.event.event_id,
+                )
                 streamed.add(i)
 
             try:
                 if self.engine.capabilities.streams_samples:
-                    out = self.engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel,
-                                               on_sample=on_sample)  # type: ignore[call-arg]  # fmt: skip
+                    out = self.engine.generate(
+                        p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel, on_sample=on_sample
+                    )  # type: ignore[call-arg]
                 else:
                     out = self.engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
             except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
-                self._emit(*[ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=self.rank, error=str(exc))
-                             for i in range(p.n)], causation_id=d.event.event_id)  # fmt: skip
+                self._emit(
+                    *[
+                        ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=self.rank, error=str(exc))
+                        for i in range(p.n)
+                    ],
+                    causation_id=d.event.event_id,
+                )
                 consumer.ack(d.stream_id)
                 return True
             gen_ms = (time.perf_counter() - started) * 1e3
@@ -412,7 +525,9 @@ class RankWorker(Worker):
                 continue
             sid = f"{p.group_id}/{i}"
             if s.finish_reason == "abort":
-                results.append(ev.SampleCancelled(sample_id=sid, group_id=p.group_id, index=i, reason="cancelled while generating"))
+                results.append(
+                    ev.SampleCancelled(sample_id=sid, group_id=p.group_id, index=i, reason="cancelled while generating")
+                )
                 continue
             results.append(ev.SampleFinished(trajectory=self._trajectory(p, i, s, out), answer=p.answer, gen_ms=gen_ms))
         return results
@@ -420,11 +535,18 @@ class RankWorker(Worker):
     def _trajectory(self, p: ev.GroupAdmitted, i: int, s: SampleOutput, out: GroupOutput) -> Trajectory:
         start = len(p.prompt_token_ids)
         spans = tuple(
-            VersionSpan(start=b, end=s.spans[k + 1][0] if k + 1 < len(s.spans) else len(s.token_ids), policy_version=v, weights_digest=d)
+            VersionSpan(
+                start=b,
+                end=s.spans[k + 1][0] if k + 1 < len(s.spans) else len(s.token_ids),
+                policy_version=v,
+                weights_digest=d,
+            )
             for k, (b, v, d) in enumerate(s.spans)
-        )  # fmt: skip
+        )
         # a trajectory says the version it started on; its spans say which version produced which tokens
-        version, digest = (spans[0].policy_version, spans[0].weights_digest) if spans else (out.policy_version, out.weights_digest)
+        version, digest = (
+            (spans[0].policy_version, spans[0].weights_digest) if spans else (out.policy_version, out.weights_digest)
+        )
         return Trajectory(
             trajectory_id=f"{p.group_id}/{i}",
             group_id=p.group_id,

@@ -12,16 +12,24 @@ import redis
 
 from rolledger.events.consumer import GroupConsumer
 from rolledger.schemas import events as ev
+from rolledger.workers.faults import Injector
 from rolledger.workers.runtime import Follower, Worker, WorkerKilled
 from rolledger.workers.tasks import score
-from rolledger.workflows.inject import Injector
 
 
 class RewardWorker(Worker):
     kind = "reward"
 
-    def __init__(self, client: redis.Redis, run_id: str, name: str, tokenizer: Any, *,
-                 injector: Injector | None = None, claim_idle_ms: int = 5000) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        name: str,
+        tokenizer: Any,
+        *,
+        injector: Injector | None = None,
+        claim_idle_ms: int = 5000,
+    ) -> None:
         super().__init__(client, run_id, name)
         self.tokenizer = tokenizer
         self.injector = injector or Injector()
@@ -30,8 +38,14 @@ class RewardWorker(Worker):
         self.scored = 0
 
     def respawn(self) -> RewardWorker:
-        return RewardWorker(self.client, self.run_id, self.next_name(), self.tokenizer, injector=self.injector,
-                            claim_idle_ms=self.consumer.claim_idle_ms)
+        return RewardWorker(
+            self.client,
+            self.run_id,
+            self.next_name(),
+            self.tokenizer,
+            injector=self.injector,
+            claim_idle_ms=self.consumer.claim_idle_ms,
+        )
 
     def completion_text(self, token_ids: list[int]) -> str:
         eos = self.tokenizer.eos_token_id
@@ -55,7 +69,11 @@ class RewardWorker(Worker):
                 if isinstance(p, ev.SampleFinished) and not self._already_scored(p):
                     t = p.trajectory
                     reward = score(self.completion_text(list(t.token_ids)), p.answer)
-                    out.append(ev.SampleScored(sample_id=t.trajectory_id, group_id=t.group_id, reward=reward, correct=reward >= 1.0))
+                    out.append(
+                        ev.SampleScored(
+                            sample_id=t.trajectory_id, group_id=t.group_id, reward=reward, correct=reward >= 1.0
+                        )
+                    )
             kill = self.injector.peek("kill-worker", worker="reward")
             if out and kill is not None and self.scored + len(out) >= kill.after:
                 self.injector.take("kill-worker", worker="reward")

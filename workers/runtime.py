@@ -52,8 +52,14 @@ class Emitter:
         self.log = log
         self.producer = producer
 
-    def wrap(self, payload: ev.Payload, *, policy_version: int, causation_id: str | None = None,
-             correlation_id: str | None = None) -> ev.Event:  # fmt: skip
+    def wrap(
+        self,
+        payload: ev.Payload,
+        *,
+        policy_version: int,
+        causation_id: str | None = None,
+        correlation_id: str | None = None,
+    ) -> ev.Event:
         return ev.make_event(
             payload,
             run_id=self.log.run_id,
@@ -63,16 +69,30 @@ class Emitter:
             correlation_id=correlation_id,
         )
 
-    def emit(self, payloads: Sequence[ev.Payload], *, policy_version: int, causation_id: str | None = None,
-             correlation_id: str | None = None) -> list[str]:  # fmt: skip
+    def emit(
+        self,
+        payloads: Sequence[ev.Payload],
+        *,
+        policy_version: int,
+        causation_id: str | None = None,
+        correlation_id: str | None = None,
+    ) -> list[str]:
         if not payloads:
             return []
-        events = [self.wrap(p, policy_version=policy_version, causation_id=causation_id, correlation_id=correlation_id)
-                  for p in payloads]  # fmt: skip
+        events = [
+            self.wrap(p, policy_version=policy_version, causation_id=causation_id, correlation_id=correlation_id)
+            for p in payloads
+        ]
         return self.log.append_many(events)
 
-    def emit_if(self, payloads: Sequence[ev.Payload], *, expected_last_id: str, policy_version: int,
-                causation_id: str | None = None) -> bool:  # fmt: skip
+    def emit_if(
+        self,
+        payloads: Sequence[ev.Payload],
+        *,
+        expected_last_id: str,
+        policy_version: int,
+        causation_id: str | None = None,
+    ) -> bool:
         """Append only if nothing was appended since `expected_last_id`; False on a conflict (re-decide and retry)."""
         events = [self.wrap(p, policy_version=policy_version, causation_id=causation_id) for p in payloads]
         try:

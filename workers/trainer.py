@@ -19,20 +19,28 @@ import torch
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.trajectory import Trajectory
+from rolledger.workers.faults import Injector
 from rolledger.workers.grpo import grpo_step, make_optimizer, sequence_logprobs
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Follower, Worker, WorkerKilled
 from rolledger.workers.staging import DirectoryStagingStore
 from rolledger.workflows.handoff import engines_asleep
-from rolledger.workflows.inject import Injector
 from rolledger.workflows.state import GroupState, RunState
 
 
 class TrainerWorker(Worker):
     kind = "trainer"
 
-    def __init__(self, client: redis.Redis, run_id: str, name: str, model: torch.nn.Module, staging: DirectoryStagingStore,
-                 *, injector: Injector | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        name: str,
+        model: torch.nn.Module,
+        staging: DirectoryStagingStore,
+        *,
+        injector: Injector | None = None,
+    ) -> None:
         super().__init__(client, run_id, name)
         self.model = model
         self.staging = staging
@@ -45,7 +53,9 @@ class TrainerWorker(Worker):
 
     def respawn(self) -> TrainerWorker:
         """A restarted trainer rebuilds its state and trajectories from the log; the model is the one it staged last."""
-        fresh = TrainerWorker(self.client, self.run_id, self.next_name(), self.model, self.staging, injector=self.injector)
+        fresh = TrainerWorker(
+            self.client, self.run_id, self.next_name(), self.model, self.staging, injector=self.injector
+        )
         fresh.model_version = self.model_version
         return fresh
 
@@ -83,7 +93,9 @@ class TrainerWorker(Worker):
         for g in groups:
             lag = self._lag(state, g)
             if lag > cfg.admission.max_lag:
-                drops.append(ev.TrajectoryDropped(group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason="lag", lag=lag))
+                drops.append(
+                    ev.TrajectoryDropped(group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason="lag", lag=lag)
+                )
             else:
                 kept.append(g)
         if not kept:
@@ -106,14 +118,19 @@ class TrainerWorker(Worker):
         agreement_tokens = sum(len(t.token_ids) for t in on_policy)
         if gap_median > cfg.trainer.max_logprob_gap:
             self.halted = True
-            why = (f"logprob agreement lost on v{self.model_version}: median gap {gap_median:.4f} > "
-                   f"{cfg.trainer.max_logprob_gap:g} over {agreement_tokens} on-policy tokens; the weights did not "
-                   "arrive; not training on it")  # fmt: skip
+            why = (
+                f"logprob agreement lost on v{self.model_version}: median gap {gap_median:.4f} > "
+                f"{cfg.trainer.max_logprob_gap:g} over {agreement_tokens} on-policy tokens; the weights did not "
+                "arrive; not training on it"
+            )
             self.emitter.emit(
-                [*drops, ev.AdmissionPaused(reason="manual", detail=why), ev.RunFinished(status="failed", reason=why,
-                                                                                       steps=state.trainer.step)],
+                [
+                    *drops,
+                    ev.AdmissionPaused(reason="manual", detail=why),
+                    ev.RunFinished(status="failed", reason=why, steps=state.trainer.step),
+                ],
                 policy_version=state.policy_version,
-            )  # fmt: skip
+            )
             self.logger.error("halting: engine logprobs disagree with the trainer's weights", gap=gap_median)
             return
         if self.optimizer is None:
@@ -130,15 +147,29 @@ class TrainerWorker(Worker):
             [
                 *drops,
                 consumed,
-                ev.TrainStepFinished(step=step, loss=stats.loss, reward_mean=stats.reward_mean,
-                                     logprob_gap_median=gap_median, logprob_gap_p99=gap_p99, agreement_tokens=agreement_tokens,
-                                     max_seq_ratio=stats.max_seq_ratio, clipped_frac=stats.clipped_frac, train_ms=train_ms),
-                ev.UpdateStaged(version=version, base_version=state.policy_version, manifest_digest=staged.manifest_digest,
-                                weights_digest=staged.manifest.weights_digest, uri=staged.uri, bytes=staged.bytes,
-                                tensors=len(staged.manifest.tensors)),
+                ev.TrainStepFinished(
+                    step=step,
+                    loss=stats.loss,
+                    reward_mean=stats.reward_mean,
+                    logprob_gap_median=gap_median,
+                    logprob_gap_p99=gap_p99,
+                    agreement_tokens=agreement_tokens,
+                    max_seq_ratio=stats.max_seq_ratio,
+                    clipped_frac=stats.clipped_frac,
+                    train_ms=train_ms,
+                ),
+                ev.UpdateStaged(
+                    version=version,
+                    base_version=state.policy_version,
+                    manifest_digest=staged.manifest_digest,
+                    weights_digest=staged.manifest.weights_digest,
+                    uri=staged.uri,
+                    bytes=staged.bytes,
+                    tensors=len(staged.manifest.tensors),
+                ),
             ],
             policy_version=state.policy_version,
-        )  # fmt: skip
+        )
         for tid in consumed.trajectory_ids:
             self.trajectories.pop(tid, None)
 
@@ -149,7 +180,9 @@ def logprob_agreement(model: torch.nn.Module, trajectories: list[Trajectory]) ->
     if not trajectories:
         return 0.0, 0.0
     model.eval()
-    lp, _mask = sequence_logprobs(model, [t.prompt_token_ids for t in trajectories], [t.token_ids for t in trajectories])
+    lp, _mask = sequence_logprobs(
+        model, [t.prompt_token_ids for t in trajectories], [t.token_ids for t in trajectories]
+    )
     gaps: list[float] = []
     for row, t in enumerate(trajectories):
         n = len(t.token_ids)
@@ -159,4 +192,3 @@ def logprob_agreement(model: torch.nn.Module, trajectories: list[Trajectory]) ->
         return 0.0, 0.0
     gaps.sort()
     return statistics.median(gaps), gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
-

@@ -57,7 +57,11 @@ class Gates:
         return [
             ("bytes", self.bytes_ok, f"projected {self.projected_bytes} B > cap {adm.max_queued_bytes} B"),
             ("lag", self.lag_ok, f"projected lag {self.projected_lag} > cap {adm.max_lag}"),
-            ("rate", self.rate_ok, f"{self.untrained} groups ahead of the trainer (cap {2 * cfg.trainer.groups_per_step})"),
+            (
+                "rate",
+                self.rate_ok,
+                f"{self.untrained} groups ahead of the trainer (cap {2 * cfg.trainer.groups_per_step})",
+            ),
         ]
 
 
@@ -87,7 +91,9 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     admitted_prompts = {g.prompt_id for g in state.groups.values()}
     start = state.admission.admitted
     candidates = [
-        p for i in range(start, start + inputs.window * 4) if (p := _item(inputs.prompts, i)).prompt_id not in admitted_prompts
+        p
+        for i in range(start, start + inputs.window * 4)
+        if (p := _item(inputs.prompts, i)).prompt_id not in admitted_prompts
     ][: inputs.window]
     ordered = order_candidates(candidates, cfg.scheduler, n)
 
@@ -98,7 +104,11 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     first_bytes = bytes_estimate(len(first.token_ids), first.est_completion_tokens, n) if first else 0
     for reason, ok, detail in gates(state, cfg, 1, first_bytes).verdicts(cfg):
         if not ok and reason not in paused:
-            out.append(ev.AdmissionPaused(reason=reason, queued_bytes=state.admission.queued_bytes, lag=state.lag, detail=detail))
+            out.append(
+                ev.AdmissionPaused(
+                    reason=reason, queued_bytes=state.admission.queued_bytes, lag=state.lag, detail=detail
+                )
+            )
             paused.append(reason)
         elif ok and reason in paused:
             out.append(ev.AdmissionResumed(reason=reason))
@@ -147,4 +157,6 @@ def _item(prompts: Sequence[PromptItem], i: int) -> PromptItem:
     base = prompts[i % len(prompts)]
     if i < len(prompts):
         return base
-    return PromptItem(i, f"{base.prompt_id}@{i // len(prompts)}", base.token_ids, base.answer, base.est_completion_tokens)
+    return PromptItem(
+        i, f"{base.prompt_id}@{i // len(prompts)}", base.token_ids, base.answer, base.est_completion_tokens
+    )

@@ -389,7 +389,9 @@ class _Auditor:
         last = self.max_id_by_producer.get(event.producer, "")
         if event.event_id < last:
             self.warn(
-                "out_of_order", f"{event.type} {event.event_id} from {event.producer} sorts before its earlier {last}", event
+                "out_of_order",
+                f"{event.type} {event.event_id} from {event.producer} sorts before its earlier {last}",
+                event,
             )
         else:
             self.max_id_by_producer[event.producer] = event.event_id
@@ -488,8 +490,9 @@ class _Auditor:
             return
         stopped = self.stopped.get(rank)
         if w.committed is not None:
-            self.violate(2, f"{what} on rank {rank} after v{w.version} was committed and before it was published",
-                         w.committed, e)  # fmt: skip
+            self.violate(
+                2, f"{what} on rank {rank} after v{w.version} was committed and before it was published", w.committed, e
+            )
         elif stopped is not None:
             self.violate(2, f"{what} on rank {rank} after it stopped for the update ({stopped.type})", stopped, e)
 
@@ -616,10 +619,12 @@ class _Auditor:
             (("graph",), t.graph_generation, "graph"),
         ):
             relevant = [
-                i for i in before
-                if isinstance(i.payload, CacheInvalidated) and i.payload.kind in kinds
+                i
+                for i in before
+                if isinstance(i.payload, CacheInvalidated)
+                and i.payload.kind in kinds
                 and (label == "graph" or i.payload.version == v)
-            ]  # fmt: skip
+            ]
             if not relevant:
                 continue
             self.checked[4] += 1
@@ -629,9 +634,10 @@ class _Auditor:
                 newest[i.payload.kind] = i
             ok = {i.payload.generation for i in newest.values() if isinstance(i.payload, CacheInvalidated)}
             ok |= {
-                i.payload.generation for i in during
+                i.payload.generation
+                for i in during
                 if isinstance(i.payload, CacheInvalidated) and i.payload.kind in kinds
-            }  # fmt: skip
+            }
             if got not in ok:
                 self.violate(
                     4,
@@ -756,10 +762,7 @@ class _Auditor:
             stray = [t for t in tids if t not in gp.accepted or not self._finished_in(t, gid)]
             if stray:
                 self.violate(5, f"group {gid}: consumed {stray} that the group did not accept as finished", comp, e)
-            versions = [
-                v for t in tids if t in self.finished
-                for v, _ in _span_versions(self._trajectory(t))
-            ]  # fmt: skip
+            versions = [v for t in tids if t in self.finished for v, _ in _span_versions(self._trajectory(t))]
             if versions:
                 proven = self.current_version - min(versions)
                 if proven > cfg.admission.max_lag:
@@ -933,9 +936,11 @@ class _Auditor:
                 hp = a.health_passed[r].payload
                 if isinstance(hp, HealthPassed) and hp.weights_digest != p.weights_digest:
                     self.violate(
-                        4, f"rank {r} passed health on weights {hp.weights_digest}, not {p.weights_digest}",
-                        a.health_passed[r], e,
-                    )  # fmt: skip
+                        4,
+                        f"rank {r} passed health on weights {hp.weights_digest}, not {p.weights_digest}",
+                        a.health_passed[r],
+                        e,
+                    )
             if not a.invalidated.get(r):
                 self.violate(4, f"v{p.version} published but rank {r} never invalidated its cache for it", rc, e)
         if a.committed is not None and isinstance(a.committed.payload, UpdateCommitted):
@@ -943,9 +948,11 @@ class _Auditor:
                 st = self.ranks.get(r)
                 if (st is None or st.quarantined is None) and r not in self.quarantined_in.get(p.version, set()):
                     self.violate(
-                        4, f"rank {r} committed v{p.version} but was left out of PolicyPublished without quarantine",
-                        a.committed, e,
-                    )  # fmt: skip
+                        4,
+                        f"rank {r} committed v{p.version} but was left out of PolicyPublished without quarantine",
+                        a.committed,
+                        e,
+                    )
         staged = a.staged.payload if a.staged is not None else None
         if isinstance(staged, UpdateStaged) and staged.weights_digest != p.weights_digest:
             self.violate(
@@ -968,9 +975,11 @@ class _Auditor:
         known = self.version_digest.get(p.policy_version)
         if known is not None and known != p.weights_digest:
             self.violate(
-                4, f"rank {p.rank} joined on v{p.policy_version} with weights {p.weights_digest}, not {known}",
-                self.published.get(p.policy_version) or self.run_started, e,
-            )  # fmt: skip
+                4,
+                f"rank {p.rank} joined on v{p.policy_version} with weights {p.weights_digest}, not {known}",
+                self.published.get(p.policy_version) or self.run_started,
+                e,
+            )
 
     def on_RankQuarantined(self, e: Event, p: RankQuarantined) -> None:
         # remembered per version: a rank may rejoin (RankJoined) before the version is published without it

@@ -43,7 +43,9 @@ def decide_group(g: GroupState, now: float, deadline: float | None) -> ev.Payloa
     if g.policy_kind == "at_least" and terminal == g.n and len(finished) >= k:
         return _complete(g, finished, "complete" if len(finished) == g.n else "partial")
     if g.n - lost < k:
-        return ev.GroupCancelled(group_id=g.group_id, reason=f"only {g.n - lost} of the {k} required samples can finish")
+        return ev.GroupCancelled(
+            group_id=g.group_id, reason=f"only {g.n - lost} of the {k} required samples can finish"
+        )
     if deadline is not None and now >= deadline:
         if len(finished) >= k and g.policy_kind != "all":
             return _complete(g, finished, "partial")
@@ -53,4 +55,6 @@ def decide_group(g: GroupState, now: float, deadline: float | None) -> ev.Payloa
 
 def _complete(g: GroupState, accepted: list[SampleState], status: Literal["complete", "partial"]) -> ev.GroupCompleted:
     nbytes = sum(trajectory_nbytes(g.prompt_tokens, s.tokens) for s in accepted)
-    return ev.GroupCompleted(group_id=g.group_id, accepted=tuple(s.sample_id for s in accepted), status=status, bytes=nbytes)
+    return ev.GroupCompleted(
+        group_id=g.group_id, accepted=tuple(s.sample_id for s in accepted), status=status, bytes=nbytes
+    )

@@ -25,8 +25,14 @@ def decide_handoff(state: RunState) -> list[ev.Payload]:
         ready = len(state.ready_groups()) >= cfg.trainer.groups_per_step
         idle = state.open_update is None and all(r.status == "awake" for r in ranks)
         if ready and idle and state.trainer.step < cfg.steps:
-            return [ev.AdmissionPaused(reason="handoff", queued_bytes=state.admission.queued_bytes, lag=state.lag,
-                                       detail=f"trainer step {state.trainer.step + 1}: engines sleep (level {cfg.sleep_level})")]  # fmt: skip
+            return [
+                ev.AdmissionPaused(
+                    reason="handoff",
+                    queued_bytes=state.admission.queued_bytes,
+                    lag=state.lag,
+                    detail=f"trainer step {state.trainer.step + 1}: engines sleep (level {cfg.sleep_level})",
+                )
+            ]
         return []
     trained = state.trainer.step > state.admission.handoff_step
     if trained and state.open_update is None and all(r.status == "awake" for r in ranks):

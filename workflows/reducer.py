@@ -13,6 +13,7 @@ import copy
 from collections.abc import Callable, Iterable
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import EngineStatus, GroupStatus, RunStatus, SampleStatus, UpdateStatus
 from rolledger.workflows.state import Anomaly, GroupState, RankState, RunState, SampleState, UpdateState
 
 _RECENT_IDS = 1024
@@ -72,7 +73,7 @@ def _run_started(s: RunState, e: ev.Event) -> None:
     if s.status != "pending":
         _anomaly(s, e, f"RunStarted while the run is {s.status}")
         return
-    s.run_id, s.config, s.status = e.run_id, p.config, "running"
+    s.run_id, s.config, s.status = e.run_id, p.config, RunStatus.RUNNING
     s.weights_digest = p.initial_weights_digest
 
 
@@ -82,7 +83,7 @@ def _run_finished(s: RunState, e: ev.Event) -> None:
     assert isinstance(p, ev.RunFinished)
     if s.status != "running":
         _anomaly(s, e, f"RunFinished while the run is {s.status}")
-    s.status = p.status
+    s.status = RunStatus(p.status)
 
 
 # ---------------------------------------------------------------- admission
@@ -157,21 +158,25 @@ def _sample_started(s: RunState, e: ev.Event) -> None:
         _anomaly(s, e, f"sample {p.sample_id} started twice")
         return
     if g.status == "admitted":
-        g.status = "generating"
+        g.status = GroupStatus.GENERATING
         rank = s.ranks.get(p.rank)
         if rank is not None:
             rank.groups_generated += 1
-    g.samples[p.index] = SampleState(p.sample_id, p.index, "started", p.rank, p.policy_version, p.weights_digest)
+    g.samples[p.index] = SampleState(
+        p.sample_id, p.index, SampleStatus.STARTED, p.rank, p.policy_version, p.weights_digest
+    )
 
 
-def _sample(s: RunState, e: ev.Event, group_id: str, index: int, sample_id: str) -> tuple[GroupState, SampleState] | None:
+def _sample(
+    s: RunState, e: ev.Event, group_id: str, index: int, sample_id: str
+) -> tuple[GroupState, SampleState] | None:
     g = _group(s, e, group_id)
     if g is None:
         return None
     smp = g.samples.get(index)
     if smp is None:
         _anomaly(s, e, f"sample {sample_id} has no SampleStarted")
-        smp = g.samples[index] = SampleState(sample_id, index, "started", -1, e.policy_version)
+        smp = g.samples[index] = SampleState(sample_id, index, SampleStatus.STARTED, -1, e.policy_version)
     elif smp.status != "started":
         _anomaly(s, e, f"sample {sample_id} already {smp.status}")
         return None
@@ -187,7 +192,7 @@ def _sample_finished(s: RunState, e: ev.Event) -> None:
     if found is None:
         return
     g, smp = found
-    smp.status, smp.tokens = "finished", len(t.token_ids)
+    smp.status, smp.tokens = SampleStatus.FINISHED, len(t.token_ids)
     if t.policy_version != smp.policy_version and smp.rank >= 0 and not t.spans:  # spans: interruptible, stamped
         _anomaly(s, e, f"sample {t.trajectory_id} started on v{smp.policy_version}, finished on v{t.policy_version}")
     smp.policy_version, smp.weights_digest = t.policy_version, t.weights_digest
@@ -203,7 +208,7 @@ def _sample_failed(s: RunState, e: ev.Event) -> None:
     assert isinstance(p, ev.SampleFailed)
     found = _sample(s, e, p.group_id, p.index, p.sample_id)
     if found is not None:
-        found[1].status = "failed"
+        found[1].status = SampleStatus.FAILED
 
 
 @_on(ev.SampleCancelled)
@@ -215,18 +220,18 @@ def _sample_cancelled(s: RunState, e: ev.Event) -> None:
         return
     smp = g.samples.get(p.index)
     if smp is None:  # cancelled before it started: a legal end for a never-started sample
-        g.samples[p.index] = SampleState(p.sample_id, p.index, "cancelled", -1, e.policy_version)
+        g.samples[p.index] = SampleState(p.sample_id, p.index, SampleStatus.CANCELLED, -1, e.policy_version)
     elif smp.status != "started":
         _anomaly(s, e, f"sample {p.sample_id} already {smp.status}")
     else:
-        smp.status = "cancelled"
+        smp.status = SampleStatus.CANCELLED
 
 
 def _maybe_scored(g: GroupState) -> None:
     if g.status in ("complete", "partial") and all(
         g.samples[int(sid.rsplit("/", 1)[1])].reward is not None for sid in g.accepted
     ):
-        g.status = "scored"
+        g.status = GroupStatus.SCORED
 
 
 @_on(ev.GroupCompleted)
@@ -245,7 +250,7 @@ def _group_completed(s: RunState, e: ev.Event) -> None:
             _anomaly(s, e, f"group {p.group_id} accepts {sid}, which did not finish")
     if len(p.accepted) < g.required:
         _anomaly(s, e, f"group {p.group_id} completed with {len(p.accepted)} < {g.required} required samples")
-    g.status, g.accepted, g.bytes = p.status, list(p.accepted), p.bytes
+    g.status, g.accepted, g.bytes = GroupStatus(p.status), list(p.accepted), p.bytes
     s.admission.inflight -= 1
     s.admission.queued_bytes += p.bytes
     s.admission.max_queued_bytes = max(s.admission.max_queued_bytes, s.admission.queued_bytes)
@@ -266,7 +271,7 @@ def _group_cancelled(s: RunState, e: ev.Event) -> None:
     else:
         _anomaly(s, e, f"group {p.group_id} cancelled while {g.status}")
         return
-    g.status = "cancelled"
+    g.status = GroupStatus.CANCELLED
 
 
 # ---------------------------------------------------------------- reward
@@ -304,7 +309,7 @@ def _batch_consumed(s: RunState, e: ev.Event) -> None:
                 continue
         if g.status in ("complete", "partial", "scored"):
             s.admission.queued_bytes -= g.bytes
-        g.status, g.consumed_step = "consumed", p.step
+        g.status, g.consumed_step = GroupStatus.CONSUMED, p.step
         s.trainer.lag_histogram[lag] = s.trainer.lag_histogram.get(lag, 0) + 1
         s.trainer.max_lag = max(s.trainer.max_lag, lag)
         s.trainer.consumed_groups += 1
@@ -325,7 +330,7 @@ def _trajectory_dropped(s: RunState, e: ev.Event) -> None:
     else:
         _anomaly(s, e, f"group {p.group_id} dropped while {g.status}")
         return
-    g.status = "dropped"
+    g.status = GroupStatus.DROPPED
     s.trainer.dropped_trajectories += len(p.trajectory_ids)
 
 
@@ -371,7 +376,7 @@ def _prepare_requested(s: RunState, e: ev.Event) -> None:
     if u.status != "staged":
         _anomaly(s, e, f"prepare of v{p.version} requested while {u.status}")
         return
-    u.status, u.ranks, u.fence, u.deadline = "preparing", list(p.ranks), p.fence, p.deadline
+    u.status, u.ranks, u.fence, u.deadline = UpdateStatus.PREPARING, list(p.ranks), p.fence, p.deadline
 
 
 @_on(ev.RankPrepared)
@@ -382,7 +387,9 @@ def _rank_prepared(s: RunState, e: ev.Event) -> None:
     if u is None:
         return
     if p.manifest_digest != u.manifest_digest:
-        _anomaly(s, e, f"rank {p.rank} prepared v{p.version} with manifest {p.manifest_digest}, not {u.manifest_digest}")
+        _anomaly(
+            s, e, f"rank {p.rank} prepared v{p.version} with manifest {p.manifest_digest}, not {u.manifest_digest}"
+        )
         return
     if u.status == "aborted":  # a rank finishing its prepare after the abort: legal, and changes nothing
         return
@@ -413,7 +420,7 @@ def _update_committed(s: RunState, e: ev.Event) -> None:
     missing = [r for r in p.ranks if r not in u.prepared]
     if missing or not p.ranks:
         _anomaly(s, e, f"v{p.version} committed without RankPrepared from ranks {missing}")
-    u.status, u.decided_event, u.committed_at = "committed", e.event_id, e.wall_time
+    u.status, u.decided_event, u.committed_at = UpdateStatus.COMMITTED, e.event_id, e.wall_time
 
 
 @_on(ev.UpdateAborted)
@@ -426,7 +433,7 @@ def _update_aborted(s: RunState, e: ev.Event) -> None:
     if u.status not in ("staged", "preparing"):
         _anomaly(s, e, f"v{p.version} aborted while {u.status}")
         return
-    u.status, u.abort_reason, u.decided_event = "aborted", p.reason, e.event_id
+    u.status, u.abort_reason, u.decided_event = UpdateStatus.ABORTED, p.reason, e.event_id
 
 
 @_on(ev.RankCommitted)
@@ -465,7 +472,7 @@ def _cache_invalidated(s: RunState, e: ev.Event) -> None:
     if u is not None and p.kind != "graph":
         u.invalidated[p.rank] = p.generation
         if u.status == "committed" and all(r in u.invalidated for r in u.ranks):
-            u.status = "invalidated"
+            u.status = UpdateStatus.INVALIDATED
 
 
 @_on(ev.HealthPassed)
@@ -479,7 +486,7 @@ def _health_passed(s: RunState, e: ev.Event) -> None:
         u.healthy.append(p.rank)
     u.probe_digests[p.rank] = p.probe_digest
     if u.status in ("committed", "invalidated") and all(r in u.healthy for r in u.ranks):
-        u.status = "healthy"
+        u.status = UpdateStatus.HEALTHY
 
 
 @_on(ev.HealthFailed)
@@ -504,7 +511,7 @@ def _policy_published(s: RunState, e: ev.Event) -> None:
     for r in p.ranks:
         if u.committed.get(r) != p.weights_digest:
             _anomaly(s, e, f"v{p.version} published but rank {r} holds {u.committed.get(r)!r}")
-    u.status = "published"
+    u.status = UpdateStatus.PUBLISHED
     s.policy_version, s.weights_digest = p.version, p.weights_digest
 
 
@@ -525,7 +532,7 @@ def _engine_slept(s: RunState, e: ev.Event) -> None:
         return
     if r.status == "asleep":
         _anomaly(s, e, f"rank {p.rank} slept twice")
-    r.status, r.sleep_level, r.woke = "asleep", p.level, []
+    r.status, r.sleep_level, r.woke = EngineStatus.ASLEEP, p.level, []
 
 
 @_on(ev.EngineWoke)
@@ -544,7 +551,7 @@ def _engine_woke(s: RunState, e: ev.Event) -> None:
         if tag not in r.woke:
             r.woke.append(tag)
     if "weights" in r.woke and "kv_cache" in r.woke:
-        r.status, r.sleep_level, r.woke = "paused", 0, []
+        r.status, r.sleep_level, r.woke = EngineStatus.PAUSED, 0, []
 
 
 @_on(ev.EnginePaused)
@@ -553,7 +560,7 @@ def _engine_paused(s: RunState, e: ev.Event) -> None:
     assert isinstance(p, ev.EnginePaused)
     r = _rank(s, e, p.rank)
     if r is not None and r.status == "awake":
-        r.status = "paused"
+        r.status = EngineStatus.PAUSED
 
 
 @_on(ev.EngineResumed)
@@ -567,7 +574,7 @@ def _engine_resumed(s: RunState, e: ev.Event) -> None:
         _anomaly(s, e, f"rank {p.rank} resumed while asleep")
         return
     if r.status == "paused":
-        r.status = "awake"
+        r.status = EngineStatus.AWAKE
 
 
 @_on(ev.RankJoined)
@@ -579,7 +586,7 @@ def _rank_joined(s: RunState, e: ev.Event) -> None:
         r = s.ranks[p.rank] = RankState(p.rank, p.engine)
     elif r.status != "quarantined":
         _anomaly(s, e, f"rank {p.rank} joined twice")
-    r.status, r.engine = "awake", p.engine
+    r.status, r.engine = EngineStatus.AWAKE, p.engine
     r.committed_version, r.weights_digest = p.policy_version, p.weights_digest
     r.sleep_levels, r.logprob_mode = list(p.sleep_levels), p.logprob_mode
 
@@ -590,7 +597,7 @@ def _rank_quarantined(s: RunState, e: ev.Event) -> None:
     assert isinstance(p, ev.RankQuarantined)
     r = _rank(s, e, p.rank)
     if r is not None:
-        r.status = "quarantined"
+        r.status = EngineStatus.QUARANTINED
     u = s.updates.get(p.version)
     if u is not None and p.rank not in u.quarantined:
         u.quarantined.append(p.rank)

@@ -33,7 +33,10 @@ class Snapshot:
 
 def take_snapshot(client: redis.Redis, run_id: str, state: RunState, stream_id: str) -> Snapshot:
     snap = Snapshot(stream_id, state.last_event_id, state.digest(), msgpack.packb(state.to_dict()))
-    client.xadd(snapshots_key(run_id), {b"at": snap.stream_id, b"event": snap.event_id, b"digest": snap.digest, b"state": snap.state})
+    client.xadd(
+        snapshots_key(run_id),
+        {b"at": snap.stream_id, b"event": snap.event_id, b"digest": snap.digest, b"state": snap.state},
+    )
     return snap
 
 
@@ -41,7 +44,9 @@ def snapshots(client: redis.Redis, run_id: str) -> list[Snapshot]:
     out = []
     for _, f in client.xrange(snapshots_key(run_id)) or []:
         fields: dict[bytes, bytes] = dict(f or {})  # type: ignore[arg-type]
-        out.append(Snapshot(fields[b"at"].decode(), fields[b"event"].decode(), fields[b"digest"].decode(), fields[b"state"]))
+        out.append(
+            Snapshot(fields[b"at"].decode(), fields[b"event"].decode(), fields[b"digest"].decode(), fields[b"state"])
+        )
     return out
 
 

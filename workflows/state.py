@@ -9,18 +9,14 @@ give the same digest exactly when they give the same state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgpack
 import xxhash
 from pydantic import TypeAdapter
 
 from rolledger.schemas.config import RunConfig
-
-GroupStatus = Literal["admitted", "generating", "complete", "partial", "cancelled", "scored", "consumed", "dropped"]
-SampleStatus = Literal["started", "finished", "failed", "cancelled"]
-UpdateStatus = Literal["staged", "preparing", "committed", "aborted", "invalidated", "healthy", "published"]
-EngineStatus = Literal["awake", "paused", "asleep", "quarantined"]
+from rolledger.schemas.statuses import EngineStatus, GroupStatus, RunStatus, SampleStatus, UpdateStatus
 
 
 @dataclass(slots=True)
@@ -49,7 +45,7 @@ class GroupState:
     est_bytes: int
     prompt_tokens: int
     deadline: float | None = None
-    status: GroupStatus = "admitted"
+    status: GroupStatus = GroupStatus.ADMITTED
     samples: dict[int, SampleState] = field(default_factory=dict)
     accepted: list[str] = field(default_factory=list)
     bytes: int = 0
@@ -64,7 +60,7 @@ class GroupState:
     @property
     def untrained(self) -> bool:
         """Admitted and neither consumed, dropped nor cancelled."""
-        return self.status not in ("consumed", "dropped", "cancelled")
+        return GroupStatus(self.status).is_untrained
 
 
 @dataclass(slots=True)
@@ -76,7 +72,7 @@ class UpdateState:
     uri: str
     bytes: int
     staged_event: str
-    status: UpdateStatus = "staged"
+    status: UpdateStatus = UpdateStatus.STAGED
     ranks: list[int] = field(default_factory=list)
     fence: int = 0
     deadline: float = 0.0
@@ -99,14 +95,14 @@ class UpdateState:
     @property
     def open(self) -> bool:
         """Neither aborted nor published: the transaction is still in flight."""
-        return self.status not in ("aborted", "published")
+        return UpdateStatus(self.status).is_open
 
 
 @dataclass(slots=True)
 class RankState:
     rank: int
     engine: str
-    status: EngineStatus = "awake"
+    status: EngineStatus = EngineStatus.AWAKE
     committed_version: int = 0
     weights_digest: str = ""
     cache_generation: int = 0
@@ -155,7 +151,7 @@ class Anomaly:
 class RunState:
     run_id: str = ""
     config: RunConfig | None = None
-    status: Literal["pending", "running", "completed", "failed", "aborted"] = "pending"
+    status: RunStatus = RunStatus.PENDING
     policy_version: int = 0  # the last published version
     weights_digest: str = ""
     groups: dict[str, GroupState] = field(default_factory=dict)

@@ -86,7 +86,13 @@ def build_timeline(events: Iterable[ev.Event]) -> Timeline:
             gid = p.trajectory.group_id if isinstance(p, ev.SampleFinished) else p.group_id
             group_end[gid] = t
         elif isinstance(p, ev.TrainStepFinished):
-            tl.add("trainer", t - p.train_ms / 1e3, t, "train", f"step {p.step}: reward {p.reward_mean:.3f}, loss {p.loss:.3f}")
+            tl.add(
+                "trainer",
+                t - p.train_ms / 1e3,
+                t,
+                "train",
+                f"step {p.step}: reward {p.reward_mean:.3f}, loss {p.loss:.3f}",
+            )
         elif isinstance(p, ev.PrepareRequested):
             prepare_start[p.version] = t
         elif isinstance(p, ev.RankPrepared):
@@ -158,13 +164,21 @@ def _png(tl: Timeline, out: Path) -> None:
     queue_ax.set_xlabel("seconds since RunStarted")
     index = {r: i for i, r in enumerate(tl.rows)}
     for s in tl.spans:
-        ax.broken_barh([(s.start, max(s.end - s.start, tl.duration / 2000))], (index[s.row] - 0.4, 0.8), color=COLORS[s.kind])
+        ax.broken_barh(
+            [(s.start, max(s.end - s.start, tl.duration / 2000))], (index[s.row] - 0.4, 0.8), color=COLORS[s.kind]
+        )
     ax.set_yticks(range(len(tl.rows)))
     ax.set_yticklabels(tl.rows)
     ax.invert_yaxis()
     ax.set_title(f"rolledger timeline: {tl.run_id}", pad=30)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="lower center",
-              bbox_to_anchor=(0.5, 1.04), ncol=len(COLORS), fontsize="small", frameon=False)  # fmt: skip
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in COLORS.items()],
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.04),
+        ncol=len(COLORS),
+        fontsize="small",
+        frameon=False,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -175,16 +189,22 @@ def _html(tl: Timeline) -> str:
     height = row_h * len(tl.rows) + 40
     scale = (width - left - 10) / max(tl.duration, 1e-9)
     index = {r: i for i, r in enumerate(tl.rows)}
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
+    ]
     for r, i in index.items():
         parts.append(f'<text x="4" y="{i * row_h + 18}">{html.escape(r)}</text>')
     for s in tl.spans:
         x = left + s.start * scale
         w = max((s.end - s.start) * scale, 0.5)
         y = index[s.row] * row_h + 4
-        parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h - 8}" fill="{COLORS[s.kind]}">'
-                     f"<title>{html.escape(s.label)} ({s.start:.3f}s to {s.end:.3f}s)</title></rect>")  # fmt: skip
-    parts.append(f'<text x="{left}" y="{height - 8}">0 s</text><text x="{width - 60}" y="{height - 8}">{tl.duration:.2f} s</text>')
+        parts.append(
+            f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h - 8}" fill="{COLORS[s.kind]}">'
+            f"<title>{html.escape(s.label)} ({s.start:.3f}s to {s.end:.3f}s)</title></rect>"
+        )
+    parts.append(
+        f'<text x="{left}" y="{height - 8}">0 s</text><text x="{width - 60}" y="{height - 8}">{tl.duration:.2f} s</text>'
+    )
     parts.append("</svg>")
     most = max(tl.lag_histogram.values(), default=1)
     lag_rows = "".join(
@@ -192,8 +212,12 @@ def _html(tl: Timeline) -> str:
         for k, v in sorted(tl.lag_histogram.items())
     )
     peak = max((q for _, q in tl.queued), default=0)
-    below = (f"<h3>lag of consumed groups</h3><table cellpadding=3><tr><th>lag</th><th>groups</th><th></th></tr>{lag_rows}"
-             f"</table><p>groups waiting for the trainer: peak {peak}</p>")  # fmt: skip
+    below = (
+        f"<h3>lag of consumed groups</h3><table cellpadding=3><tr><th>lag</th><th>groups</th><th></th></tr>{lag_rows}"
+        f"</table><p>groups waiting for the trainer: peak {peak}</p>"
+    )
     legend = " ".join(f'<span style="background:{c};padding:2px 6px;margin:2px">{k}</span>' for k, c in COLORS.items())
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>rolledger timeline {html.escape(tl.run_id)}</title></head>"
-            f"<body><h2>rolledger timeline: {html.escape(tl.run_id)}</h2><p>{legend}</p>{''.join(parts)}{below}</body></html>\n")  # fmt: skip
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>rolledger timeline {html.escape(tl.run_id)}</title></head>"
+        f"<body><h2>rolledger timeline: {html.escape(tl.run_id)}</h2><p>{legend}</p>{''.join(parts)}{below}</body></html>\n"
+    )

@@ -42,8 +42,13 @@ def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
     else:  # a live rank behind the published version (it rejoined on an older one) is sent to reload it
         for r in sorted(state.ranks.values(), key=lambda r: r.rank):
             if r.status != "quarantined" and r.committed_version != state.policy_version:
-                out.append(ev.RankQuarantined(rank=r.rank, version=state.policy_version,
-                                              reason=f"on v{r.committed_version}, behind the published v{state.policy_version}"))
+                out.append(
+                    ev.RankQuarantined(
+                        rank=r.rank,
+                        version=state.policy_version,
+                        reason=f"on v{r.committed_version}, behind the published v{state.policy_version}",
+                    )
+                )
     return out
 
 
@@ -57,27 +62,57 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
             return [ev.UpdateAborted(version=u.version, reason="no rank in service", fence=fence)]
         return [
             ev.PrepareRequested(
-                version=u.version, manifest_digest=u.manifest_digest, ranks=ranks, deadline=now + up.prepare_deadline_s, fence=fence
+                version=u.version,
+                manifest_digest=u.manifest_digest,
+                ranks=ranks,
+                deadline=now + up.prepare_deadline_s,
+                fence=fence,
             )
         ]
     if u.status == "preparing":
-        if u.fence != fence:  # a coordinator that died mid-transaction: no decision was logged, so abort at its deadline
+        if (
+            u.fence != fence
+        ):  # a coordinator that died mid-transaction: no decision was logged, so abort at its deadline
             if now > u.deadline:
-                return [ev.UpdateAborted(version=u.version, reason=f"coordinator with fence {u.fence} lost before deciding", fence=fence)]
+                return [
+                    ev.UpdateAborted(
+                        version=u.version, reason=f"coordinator with fence {u.fence} lost before deciding", fence=fence
+                    )
+                ]
             return []
         if u.failed:
             reasons = "; ".join(f"rank {r}: {why}" for r, why in sorted(u.failed.items()))
-            return [ev.UpdateAborted(version=u.version, reason=reasons, failed_ranks=tuple(sorted(u.failed)), fence=fence)]
+            return [
+                ev.UpdateAborted(version=u.version, reason=reasons, failed_ranks=tuple(sorted(u.failed)), fence=fence)
+            ]
         if not u.all_prepared:
             if now > u.deadline:
                 late = tuple(r for r in u.ranks if r not in u.prepared)
-                return [ev.UpdateAborted(version=u.version, reason=f"prepare deadline passed for ranks {list(late)}", failed_ranks=late, fence=fence)]
+                return [
+                    ev.UpdateAborted(
+                        version=u.version,
+                        reason=f"prepare deadline passed for ranks {list(late)}",
+                        failed_ranks=late,
+                        fence=fence,
+                    )
+                ]
             return []
         if "update" not in state.admission.paused:
-            return [ev.AdmissionPaused(reason="update", queued_bytes=state.admission.queued_bytes, lag=state.lag, detail=f"committing v{u.version}")]
+            return [
+                ev.AdmissionPaused(
+                    reason="update",
+                    queued_bytes=state.admission.queued_bytes,
+                    lag=state.lag,
+                    detail=f"committing v{u.version}",
+                )
+            ]
         drained = all(state.ranks[r].status in ("paused", "asleep") for r in u.ranks if r in state.ranks)
         if drained:
-            return [ev.UpdateCommitted(version=u.version, manifest_digest=u.manifest_digest, ranks=tuple(u.ranks), fence=fence)]
+            return [
+                ev.UpdateCommitted(
+                    version=u.version, manifest_digest=u.manifest_digest, ranks=tuple(u.ranks), fence=fence
+                )
+            ]
         if u.paused_at and now > u.paused_at + up.drain_deadline_s:
             return [ev.UpdateAborted(version=u.version, reason="drain deadline passed", fence=fence)]
         return []
@@ -111,5 +146,7 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
         out.append(ev.RankQuarantined(rank=r, version=u.version, reason=why))
     serving = [r for r in u.ranks if r not in bad and r not in u.quarantined]
     if all(r in u.healthy for r in serving) and not bad:  # with every rank quarantined it still closes
-        out.append(ev.PolicyPublished(version=u.version, weights_digest=u.weights_digest, ranks=tuple(serving), fence=fence))
+        out.append(
+            ev.PolicyPublished(version=u.version, weights_digest=u.weights_digest, ranks=tuple(serving), fence=fence)
+        )
     return out

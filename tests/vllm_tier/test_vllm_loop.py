@@ -28,8 +28,9 @@ pytestmark = pytest.mark.vllm
 GREEDY_PROMPTS: tuple[tuple[int, ...], ...] = (PROMPT, (1, 5, 9, 14, 7, 15))
 
 
-def execute(redis_url: str, run_id: str, runs_dir: Path, cfg: RunConfig, servers: LoopServers,
-            *injections: str) -> tuple[list[ev.Event], object, float]:  # fmt: skip
+def execute(
+    redis_url: str, run_id: str, runs_dir: Path, cfg: RunConfig, servers: LoopServers, *injections: str
+) -> tuple[list[ev.Event], object, float]:
     """The main suite's run-and-check (tests/test_run_loop.py), on a run directory seeded with the servers' policy."""
     servers.seed_run_dir(runs_dir / run_id)
     started = time.perf_counter()

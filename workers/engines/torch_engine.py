@@ -170,8 +170,12 @@ class TorchEngine:
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
-            name="torch", sleep_levels=(1, 2), prefix_cache=self._use_prefix_cache, logprob_mode="raw",
-            streams_samples=True, interruptible=self.interruptible,
+            name="torch",
+            sleep_levels=(1, 2),
+            prefix_cache=self._use_prefix_cache,
+            logprob_mode="raw",
+            streams_samples=True,
+            interruptible=self.interruptible,
         )
 
     @property
@@ -314,8 +318,15 @@ class TorchEngine:
                 elif step == sampling.max_tokens - 1:
                     finish[i] = "length"
                 if finish[i] is not None and on_sample is not None:  # stream each sample as soon as it ends
-                    on_sample(i, SampleOutput(token_ids=list(tokens[i]), logprobs=list(logprobs[i]), finish_reason=finish[i],  # type: ignore[arg-type]
-                                              spans=tuple(spans[i]) if len(spans[i]) > 1 else ()))  # fmt: skip
+                    on_sample(
+                        i,
+                        SampleOutput(
+                            token_ids=list(tokens[i]),
+                            logprobs=list(logprobs[i]),
+                            finish_reason=finish[i],  # type: ignore[arg-type]
+                            spans=tuple(spans[i]) if len(spans[i]) > 1 else (),
+                        ),
+                    )
             if all(f is not None for f in finish):
                 break
             feed = torch.tensor(
@@ -326,10 +337,14 @@ class TorchEngine:
             logits = out.logits[:, -1, :].float()
 
         samples = [
-            SampleOutput(token_ids=tokens[i], logprobs=logprobs[i], finish_reason=finish[i] or "length",
-                         spans=tuple(spans[i]) if len(spans[i]) > 1 else ())
+            SampleOutput(
+                token_ids=tokens[i],
+                logprobs=logprobs[i],
+                finish_reason=finish[i] or "length",
+                spans=tuple(spans[i]) if len(spans[i]) > 1 else (),
+            )
             for i in range(n)
-        ]  # fmt: skip
+        ]
         return GroupOutput(
             samples=samples,
             policy_version=version,

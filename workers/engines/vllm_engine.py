@@ -531,10 +531,16 @@ class VllmEngine:
             body = self._post(
                 "/v1/completions",
                 json={
-                    "model": self.model_name, "prompt": list(PROBE_PROMPT), "max_tokens": 4, "temperature": 0.0,
-                    "logprobs": 0, "return_token_ids": True, "ignore_eos": True, "skip_special_tokens": False,
+                    "model": self.model_name,
+                    "prompt": list(PROBE_PROMPT),
+                    "max_tokens": 4,
+                    "temperature": 0.0,
+                    "logprobs": 0,
+                    "return_token_ids": True,
+                    "ignore_eos": True,
+                    "skip_special_tokens": False,
                 },
-            )  # fmt: skip
+            )
             sample = self._parse_choice(body["choices"][0])
         except (EngineError, KeyError, IndexError) as e:
             return HealthReport(ok=False, detail=f"rank {self.rank}: {e}")
@@ -626,17 +632,29 @@ def start_vllm_server(
     child_env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     child_env.update(env or {})
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", dtype, "--worker-extension-cls", extension, *extra_args,
-    ]  # fmt: skip
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--worker-extension-cls",
+        extension,
+        *extra_args,
+    ]
     if max_model_len is not None:  # default: the model's max_position_embeddings
         cmd += ["--max-model-len", str(max_model_len)]
     t0 = time.monotonic()
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-    server = VllmServer(url=f"http://127.0.0.1:{port}", port=port, model_dir=model_dir, log_path=log, process=proc,
-                        start_s=0.0)  # fmt: skip
+    server = VllmServer(
+        url=f"http://127.0.0.1:{port}", port=port, model_dir=model_dir, log_path=log, process=proc, start_s=0.0
+    )
     deadline = t0 + startup_deadline_s
     with httpx.Client(timeout=2.0) as client:
         while True:

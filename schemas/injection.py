@@ -1,10 +1,11 @@
-"""Fault-injection specs (`--inject`), parsed into typed values. Each fires once, at its first opportunity.
+"""Fault-injection specs (`--inject`), parsed into typed values: the one vocabulary of faults. Each fires once, at
+its first opportunity; the wrappers that make them happen live in `rolledger.workers.faults`.
 
-  fail-rank=R@prepare|transfer|commit   rank R fails that phase of the next update
-  corrupt-rank=R                        rank R sees a checksum mismatch in the next staged file
-  kill-worker=KIND@N                    the KIND worker (rollout|reward|trainer|coordinator) dies after N units
-  delay-trainer=SECONDS                 the trainer sleeps SECONDS before each step
-  stale-weights=R                       rank R reports the commit but keeps serving the old weights
+fail-rank=R@prepare|transfer|commit   rank R fails that phase of the next update
+corrupt-rank=R                        rank R sees a checksum mismatch in the next staged file
+kill-worker=KIND@N                    the KIND worker (rollout|reward|trainer|coordinator) dies after N units
+delay-trainer=SECONDS                 the trainer sleeps SECONDS before each step
+stale-weights=R                       rank R reports the commit but keeps serving the old weights
 """
 
 from __future__ import annotations
@@ -58,24 +59,3 @@ def parse_injection(spec: str) -> Injection:
     except ValueError as exc:
         raise ValueError(f"--inject {spec!r}: {exc}") from None
     raise ValueError(f"--inject {spec!r}: unknown kind {kind!r}")
-
-
-class Injector:
-    """The run's injections; `take` returns a matching one once and never again (thread-safe enough: one owner per kind)."""
-
-    def __init__(self, injections: list[Injection] | tuple[Injection, ...] = ()) -> None:
-        self._pending = list(injections)
-        self.fired: list[Injection] = []
-
-    def peek(self, kind: str, **match: object) -> Injection | None:
-        for inj in self._pending:
-            if inj.kind == kind and all(getattr(inj, k) == v for k, v in match.items()):
-                return inj
-        return None
-
-    def take(self, kind: str, **match: object) -> Injection | None:
-        inj = self.peek(kind, **match)
-        if inj is not None:
-            self._pending.remove(inj)
-            self.fired.append(inj)
-        return inj
