@@ -10,11 +10,17 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 from pydantic import ValidationError
 
 from rolledger.schemas.config import RunConfig
+
+if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolledger --help` stays fast
+    import redis
+
+    from rolledger.workflows.replay import ReplayReport
 
 
 class _CurrentStderr:
@@ -59,13 +65,14 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rolledger.schemas.injection import parse_injection
+    from rolledger.schemas.injection import check_injections, parse_injection
     from rolledger.workers.local_run import LocalRun, RunOptions
     from rolledger.workers.progress import LiveProgress
 
     try:
         cfg = _config_from_args(args)
         injections = [parse_injection(s) for s in args.inject]
+        check_injections(injections, cfg, in_process=not args.external_workers)
     except (ValidationError, ValueError) as exc:
         print(f"rolledger run: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -96,11 +103,18 @@ def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return open_run(args.run, args.redis, Path(args.runs_dir))
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    from rolledger.workflows.replay import verify
+def _verify(client: redis.Redis, run_id: str, until: str | None = None) -> ReplayReport:
+    """The replay check over the run's log and its stored snapshots (read once each)."""
+    from rolledger.events.snapshots import stored_snapshots
+    from rolledger.events.store import EventLog
+    from rolledger.workflows.replay import check_replay
 
+    return check_replay(EventLog(client, run_id).read(), stored_snapshots(client, run_id), until)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
     with _open(args) as (client, run_id):
-        report = verify(client, run_id, until=args.until)
+        report = _verify(client, run_id, until=args.until)
     state = report.state
     out = {
         "run_id": run_id,
@@ -142,12 +156,15 @@ def _events(client, run_id):  # type: ignore[no-untyped-def]
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    from rolledger.events.snapshots import stored_snapshots
+    from rolledger.events.store import EventLog
     from rolledger.workflows.audit import audit
-    from rolledger.workflows.replay import verify
+    from rolledger.workflows.replay import check_replay
 
     with _open(args) as (client, run_id):
-        events = _events(client, run_id)
-        rep = verify(client, run_id)
+        entries = list(EventLog(client, run_id).read())
+        rep = check_replay(entries, stored_snapshots(client, run_id))
+    events = [s.event for s in entries]
     report = audit(events, replay_digests=(rep.digest, rep.digest_again), snapshot_checks=rep.snapshot_checks)
     print(report.to_json() if args.json else report.render())
     return 0 if report.ok else 1
@@ -168,7 +185,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from rolledger.workflows.timeline import build_timeline, write_timeline
+    from rolledger.workers.timeline_render import write_timeline
+    from rolledger.workflows.timeline import build_timeline
 
     with _open(args) as (client, run_id):
         events = _events(client, run_id)
@@ -181,12 +199,15 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from rolledger.events.snapshots import latest_snapshot
     from rolledger.events.store import EventLog
     from rolledger.workers.progress import status_table
-    from rolledger.workflows.replay import latest_snapshot, rebuild
+    from rolledger.workflows.replay import rebuild
 
     with _open(args) as (client, run_id):  # the latest snapshot plus the tail after it: fast on a long run
-        state, _ = rebuild(EventLog(client, run_id), from_snapshot=latest_snapshot(client, run_id))
+        snap = latest_snapshot(client, run_id)
+        tail = EventLog(client, run_id).read("(" + snap.stream_id if snap else "-")
+        state, _ = rebuild(tail, from_snapshot=snap)
     Console().print(status_table(state))
     return 0
 
