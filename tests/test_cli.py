@@ -111,3 +111,11 @@ def test_local_run_refuses_it_too_before_creating_the_run(
 def test_injections_that_can_fire_are_accepted(spec: str) -> None:
     check_injections([parse_injection(spec)], RunConfig.model_validate({"ranks": 4}))
     check_injections([], RunConfig(), in_process=False)  # an external-workers run without faults is fine
+
+
+def test_timeline_refuses_an_unknown_output_suffix_before_opening_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["timeline", "no-such-run", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "t.pdf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "t.pdf" in err[0] and ".png or .html" in err[0], err

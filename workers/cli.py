@@ -9,8 +9,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import structlog
 from pydantic import ValidationError
@@ -20,6 +21,7 @@ from rolledger.schemas.config import RunConfig
 if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolledger --help` stays fast
     import redis
 
+    from rolledger.schemas.events import Event
     from rolledger.workflows.replay import ReplayReport
 
 
@@ -47,6 +49,7 @@ def configure_logging(json_logs: bool) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        # structlog types `file` as TextIO; _CurrentStderr has the write/flush it uses
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
     )
 
@@ -66,6 +69,7 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rolledger.schemas.injection import check_injections, parse_injection
+    from rolledger.schemas.statuses import RunStatus
     from rolledger.workers.local_run import LocalRun, RunOptions
     from rolledger.workers.progress import LiveProgress
 
@@ -94,10 +98,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run.execute()
     print(json.dumps(summary.to_dict(), indent=2))
     print(f"run {run.run_id}: {run.run_dir / 'summary.json'}", file=sys.stderr)
-    return 0 if summary.status == "completed" else 1
+    return 0 if summary.status == RunStatus.COMPLETED else 1
 
 
-def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _open(args: argparse.Namespace) -> AbstractContextManager[tuple[redis.Redis, str]]:
     from rolledger.events.open_run import open_run
 
     return open_run(args.run, args.redis, Path(args.runs_dir))
@@ -136,20 +140,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
         Console().print(status_table(state))
         print(f"digest {report.digest} (replayed twice: {'same' if out['deterministic'] else 'DIFFERENT'})")
-        bad = [c for c in out["snapshots"] if not c["ok"]]  # type: ignore[index,union-attr]
+        bad = [(e, rec, rep) for e, rec, rep in report.snapshot_checks if rec != rep]
         print(f"snapshots checked: {len(report.snapshot_checks)}, mismatched: {len(bad)}")
         if report.tail_digest is not None:
             same = "same" if report.tail_digest == report.digest else f"DIFFERENT: {report.tail_digest}"
             print(f"latest snapshot + tail: {same}")
-        for c in bad:
-            print(f"  snapshot at {c['event_id']}: recorded {c['recorded']} != replayed {c['replayed']}")  # type: ignore[index]
+        for event_id, recorded, replayed in bad:
+            print(f"  snapshot at {event_id}: recorded {recorded} != replayed {replayed}")
         print(f"anomalies: {len(state.anomalies)}")
         for a in state.anomalies[:20]:
             print(f"  {a.event_id} {a.event_type}: {a.message}")
     return 0 if report.ok else 1
 
 
-def _events(client, run_id):  # type: ignore[no-untyped-def]
+def _events(client: redis.Redis, run_id: str) -> list[Event]:
     from rolledger.events.store import EventLog
 
     return [s.event for s in EventLog(client, run_id).read()]
@@ -185,9 +189,12 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from rolledger.workers.timeline_render import write_timeline
+    from rolledger.workers.timeline_render import SUFFIXES, write_timeline
     from rolledger.workflows.timeline import build_timeline
 
+    if Path(args.out).suffix not in SUFFIXES:  # refused before the run is opened
+        print(f"rolledger timeline: --out must end in {' or '.join(SUFFIXES)}, not {args.out!r}", file=sys.stderr)
+        return 2
     with _open(args) as (client, run_id):
         events = _events(client, run_id)
     out = Path(args.out)
@@ -224,6 +231,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(args.kind, args.redis, args.run, rank=args.rank, name=args.name, claim_idle_ms=args.claim_idle_ms)
 
 
+def _choices(field: str) -> tuple[str, ...]:
+    """The values a Literal field of RunConfig allows: one definition of e.g. the engines, the config's."""
+    return get_args(RunConfig.model_fields[field].annotation)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolledger", description=__doc__)
     parser.add_argument("--json-logs", action="store_true", help="structured JSON logs (default when not a terminal)")
@@ -234,9 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--redis", help="Redis URL (redis://, rediss://, unix://); default: REDIS_URL or an embedded server"
     )
-    run.add_argument("--engine", choices=["torch", "vllm"])
+    run.add_argument("--engine", choices=_choices("engine"))
     run.add_argument("--ranks", type=int)
-    run.add_argument("--mode", choices=["colocated", "disaggregated"])
+    run.add_argument("--mode", choices=_choices("mode"))
     run.add_argument("--steps", type=int)
     run.add_argument("--seed", type=int)
     run.add_argument("--run-id")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from rolledger.workflows.timeline import SpanKind, Timeline
 
+SUFFIXES = (".png", ".html", ".htm")
+
 COLORS: dict[SpanKind, str] = {
     "generate": "#4C9BE8",
     "bubble": "#E6E6E6",
@@ -26,7 +28,7 @@ def write_timeline(tl: Timeline, out: Path) -> None:
     """Draw `tl` into `out`: PNG or HTML by its suffix (a ValueError for any other)."""
     if out.suffix == ".png":
         _png(tl, out)
-    elif out.suffix in (".html", ".htm"):
+    elif out.suffix in SUFFIXES:
         out.write_text(_html(tl))
     else:
         raise ValueError(f"timeline output must end in .png or .html, not {out.suffix!r}")
