@@ -5,7 +5,8 @@ an older version on the wire is upcast (see UPCASTERS) before validation, a newe
 
 Conventions: group ids `g000017`; sample/trajectory ids `g000017/3` (group id, slash, index in the group); ranks are
 0-based ints; `fence` is the leader-lease fencing token of the coordinator that took a decision; wall times are unix
-seconds (float); `*_ms` are durations.
+seconds (float); `*_ms` are durations. These are the models only: an envelope is stamped with a fresh id and the wall
+clock by `rolledger.events.envelope.make_event`, at the edge that produces it.
 """
 
 from __future__ import annotations
