@@ -35,8 +35,9 @@ import redis
 from rolledger.events.codec import decode, encode
 from rolledger.events.connection import connect
 from rolledger.events.embedded import find_redis_server, server_version
+from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
-from rolledger.schemas.events import Event, SampleFinished, make_event
+from rolledger.schemas.events import Event, SampleFinished
 from rolledger.schemas.trajectory import Trajectory
 
 BATCH = 100

@@ -267,7 +267,7 @@ def main() -> None:
         state_box: list[Any] = []
 
         def folded() -> int:
-            state, _ = rebuild(log)
+            state, _ = rebuild(log.read())
             state_box[:] = [state]
             return int(state.events_applied)
 

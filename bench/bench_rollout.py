@@ -38,6 +38,7 @@ from bench_engine import make_prompts
 from bench_replay import redis_server
 
 from rolledger.events.connection import connect
+from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import ModelConfig, RunConfig, SamplingParams
@@ -103,7 +104,7 @@ def through_rolledger(
     log = EventLog(client, RUN_ID)
     n, max_tokens = cfg.group_size, cfg.sampling.max_tokens
     log.append(
-        ev.make_event(
+        make_event(
             ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model))),
             run_id=RUN_ID,
             producer="bench",
@@ -115,7 +116,7 @@ def through_rolledger(
     try:
         wait_for_type(client, log.key, b"RankJoined", 1, deadline_s)
         admitted = [
-            ev.make_event(
+            make_event(
                 ev.GroupAdmitted(
                     group_id=f"g{g:06d}",
                     prompt_id=f"p{g}",

@@ -1,5 +1,6 @@
-"""Redis key names of a run. Every key of a run shares the hash tag `{<run-id>}` so a Redis Cluster keeps it on one
-slot (multi-key Lua scripts then work)."""
+"""Redis key names of a run: the one place they are spelled. Every key of a run shares the hash tag `{<run-id>}` so a
+Redis Cluster keeps it on one slot (multi-key Lua scripts then work). Field names inside an entry belong to the
+module that writes it (events/store.py for the log, events/snapshots.py for snapshots)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ def log_key(run_id: str) -> str:
 def dead_letter_key(run_id: str) -> str:
     """Entries a consumer could not process (malformed, unknown type, newer schema, too many deliveries)."""
     return _k(run_id, "deadletter")
+
+
+def dead_letter_seen_key(run_id: str) -> str:
+    """Hash source stream id -> dead-letter id: what was already dead-lettered (so each entry is copied once)."""
+    return dead_letter_key(run_id) + ":seen"
 
 
 def dedupe_key(run_id: str) -> str:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import redis
 
 from rolledger.events.codec import DecodeError, decode, encode
-from rolledger.events.keys import dead_letter_key, dedupe_key, log_key
+from rolledger.events.keys import dead_letter_key, dead_letter_seen_key, dedupe_key, log_key
 from rolledger.schemas.events import Event
 
 PAYLOAD_FIELD = b"e"
@@ -63,11 +63,6 @@ class ConcurrencyConflict(Exception):
 def as_str(value: Any) -> str:
     """Redis replies are bytes (decode_responses=False); ids and names as str."""
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def seen_key(run_id: str) -> str:
-    """Hash source -> dead-letter id: what was already dead-lettered (so each entry is copied once)."""
-    return dead_letter_key(run_id) + ":seen"
 
 
 # KEYS: dead-letter stream, seen hash. ARGV: once-field ('' = no dedupe), then field/value pairs for XADD.
@@ -150,7 +145,7 @@ def dead_letter(
         "at",
         repr(time.time()),
     ]
-    result = client.eval(_DEAD_LETTER_LUA, 2, dead_letter_key(run_id), seen_key(run_id), once, *fields)
+    result = client.eval(_DEAD_LETTER_LUA, 2, dead_letter_key(run_id), dead_letter_seen_key(run_id), once, *fields)
     return as_str(result)
 
 

@@ -5,14 +5,12 @@ an older version on the wire is upcast (see UPCASTERS) before validation, a newe
 
 Conventions: group ids `g000017`; sample/trajectory ids `g000017/3` (group id, slash, index in the group); ranks are
 0-based ints; `fence` is the leader-lease fencing token of the coordinator that took a decision; wall times are unix
-seconds (float); `*_ms` are durations.
+seconds (float); `*_ms` are durations. These are the models only: an envelope is stamped with a fresh id and the wall
+clock by `rolledger.events.envelope.make_event`, at the edge that produces it.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -414,51 +412,3 @@ def upcast(type_: str, version: int, payload: dict[str, Any]) -> dict[str, Any]:
         payload = step(payload)
         version += 1
     return payload
-
-
-# ---------------------------------------------------------------- ids and construction
-_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-_id_lock = threading.Lock()
-_last_ms = 0
-_last_rand = 0
-
-
-def new_event_id(now_ms: int | None = None) -> str:
-    """A ULID: 48 bits of milliseconds then 80 bits that are random per millisecond and incremented within one,
-    so ids from one process sort in creation order and ids from many processes sort by time."""
-    global _last_ms, _last_rand
-    with _id_lock:
-        ms = int(time.time() * 1000) if now_ms is None else now_ms
-        if ms <= _last_ms:
-            ms = _last_ms
-            _last_rand += 1
-        else:
-            _last_rand = int.from_bytes(os.urandom(10), "big") >> 1  # room to increment
-        _last_ms = ms
-        value = (ms << 80) | (_last_rand & ((1 << 80) - 1))
-    return "".join(_CROCKFORD[(value >> (5 * i)) & 31] for i in range(25, -1, -1))
-
-
-def make_event(
-    payload: Payload,
-    *,
-    run_id: str,
-    producer: str,
-    policy_version: int,
-    causation_id: str | None = None,
-    correlation_id: str | None = None,
-    wall_time: float | None = None,
-    event_id: str | None = None,
-) -> Event:
-    """Wrap a payload in an envelope with a fresh id and the current wall time (the edge's job, never the reducer's)."""
-    return Event(
-        event_id=event_id or new_event_id(),
-        schema_version=type(payload).SCHEMA_VERSION,
-        run_id=run_id,
-        producer=producer,
-        causation_id=causation_id,
-        correlation_id=correlation_id,
-        policy_version=policy_version,
-        wall_time=time.time() if wall_time is None else wall_time,
-        payload=payload,  # type: ignore[arg-type]
-    )

@@ -6,23 +6,36 @@ corrupt-rank=R                        rank R sees a checksum mismatch in the nex
 kill-worker=KIND@N                    the KIND worker (rollout|reward|trainer|coordinator) dies after N units
 delay-trainer=SECONDS                 the trainer sleeps SECONDS before each step
 stale-weights=R                       rank R reports the commit but keeps serving the old weights
+
+`check_injections` refuses, before a run starts, an injection that could never fire in it (a rank the run does not
+have, a non-finite or negative delay, a kill after zero units, a fault for a worker the run does not start here).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
+
+from rolledger.schemas.config import RunConfig
+
+InjectionKind = Literal["fail-rank", "corrupt-rank", "kill-worker", "delay-trainer", "stale-weights"]
+WorkerKind = Literal["rollout", "reward", "trainer", "coordinator"]  # the workers kill-worker can name
+WORKER_KINDS: tuple[WorkerKind, ...] = get_args(WorkerKind)
+Phase = Literal["prepare", "transfer", "commit"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
 
 _RE = re.compile(r"^(?P<kind>[a-z-]+)=(?P<value>[^@]+)(?:@(?P<at>.+))?$")
 
 
 @dataclass(frozen=True)
 class Injection:
-    kind: Literal["fail-rank", "corrupt-rank", "kill-worker", "delay-trainer", "stale-weights"]
+    kind: InjectionKind
     rank: int | None = None
-    phase: Literal["prepare", "transfer", "commit"] | None = None
-    worker: str | None = None
+    phase: Phase | None = None
+    worker: WorkerKind | None = None
     after: int = 0
     seconds: float = 0.0
 
@@ -36,6 +49,14 @@ class Injection:
             return f"delay-trainer={self.seconds:g}"
         return f"{self.kind}={self.rank}"
 
+    @property
+    def fired_by(self) -> WorkerKind:
+        """The worker whose wrapper fires this injection (rank faults: the rank's rollout worker)."""
+        if self.kind == "kill-worker":
+            assert self.worker is not None
+            return self.worker
+        return "trainer" if self.kind == "delay-trainer" else "rollout"
+
 
 def parse_injection(spec: str) -> Injection:
     """Parse one --inject spec; a ValueError says what is wrong with it."""
@@ -45,17 +66,41 @@ def parse_injection(spec: str) -> Injection:
     kind, value, at = m["kind"], m["value"], m["at"]
     try:
         if kind == "fail-rank":
-            if at not in ("prepare", "transfer", "commit"):
+            if at not in PHASES:
                 raise ValueError("the phase after @ must be prepare, transfer or commit")
             return Injection("fail-rank", rank=int(value), phase=at)  # type: ignore[arg-type]
         if kind in ("corrupt-rank", "stale-weights"):
             return Injection(kind, rank=int(value))  # type: ignore[arg-type]
         if kind == "kill-worker":
-            if value not in ("rollout", "reward", "trainer", "coordinator"):
+            if value not in WORKER_KINDS:
                 raise ValueError("KIND must be rollout, reward, trainer or coordinator")
-            return Injection("kill-worker", worker=value, after=int(at or 1))
+            return Injection("kill-worker", worker=value, after=int(at or 1))  # type: ignore[arg-type]
         if kind == "delay-trainer":
             return Injection("delay-trainer", seconds=float(value))
     except ValueError as exc:
         raise ValueError(f"--inject {spec!r}: {exc}") from None
     raise ValueError(f"--inject {spec!r}: unknown kind {kind!r}")
+
+
+def check_injections(injections: Iterable[Injection], config: RunConfig, *, in_process: bool = True) -> None:
+    """Refuse an injection that cannot fire in a run of `config`: a ValueError naming the spec and why.
+
+    `in_process`: whether this process starts the run's workers (with --external-workers it starts none, and the
+    worker processes take no injections, so no fault could fire).
+    """
+    for inj in injections:
+        why = _cannot_fire(inj, config, in_process)
+        if why is not None:
+            raise ValueError(f"--inject {inj.spec!r} cannot fire: {why}")
+
+
+def _cannot_fire(inj: Injection, config: RunConfig, in_process: bool) -> str | None:
+    if not in_process:
+        return f"this run starts no {inj.fired_by} worker here (its workers are external processes)"
+    if inj.rank is not None and not 0 <= inj.rank < config.ranks:
+        return f"rank {inj.rank} does not exist (the run has {config.ranks} rank(s), 0 to {config.ranks - 1})"
+    if inj.kind == "delay-trainer" and not (math.isfinite(inj.seconds) and inj.seconds >= 0):
+        return "the delay must be a finite number of seconds >= 0"
+    if inj.kind == "kill-worker" and inj.after < 1:
+        return f"a worker dies after N >= 1 units of work, not {inj.after}"
+    return None

@@ -3,6 +3,8 @@
 A `WeightManifest` is written next to the staged safetensors file (workers/staging.py) and its `digest` travels in
 UpdateStaged / RankPrepared, so every rank proves it prepared exactly the manifest the trainer staged. Its
 `weights_digest` is the digest a rank reports after committing (workers.weights.state_digest of the live weights).
+`digest_entries` (the digest over tensor entries) is defined here, torch-free, so schemas never imports torch; the
+torch side (checksumming live tensors) is workers/weights.py, which builds on it.
 Invalid manifests raise a pydantic ValidationError naming the field (and the tensor, for tensor-level errors).
 """
 
@@ -10,17 +12,27 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import Literal
 
 import xxhash
 from pydantic import Field, field_validator, model_validator
 
 from rolledger.schemas.base import Model
-from rolledger.workers.weights import CHECKSUM_ALGO, digest_entries
 
 ChecksumAlgo = Literal["xxh3_128", "blake3"]
-DEFAULT_CHECKSUM_ALGO: ChecksumAlgo = "xxh3_128"  # workers.weights.CHECKSUM_ALGO, typed as the Literal
-assert DEFAULT_CHECKSUM_ALGO == CHECKSUM_ALGO
+# The checksum of a tensor's bytes that state digests are built from (workers.weights.tensor_checksum).
+CHECKSUM_ALGO: ChecksumAlgo = "xxh3_128"
+DEFAULT_CHECKSUM_ALGO: ChecksumAlgo = CHECKSUM_ALGO
+
+
+def digest_entries(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
+    """Digest of (name, dtype, shape, checksum) entries, order-independent."""
+    h = xxhash.xxh3_128()
+    for name, dtype, shape, checksum in sorted(entries):
+        h.update(f"{name}|{dtype}|{','.join(map(str, shape))}|{checksum}\n".encode())
+    return h.hexdigest()
+
 
 # Manifest dtype name (workers.weights.dtype_name) -> bytes per element. The dtypes safetensors can store.
 DTYPE_SIZES: dict[str, int] = {

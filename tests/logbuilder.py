@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolledger.events.envelope import make_event
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig
 from rolledger.schemas.events import (
     AdmissionPaused,
@@ -52,7 +53,6 @@ from rolledger.schemas.events import (
     UpdateAborted,
     UpdateCommitted,
     UpdateStaged,
-    make_event,
 )
 from rolledger.schemas.trajectory import Trajectory
 

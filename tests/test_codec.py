@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from rolledger.events.codec import DecodeError, decode, encode
+from rolledger.events.envelope import make_event
 from rolledger.schemas.base import F32Array, I8Array, I32Array
-from rolledger.schemas.events import PAYLOAD_TYPES, Event, SampleScored, make_event
+from rolledger.schemas.events import PAYLOAD_TYPES, Event, SampleScored
 from rolledger.schemas.trajectory import Trajectory
 
 _ARRAY_MARKERS = {

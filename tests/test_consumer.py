@@ -19,9 +19,10 @@ from _consumer_proc import complete, completions_key, started_key  # type: ignor
 
 from rolledger.events.codec import encode
 from rolledger.events.consumer import Delivery, GroupConsumer
+from rolledger.events.envelope import make_event
 from rolledger.events.keys import dead_letter_key
 from rolledger.events.store import PAYLOAD_LOST, EventLog, as_str, read_dead_letters
-from rolledger.schemas.events import Event, SampleScored, make_event
+from rolledger.schemas.events import Event, SampleScored
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import redis
 
+from rolledger.events.envelope import make_event
 from rolledger.events.keys import lease_key
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
@@ -47,7 +48,7 @@ class Harness:
             self.emit(ev.RankJoined(rank=r, engine="hand", policy_version=0, weights_digest="w0000"), f"rank-{r}")
 
     def emit(self, payload: ev.Payload, producer: str) -> None:
-        self.log.append(ev.make_event(payload, run_id=self.run_id, producer=producer, policy_version=0))
+        self.log.append(make_event(payload, run_id=self.run_id, producer=producer, policy_version=0))
 
     def events(self) -> list[ev.Event]:
         return [s.event for s in self.log.read()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from logbuilder import LogBuilder
 
+from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
 from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
@@ -29,7 +30,7 @@ def fold_all(state: RunState, payloads: list[ev.Payload], version: int | None = 
     for p in payloads:
         fold(
             state,
-            ev.make_event(
+            make_event(
                 p, run_id="r", producer="test", policy_version=state.policy_version if version is None else version
             ),
         )

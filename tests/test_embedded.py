@@ -12,8 +12,9 @@ from rolledger.events import embedded
 from rolledger.events.connection import connect
 from rolledger.events.consumer import GroupConsumer
 from rolledger.events.embedded import SOCKET_POINTER, EmbeddedRedis, find_redis_server, server_version
+from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
-from rolledger.schemas.events import Event, SampleScored, make_event
+from rolledger.schemas.events import Event, SampleScored
 
 
 def scored(i: int) -> Event:

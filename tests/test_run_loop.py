@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import redis
 
+from rolledger.events.snapshots import stored_snapshots
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import parse_injection
 from rolledger.workers.local_run import LocalRun, RunOptions
 from rolledger.workflows.audit import audit
-from rolledger.workflows.replay import verify
+from rolledger.workflows.replay import check_replay
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def execute(
     summary = run.execute()
     client = redis.Redis.from_url(redis_url)
     events = [s.event for s in EventLog(client, run_id).read()]
-    report = verify(client, run_id)
+    report = check_replay(EventLog(client, run_id).read(), stored_snapshots(client, run_id))
     assert report.ok, report.snapshot_checks
     assert report.state.anomalies == [], report.state.anomalies
     client.close()

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from rolledger.schemas.weights import TensorEntry, WeightManifest
+from rolledger.schemas.weights import TensorEntry, WeightManifest, digest_entries
 from rolledger.workers import staging
 from rolledger.workers.staging import (
     DirectoryStagingStore,
@@ -34,7 +34,7 @@ from rolledger.workers.staging import (
     open_version,
     read_manifest,
 )
-from rolledger.workers.weights import digest_entries, state_digest, tensor_checksum
+from rolledger.workers.weights import state_digest, tensor_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,10 @@ import redis
 from rolledger.events.codec import encode
 from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
+from rolledger.events.envelope import make_event
 from rolledger.events.keys import dead_letter_key, log_key
 from rolledger.events.store import ConcurrencyConflict, EventLog, StoredEvent, as_str, dead_letter, read_dead_letters
-from rolledger.schemas.events import AdmissionPaused, Event, SampleScored, make_event
+from rolledger.schemas.events import AdmissionPaused, Event, SampleScored
 
 
 def scored(i: int, run_id: str = "r") -> Event:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from logbuilder import LogBuilder
 
-from rolledger.workflows.timeline import build_timeline, write_timeline
+from rolledger.workers.timeline_render import write_timeline
+from rolledger.workflows.timeline import build_timeline
 
 
 def run_log() -> list:  # type: ignore[type-arg]

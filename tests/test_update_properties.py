@@ -26,6 +26,7 @@ from typing import Literal, TypeVar
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.trajectory import Trajectory
@@ -129,7 +130,7 @@ class Sim:
     # ------------------------------------------------------------ the log
     def emit(self, payloads: list[ev.Payload], producer: str, version: int | None = None) -> None:
         for p in payloads:
-            e = ev.make_event(
+            e = make_event(
                 p,
                 run_id=RUN,
                 producer=producer,

@@ -16,6 +16,7 @@ import redis
 import torch
 
 from rolledger.events.consumer import GroupConsumer
+from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
@@ -75,7 +76,7 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(
     log = EventLog(client, run_id)
 
     def emit(p: ev.Payload) -> None:
-        log.append(ev.make_event(p, run_id=run_id, producer="test", policy_version=0))
+        log.append(make_event(p, run_id=run_id, producer="test", policy_version=0))
 
     emit(ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model)), model_dir=str(model_dir)))
     prompt = list(tok("12+34=")["input_ids"])

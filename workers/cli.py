@@ -9,12 +9,20 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING, get_args
 
 import structlog
 from pydantic import ValidationError
 
 from rolledger.schemas.config import RunConfig
+
+if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolledger --help` stays fast
+    import redis
+
+    from rolledger.schemas.events import Event
+    from rolledger.workflows.replay import ReplayReport
 
 
 class _CurrentStderr:
@@ -41,6 +49,7 @@ def configure_logging(json_logs: bool) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        # structlog types `file` as TextIO; _CurrentStderr has the write/flush it uses
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
     )
 
@@ -59,13 +68,15 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rolledger.schemas.injection import parse_injection
+    from rolledger.schemas.injection import check_injections, parse_injection
+    from rolledger.schemas.statuses import RunStatus
     from rolledger.workers.local_run import LocalRun, RunOptions
     from rolledger.workers.progress import LiveProgress
 
     try:
         cfg = _config_from_args(args)
         injections = [parse_injection(s) for s in args.inject]
+        check_injections(injections, cfg, in_process=not args.external_workers)
     except (ValidationError, ValueError) as exc:
         print(f"rolledger run: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -87,20 +98,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run.execute()
     print(json.dumps(summary.to_dict(), indent=2))
     print(f"run {run.run_id}: {run.run_dir / 'summary.json'}", file=sys.stderr)
-    return 0 if summary.status == "completed" else 1
+    return 0 if summary.status == RunStatus.COMPLETED else 1
 
 
-def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _open(args: argparse.Namespace) -> AbstractContextManager[tuple[redis.Redis, str]]:
     from rolledger.events.open_run import open_run
 
     return open_run(args.run, args.redis, Path(args.runs_dir))
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    from rolledger.workflows.replay import verify
+def _verify(client: redis.Redis, run_id: str, until: str | None = None) -> ReplayReport:
+    """The replay check over the run's log and its stored snapshots (read once each)."""
+    from rolledger.events.snapshots import stored_snapshots
+    from rolledger.events.store import EventLog
+    from rolledger.workflows.replay import check_replay
 
+    return check_replay(EventLog(client, run_id).read(), stored_snapshots(client, run_id), until)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
     with _open(args) as (client, run_id):
-        report = verify(client, run_id, until=args.until)
+        report = _verify(client, run_id, until=args.until)
     state = report.state
     out = {
         "run_id": run_id,
@@ -122,32 +140,35 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
         Console().print(status_table(state))
         print(f"digest {report.digest} (replayed twice: {'same' if out['deterministic'] else 'DIFFERENT'})")
-        bad = [c for c in out["snapshots"] if not c["ok"]]  # type: ignore[index,union-attr]
+        bad = [(e, rec, rep) for e, rec, rep in report.snapshot_checks if rec != rep]
         print(f"snapshots checked: {len(report.snapshot_checks)}, mismatched: {len(bad)}")
         if report.tail_digest is not None:
             same = "same" if report.tail_digest == report.digest else f"DIFFERENT: {report.tail_digest}"
             print(f"latest snapshot + tail: {same}")
-        for c in bad:
-            print(f"  snapshot at {c['event_id']}: recorded {c['recorded']} != replayed {c['replayed']}")  # type: ignore[index]
+        for event_id, recorded, replayed in bad:
+            print(f"  snapshot at {event_id}: recorded {recorded} != replayed {replayed}")
         print(f"anomalies: {len(state.anomalies)}")
         for a in state.anomalies[:20]:
             print(f"  {a.event_id} {a.event_type}: {a.message}")
     return 0 if report.ok else 1
 
 
-def _events(client, run_id):  # type: ignore[no-untyped-def]
+def _events(client: redis.Redis, run_id: str) -> list[Event]:
     from rolledger.events.store import EventLog
 
     return [s.event for s in EventLog(client, run_id).read()]
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    from rolledger.events.snapshots import stored_snapshots
+    from rolledger.events.store import EventLog
     from rolledger.workflows.audit import audit
-    from rolledger.workflows.replay import verify
+    from rolledger.workflows.replay import check_replay
 
     with _open(args) as (client, run_id):
-        events = _events(client, run_id)
-        rep = verify(client, run_id)
+        entries = list(EventLog(client, run_id).read())
+        rep = check_replay(entries, stored_snapshots(client, run_id))
+    events = [s.event for s in entries]
     report = audit(events, replay_digests=(rep.digest, rep.digest_again), snapshot_checks=rep.snapshot_checks)
     print(report.to_json() if args.json else report.render())
     return 0 if report.ok else 1
@@ -168,8 +189,12 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from rolledger.workflows.timeline import build_timeline, write_timeline
+    from rolledger.workers.timeline_render import SUFFIXES, write_timeline
+    from rolledger.workflows.timeline import build_timeline
 
+    if Path(args.out).suffix not in SUFFIXES:  # refused before the run is opened
+        print(f"rolledger timeline: --out must end in {' or '.join(SUFFIXES)}, not {args.out!r}", file=sys.stderr)
+        return 2
     with _open(args) as (client, run_id):
         events = _events(client, run_id)
     out = Path(args.out)
@@ -181,12 +206,15 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from rolledger.events.snapshots import latest_snapshot
     from rolledger.events.store import EventLog
     from rolledger.workers.progress import status_table
-    from rolledger.workflows.replay import latest_snapshot, rebuild
+    from rolledger.workflows.replay import rebuild
 
     with _open(args) as (client, run_id):  # the latest snapshot plus the tail after it: fast on a long run
-        state, _ = rebuild(EventLog(client, run_id), from_snapshot=latest_snapshot(client, run_id))
+        snap = latest_snapshot(client, run_id)
+        tail = EventLog(client, run_id).read("(" + snap.stream_id if snap else "-")
+        state, _ = rebuild(tail, from_snapshot=snap)
     Console().print(status_table(state))
     return 0
 
@@ -203,6 +231,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(args.kind, args.redis, args.run, rank=args.rank, name=args.name, claim_idle_ms=args.claim_idle_ms)
 
 
+def _choices(field: str) -> tuple[str, ...]:
+    """The values a Literal field of RunConfig allows: one definition of e.g. the engines, the config's."""
+    return get_args(RunConfig.model_fields[field].annotation)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolledger", description=__doc__)
     parser.add_argument("--json-logs", action="store_true", help="structured JSON logs (default when not a terminal)")
@@ -213,9 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--redis", help="Redis URL (redis://, rediss://, unix://); default: REDIS_URL or an embedded server"
     )
-    run.add_argument("--engine", choices=["torch", "vllm"])
+    run.add_argument("--engine", choices=_choices("engine"))
     run.add_argument("--ranks", type=int)
-    run.add_argument("--mode", choices=["colocated", "disaggregated"])
+    run.add_argument("--mode", choices=_choices("mode"))
     run.add_argument("--steps", type=int)
     run.add_argument("--seed", type=int)
     run.add_argument("--run-id")

@@ -15,13 +15,14 @@ from collections.abc import Sequence
 import redis
 
 from rolledger.events.lease import LeaderLease
+from rolledger.events.snapshots import latest_snapshot, take_snapshot
 from rolledger.schemas import events as ev
 from rolledger.workers.faults import Injector
 from rolledger.workers.runtime import Follower, Worker, WorkerKilled
 from rolledger.workflows.admission import AdmissionInputs, decide_admission
 from rolledger.workflows.groups import decide_groups
 from rolledger.workflows.handoff import decide_handoff
-from rolledger.workflows.replay import latest_snapshot, take_snapshot
+from rolledger.workflows.replay import restore
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.state import RunState
 from rolledger.workflows.update import decide_update
@@ -92,7 +93,7 @@ class Coordinator(Worker):
         self.follower = Follower(self.log)
         snap = latest_snapshot(client, run_id)
         if snap is not None:  # a restarted coordinator resumes from the latest snapshot plus the tail after it
-            self.follower.start_from(snap.load(), snap.stream_id)
+            self.follower.start_from(restore(snap), snap.stream_id)
         self.lease = LeaderLease(client, run_id, "coordinator", name, ttl_ms=lease_ttl_ms)
         self.injector = injector or Injector()
         self.decisions = 0

@@ -23,10 +23,12 @@ import torch
 
 from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
+from rolledger.events.envelope import make_event
+from rolledger.events.snapshots import take_snapshot
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
-from rolledger.schemas.injection import Injection
+from rolledger.schemas.injection import Injection, check_injections
 from rolledger.workers.coordinator import Coordinator
 from rolledger.workers.engines.factory import build_engines
 from rolledger.workers.faults import Injector
@@ -40,7 +42,6 @@ from rolledger.workers.staging import DirectoryStagingStore
 from rolledger.workers.tasks import make_prompts, supervised_examples
 from rolledger.workers.trainer import TrainerWorker
 from rolledger.workers.weights import state_digest
-from rolledger.workflows.replay import take_snapshot
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.summary import Summary, summarize
 
@@ -103,6 +104,7 @@ class LocalRun:
     """Owns the Redis connection and the worker threads of one run in this process."""
 
     def __init__(self, opts: RunOptions) -> None:
+        check_injections(opts.injections, opts.config, in_process=not opts.external_workers)
         self.opts = opts
         self.cfg = opts.config
         self.run_id = opts.run_id or new_run_id()
@@ -144,7 +146,7 @@ class LocalRun:
         logbook = EventLog(client, self.run_id)
         if logbook.length() == 0:
             logbook.append(
-                ev.make_event(
+                make_event(
                     ev.RunStarted(
                         config=cfg, initial_weights_digest=state_digest(policy_state(model)), model_dir=str(model_dir)
                     ),
@@ -189,7 +191,7 @@ class LocalRun:
             self._restart_dead()
             if time.monotonic() > deadline:
                 logbook.append(
-                    ev.make_event(
+                    make_event(
                         ev.RunFinished(
                             status="aborted", reason="run deadline passed", steps=follower.state.trainer.step
                         ),
@@ -223,7 +225,7 @@ class LocalRun:
                 w.stop()
                 assert self.client is not None
                 EventLog(self.client, self.run_id).append(
-                    ev.make_event(
+                    make_event(
                         ev.RunFinished(status="failed", reason=f"worker {w.name} crashed: {w.error!r}"),
                         run_id=self.run_id,
                         producer="run",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import redis
 import structlog
 
+from rolledger.events.envelope import make_event
 from rolledger.events.store import ConcurrencyConflict, EventLog, StoredEvent
 from rolledger.schemas import events as ev
 from rolledger.workflows.reducer import fold
@@ -60,7 +61,7 @@ class Emitter:
         causation_id: str | None = None,
         correlation_id: str | None = None,
     ) -> ev.Event:
-        return ev.make_event(
+        return make_event(
             payload,
             run_id=self.log.run_id,
             producer=self.producer,

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from rolledger.workers.weights import CHECKSUM_ALGO, digest_entries, dtype_name, state_digest, tensor_checksum
+from rolledger.schemas.weights import CHECKSUM_ALGO, digest_entries
+from rolledger.workers.weights import dtype_name, state_digest, tensor_checksum
 
 Result = dict[str, Any]
 

@@ -1,18 +1,19 @@
-"""Checksums and digests of weight tensors: one definition shared by trainer, staging, ranks and engines.
+"""Checksums and digests of live weight tensors (torch): one definition shared by trainer, staging, ranks and engines.
 
 A tensor's checksum is xxh3-128 over its raw bytes (dtype and shape are checked separately, from the manifest).
 A state digest is xxh3-128 over the sorted (name, dtype, shape, checksum) lines: two models have the same digest
-exactly when every tensor has the same name, dtype, shape and bytes.
+exactly when every tensor has the same name, dtype, shape and bytes. The torch-free half (CHECKSUM_ALGO,
+digest_entries over manifest entries) is rolledger.schemas.weights; this module adds what needs the tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 import xxhash
 
-CHECKSUM_ALGO = "xxh3_128"
+from rolledger.schemas.weights import digest_entries
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -33,14 +34,6 @@ def tensor_checksum(t: torch.Tensor) -> str:
 def dtype_name(dtype: torch.dtype) -> str:
     """'bfloat16' for torch.bfloat16: the name used in manifests."""
     return str(dtype).removeprefix("torch.")
-
-
-def digest_entries(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
-    """Digest of (name, dtype, shape, checksum) entries, order-independent."""
-    h = xxhash.xxh3_128()
-    for name, dtype, shape, checksum in sorted(entries):
-        h.update(f"{name}|{dtype}|{','.join(map(str, shape))}|{checksum}\n".encode())
-    return h.hexdigest()
 
 
 def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:

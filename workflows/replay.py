@@ -1,86 +1,79 @@
-"""Replay and snapshots: rebuild a run's state from its log, and check that the reducer is deterministic.
+"""Replay, pure: rebuild a run's state from its log (or a snapshot plus the tail after it), and check that the
+reducer is deterministic.
 
-A snapshot is (state, digest, stream id and event id of the last event folded) in the run's snapshots stream.
-`replay = snapshot + tail`. `verify` replays the whole log twice, once more from the latest snapshot plus its tail,
-and, at every snapshot's position, compares the digest recorded then with the digest of the full replay up to there: a mismatch means the reducer changed its
-decisions for old history (nondeterminism) or the log or snapshot was corrupted — Temporal's replay check.
+Everything here works on values handed in: log entries as (stream id, event) pairs (an `events.store.StoredEvent`
+is one) and snapshots as anything shaped like `SnapshotLike` (an `events.snapshots.Snapshot` is one). Reading them
+from Redis is the caller's job (`rolledger.events.store`, `rolledger.events.snapshots`).
+
+`replay = snapshot + tail`. `check_replay` folds the log twice, once more from the latest snapshot plus its tail,
+and, at every snapshot's position, compares the digest recorded then with the digest of the full replay up to there:
+a mismatch means the reducer changed its decisions for old history (nondeterminism) or the log or snapshot was
+corrupted: Temporal's replay check. The three folds run in one pass over the entries, so a log is read once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-import msgpack
-import redis
-
-from rolledger.events.keys import snapshots_key
-from rolledger.events.store import EventLog, StoredEvent
+from rolledger.schemas import events as ev
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
 
-
-@dataclass(frozen=True)
-class Snapshot:
-    stream_id: str  # of the last event folded into the state
-    event_id: str
-    digest: str
-    state: bytes  # msgpack of RunState.to_dict()
-
-    def load(self) -> RunState:
-        return RunState.from_dict(msgpack.unpackb(self.state, raw=False, strict_map_key=False))
+Entry = tuple[str, ev.Event]  # (stream id, event): one entry of the log
 
 
-def take_snapshot(client: redis.Redis, run_id: str, state: RunState, stream_id: str) -> Snapshot:
-    snap = Snapshot(stream_id, state.last_event_id, state.digest(), msgpack.packb(state.to_dict()))
-    client.xadd(
-        snapshots_key(run_id),
-        {b"at": snap.stream_id, b"event": snap.event_id, b"digest": snap.digest, b"state": snap.state},
-    )
-    return snap
+class SnapshotLike(Protocol):
+    """A stored snapshot: the state after folding the log up to `stream_id` (event `event_id`), and its digest."""
+
+    @property
+    def stream_id(self) -> str: ...
+
+    @property
+    def event_id(self) -> str: ...
+
+    @property
+    def digest(self) -> str: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
-def snapshots(client: redis.Redis, run_id: str) -> list[Snapshot]:
-    out = []
-    for _, f in client.xrange(snapshots_key(run_id)) or []:
-        fields: dict[bytes, bytes] = dict(f or {})  # type: ignore[arg-type]
-        out.append(
-            Snapshot(fields[b"at"].decode(), fields[b"event"].decode(), fields[b"digest"].decode(), fields[b"state"])
-        )
-    return out
+def restore(snapshot: SnapshotLike) -> RunState:
+    """The reducer state a snapshot holds."""
+    return RunState.from_dict(snapshot.state_dict())
 
 
-def events_until(log: EventLog, until: str | None = None, start: str = "-") -> Iterator[StoredEvent]:
-    """The log from `start`, stopping after the event whose event id or stream id is `until`."""
-    for stored in log.read(start):
-        yield stored
-        if until is not None and until in (stored.stream_id, stored.event.event_id):
-            return
-
-
-def rebuild(log: EventLog, until: str | None = None, from_snapshot: Snapshot | None = None) -> tuple[RunState, str]:
-    """State (and the stream id of the last event folded) from the start, or from a snapshot plus its tail."""
-    state = from_snapshot.load() if from_snapshot else RunState()
-    last = from_snapshot.stream_id if from_snapshot else ""
-    start = "(" + from_snapshot.stream_id if from_snapshot else "-"
-    for stored in events_until(log, until, start):
-        fold(state, stored.event)
-        last = stored.stream_id
-    return state, last
-
-
-def _position(stream_id: str) -> tuple[int, int]:
+def position(stream_id: str) -> tuple[int, int]:
+    """A Redis stream id `ms-seq` as a sortable pair."""
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
 
 
-def latest_snapshot(client: redis.Redis, run_id: str, at_or_before: str | None = None) -> Snapshot | None:
-    """The newest stored snapshot (at or before a stream id), to start a replay from: snapshot + tail."""
-    found = snapshots(client, run_id)
-    if at_or_before is not None:
-        limit = _position(at_or_before)
-        found = [s for s in found if _position(s.stream_id) <= limit]
-    return found[-1] if found else None
+def entries_until(entries: Iterable[Entry], until: str | None = None) -> Iterator[Entry]:
+    """The entries, stopping after the one whose event id or stream id is `until`."""
+    for stream_id, event in entries:
+        yield stream_id, event
+        if until is not None and until in (stream_id, event.event_id):
+            return
+
+
+def rebuild(
+    entries: Iterable[Entry], until: str | None = None, from_snapshot: SnapshotLike | None = None
+) -> tuple[RunState, str]:
+    """State (and the stream id of the last event folded) from the start, or from a snapshot plus its tail.
+
+    With a snapshot, entries at or before its position are skipped, so `entries` may be the whole log or the tail.
+    """
+    state = restore(from_snapshot) if from_snapshot else RunState()
+    last = from_snapshot.stream_id if from_snapshot else ""
+    after = position(last) if from_snapshot else None
+    for stream_id, event in entries_until(entries, until):
+        if after is not None and position(stream_id) <= after:
+            continue
+        state = fold(state, event)
+        last = stream_id
+    return state, last
 
 
 @dataclass
@@ -101,19 +94,35 @@ class ReplayReport:
         )
 
 
-def verify(client: redis.Redis, run_id: str, until: str | None = None) -> ReplayReport:
-    log = EventLog(client, run_id)
-    snaps = {s.stream_id: s for s in snapshots(client, run_id)}
-    state = RunState()
+def check_replay(entries: Iterable[Entry], snapshots: Iterable[SnapshotLike], until: str | None = None) -> ReplayReport:
+    """Fold the log (up to `until`) twice, check every snapshot taken at one of its entries, and fold the tail after
+    the latest snapshot at or before the last entry onto that snapshot: see the module docstring."""
+    pending = sorted(snapshots, key=lambda s: position(s.stream_id))
+    at_entry = {s.stream_id: s for s in pending}
+    state, again = RunState(), RunState()
+    tail: RunState | None = None
     checks: list[tuple[str, str, str]] = []
     last = ""
-    for stored in events_until(log, until):
-        fold(state, stored.event)
-        last = stored.stream_id
-        snap = snaps.get(stored.stream_id)
+    for stream_id, event in entries_until(entries, until):
+        here = position(stream_id)
+        tail = _latest_before(pending, here, tail, inclusive=False)  # snapshots taken before this entry
+        state, again = fold(state, event), fold(again, event)
+        if tail is not None:
+            tail = fold(tail, event)
+        last = stream_id
+        snap = at_entry.get(stream_id)
         if snap is not None:
             checks.append((snap.event_id, snap.digest, state.digest()))
-    again, _ = rebuild(log, until)
-    snap = latest_snapshot(client, run_id, at_or_before=last) if last else None
-    tail = rebuild(log, until, from_snapshot=snap)[0].digest() if snap is not None else None
-    return ReplayReport(state, state.digest(), again.digest(), last, checks, tail)
+        tail = _latest_before(pending, here, tail, inclusive=True)  # and those taken right after it
+    return ReplayReport(state, state.digest(), again.digest(), last, checks, tail.digest() if tail else None)
+
+
+def _latest_before(
+    pending: list[SnapshotLike], here: tuple[int, int], tail: RunState | None, *, inclusive: bool
+) -> RunState | None:
+    """Pop the pending (sorted) snapshots before `here` (or at it, when inclusive); the tail restarts from the newest
+    of them, or stays as it is when none was popped."""
+    newest: SnapshotLike | None = None
+    while pending and (position(pending[0].stream_id) <= here if inclusive else position(pending[0].stream_id) < here):
+        newest = pending.pop(0)
+    return restore(newest) if newest is not None else tail

@@ -1,0 +1,59 @@
+"""Envelope construction at the edge: fresh event ids (ULIDs) and the wall clock.
+
+The schemas define what an `Event` is; stamping one with an id and the current time is I/O of a kind (a clock and a
+random source) and so happens here, in the process that produces the event, never in the reducer or a decider.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from rolledger.schemas.events import Event, Payload
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_id_lock = threading.Lock()
+_last_ms = 0
+_last_rand = 0
+
+
+def new_event_id(now_ms: int | None = None) -> str:
+    """A ULID: 48 bits of milliseconds then 80 bits that are random per millisecond and incremented within one,
+    so ids from one process sort in creation order and ids from many processes sort by time."""
+    global _last_ms, _last_rand
+    with _id_lock:
+        ms = int(time.time() * 1000) if now_ms is None else now_ms
+        if ms <= _last_ms:
+            ms = _last_ms
+            _last_rand += 1
+        else:
+            _last_rand = int.from_bytes(os.urandom(10), "big") >> 1  # room to increment
+        _last_ms = ms
+        value = (ms << 80) | (_last_rand & ((1 << 80) - 1))
+    return "".join(_CROCKFORD[(value >> (5 * i)) & 31] for i in range(25, -1, -1))
+
+
+def make_event(
+    payload: Payload,
+    *,
+    run_id: str,
+    producer: str,
+    policy_version: int,
+    causation_id: str | None = None,
+    correlation_id: str | None = None,
+    wall_time: float | None = None,
+    event_id: str | None = None,
+) -> Event:
+    """Wrap a payload in an envelope with a fresh id and the current wall time (unless given)."""
+    return Event(
+        event_id=event_id or new_event_id(),
+        schema_version=type(payload).SCHEMA_VERSION,
+        run_id=run_id,
+        producer=producer,
+        causation_id=causation_id,
+        correlation_id=correlation_id,
+        policy_version=policy_version,
+        wall_time=time.time() if wall_time is None else wall_time,
+        payload=payload,  # type: ignore[arg-type]  # AnyPayload is the union of Payload subclasses; any one is valid
+    )
