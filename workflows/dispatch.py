@@ -8,8 +8,9 @@
     for event in log:
         handlers.apply(ctx, event)
 
-A handler gets the fold's context, the event and its payload, typed as the class it was registered for (stack `on`
-to register one handler for several classes, typing `p` as their union). `apply` is one dict lookup on the payload's
+A handler gets the fold's context, the event and its payload, typed as the class it was registered for. One handler
+for several classes takes their union and is registered once per class: `handlers.on(ev.A)(fn)`, `handlers.on(ev.B)(fn)`
+(each registration checks that `fn` accepts that class). `apply` is one dict lookup on the payload's
 class: the reducer's hot path pays nothing more. Events of a class with no handler are skipped by `apply` (a fold
 that must handle every type says so with `require_all`). `merge` joins the registries of one fold split across
 modules (the reducer's event families), refusing a class handled twice.

@@ -40,7 +40,7 @@ from rolledger.schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
-from rolledger.workflows.audit import UpdateTracker
+from rolledger.workflows.audit_attempts import UpdateTracker
 
 
 @dataclass(frozen=True)
