@@ -15,6 +15,7 @@ import structlog
 from pydantic import ValidationError
 
 from rolledger.schemas.config import RunConfig
+from rolledger.schemas.statuses import RunStatus
 
 
 class _CurrentStderr:
@@ -87,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run.execute()
     print(json.dumps(summary.to_dict(), indent=2))
     print(f"run {run.run_id}: {run.run_dir / 'summary.json'}", file=sys.stderr)
-    return 0 if summary.status == "completed" else 1
+    return 0 if summary.status == RunStatus.COMPLETED else 1
 
 
 def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
