@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rolledger.schemas.base import Model
+from rolledger.schemas.statuses import LogprobMode, PolicyKind
 
 
 class SamplingParams(Model):
@@ -22,7 +23,7 @@ class SamplingParams(Model):
     max_tokens: int = Field(4, ge=1, description="an answer is at most two digits and <eos>")
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    logprob_mode: Literal["raw", "processed"] = "raw"
+    logprob_mode: LogprobMode = LogprobMode.RAW
 
 
 class PartialPolicy(Model):
@@ -32,19 +33,19 @@ class PartialPolicy(Model):
     at least k samples finished under `at_least`).
     """
 
-    kind: Literal["all", "at_least", "first_k"] = "all"
+    kind: PolicyKind = PolicyKind.ALL
     k: int | None = Field(None, ge=1)
     deadline_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _k_needed(self) -> PartialPolicy:
-        if self.kind != "all" and self.k is None:
-            raise ValueError(f"partial_policy.k is required when kind={self.kind!r}")
+        if self.kind is not PolicyKind.ALL and self.k is None:
+            raise ValueError(f"partial_policy.k is required when kind={self.kind.value!r}")
         return self
 
     def required(self, n: int) -> int:
         """How many finished samples make the group complete."""
-        return n if self.kind == "all" or self.k is None else min(self.k, n)
+        return n if self.kind is PolicyKind.ALL or self.k is None else min(self.k, n)
 
 
 class AdmissionConfig(Model):
@@ -75,7 +76,7 @@ class TrainerConfig(Model):
 class UpdateConfig(Model):
     """The weight-update transaction."""
 
-    drain_mode: Literal["abort", "wait", "keep"] = "wait"
+    drain_mode: Literal["abort", "wait", "keep"] = "wait"  # the values of statuses.DrainMode, the engines' PauseMode
     prepare_deadline_s: float = Field(30.0, gt=0)
     drain_deadline_s: float = Field(30.0, gt=0)
     commit_deadline_s: float = Field(30.0, gt=0)

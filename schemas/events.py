@@ -18,6 +18,17 @@ from pydantic import Field, TypeAdapter
 
 from rolledger.schemas.base import I32Array, Model
 from rolledger.schemas.config import PartialPolicy, RunConfig, SamplingParams
+from rolledger.schemas.statuses import (
+    AdmissionReason,
+    CacheKind,
+    DrainMode,
+    DropReason,
+    GroupOutcome,
+    LogprobMode,
+    PreparePhase,
+    RunStatus,
+    WakeTag,
+)
 from rolledger.schemas.trajectory import Trajectory
 
 
@@ -38,15 +49,12 @@ class RunStarted(Payload):
 
 class RunFinished(Payload):
     type: Literal["RunFinished"] = "RunFinished"
-    status: Literal["completed", "failed", "aborted"]
+    status: Literal[RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED]  # the terminal RunStatus members
     reason: str = ""
     steps: int = 0
 
 
 # ---------------------------------------------------------------- admission
-AdmissionReason = Literal["bytes", "lag", "update", "handoff", "manual", "rate"]
-
-
 class GroupAdmitted(Payload):
     """A prompt admitted as a group of n samples; the command the rollout workers consume."""
 
@@ -119,7 +127,7 @@ class GroupCompleted(Payload):
     type: Literal["GroupCompleted"] = "GroupCompleted"
     group_id: str
     accepted: tuple[str, ...]
-    status: Literal["complete", "partial"]
+    status: GroupOutcome
     bytes: int = Field(ge=0)
 
 
@@ -156,7 +164,7 @@ class TrajectoryDropped(Payload):
     type: Literal["TrajectoryDropped"] = "TrajectoryDropped"
     group_id: str
     trajectory_ids: tuple[str, ...]
-    reason: Literal["lag", "mixed_versions", "quarantined_rank"]
+    reason: DropReason
     lag: int = 0
 
 
@@ -212,7 +220,7 @@ class RankPrepareFailed(Payload):
     type: Literal["RankPrepareFailed"] = "RankPrepareFailed"
     version: int
     rank: int
-    phase: Literal["prepare", "transfer", "commit"]
+    phase: PreparePhase
     tensor: str | None = None
     reason: str
 
@@ -244,7 +252,7 @@ class RankCommitted(Payload):
 class CacheInvalidated(Payload):
     type: Literal["CacheInvalidated"] = "CacheInvalidated"
     rank: int
-    kind: Literal["prefix", "kv", "graph", "encoder"]
+    kind: CacheKind
     generation: int
     version: int
 
@@ -284,14 +292,14 @@ class EngineSlept(Payload):
 class EngineWoke(Payload):
     type: Literal["EngineWoke"] = "EngineWoke"
     rank: int
-    tags: tuple[Literal["weights", "kv_cache"], ...]
+    tags: tuple[WakeTag, ...]
     bytes_restored: int = 0
 
 
 class EnginePaused(Payload):
     type: Literal["EnginePaused"] = "EnginePaused"
     rank: int
-    mode: Literal["abort", "wait", "keep"]
+    mode: DrainMode
 
 
 class EngineResumed(Payload):
@@ -306,7 +314,7 @@ class RankJoined(Payload):
     policy_version: int
     weights_digest: str
     sleep_levels: tuple[int, ...] = ()
-    logprob_mode: Literal["raw", "processed"] = "raw"
+    logprob_mode: LogprobMode = LogprobMode.RAW
 
 
 class RankQuarantined(Payload):

@@ -14,7 +14,8 @@ from logbuilder import LogBuilder, weights_digest_for
 from rolledger.schemas.config import PartialPolicy
 from rolledger.schemas.events import EnginePaused, Event
 from rolledger.schemas.trajectory import VersionSpan
-from rolledger.workflows.audit import AuditReport, audit
+from rolledger.workflows.audit import audit
+from rolledger.workflows.audit_report import AuditReport
 
 
 def only(report: AuditReport, invariant: int) -> list[tuple[str, ...]]:

@@ -4,6 +4,7 @@ binary (float32 precision for logprobs), and bad bytes fail with a DecodeError r
 from __future__ import annotations
 
 import array
+import enum
 import math
 import types
 import typing
@@ -87,6 +88,8 @@ def strategy_for(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[Any]
         if len(args) == 2 and args[1] is Ellipsis:
             return st.lists(strategy_for(args[0], []), max_size=3).map(tuple)
         return st.tuples(*(strategy_for(a, []) for a in args))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return st.sampled_from(list(annotation))
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return model_strategy(annotation)
     raise NotImplementedError(f"no strategy for {annotation!r}")

@@ -8,6 +8,7 @@ from logbuilder import LogBuilder
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
+from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
 from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
 from rolledger.workflows.groups import decide_group
 from rolledger.workflows.reducer import replay
@@ -87,7 +88,7 @@ def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() ->
                 for i in range(2)
             ],
         )
-        state.groups[gid].samples[0].status = state.groups[gid].samples[1].status = "finished"
+        state.groups[gid].samples[0].status = state.groups[gid].samples[1].status = SampleStatus.FINISHED
         state.groups[gid].samples[0].tokens = state.groups[gid].samples[1].tokens = 2
         fold_all(
             state, [ev.GroupCompleted(group_id=gid, accepted=(f"{gid}/0", f"{gid}/1"), status="complete", bytes=one)]
@@ -95,7 +96,7 @@ def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() ->
     assert state.admission.queued_bytes == 2 * one
     assert decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS)) == []  # still over: stays paused
     for g in admitted:
-        state.groups[g.group_id].status = "scored"
+        state.groups[g.group_id].status = GroupStatus.SCORED
     fold_all(
         state,
         [
@@ -142,18 +143,23 @@ def test_admission_is_silent_while_an_update_holds_it() -> None:
 
 
 def test_remaining_tokens_estimate() -> None:
-    g = GroupState("g", "p", 4, 4, "all", "e", 0, 8, 100, 4)
-    g.samples = {0: SampleState("g/0", 0, "finished", 0, 0), 1: SampleState("g/1", 1, "started", 0, 0)}
+    g = GroupState("g", "p", 4, 4, PolicyKind.ALL, "e", 0, 8, 100, 4)
+    g.samples = {
+        0: SampleState("g/0", 0, SampleStatus.FINISHED, 0, 0),
+        1: SampleState("g/1", 1, SampleStatus.STARTED, 0, 0),
+    }
     assert remaining_tokens(g, 3) == 9
     assert [p.index for p in order_candidates(PROMPTS[:4], "fifo", 2)] == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------- partial policies
 def group(kind: str, n: int, k: int | None, statuses: list[str]) -> GroupState:
-    g = GroupState("g1", "p", n, PartialPolicy(kind=kind, k=k).required(n), kind, "e", 0, 8, 100, 4)  # type: ignore[arg-type]
+    g = GroupState(
+        "g1", "p", n, PartialPolicy(kind=PolicyKind(kind), k=k).required(n), PolicyKind(kind), "e", 0, 8, 100, 4
+    )
     for i, s in enumerate(statuses):
-        g.samples[i] = SampleState(f"g1/{i}", i, s, 0, 0, tokens=3)  # type: ignore[arg-type]
-    g.status = "generating"
+        g.samples[i] = SampleState(f"g1/{i}", i, SampleStatus(s), 0, 0, tokens=3)
+    g.status = GroupStatus.GENERATING
     return g
 
 

@@ -30,7 +30,8 @@ from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.trajectory import Trajectory
-from rolledger.workflows.audit import Violation, audit
+from rolledger.workflows.audit import audit
+from rolledger.workflows.audit_report import Violation
 from rolledger.workflows.groups import decide_groups
 from rolledger.workflows.reducer import fold, replay
 from rolledger.workflows.state import RunState

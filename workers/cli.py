@@ -17,6 +17,7 @@ import structlog
 from pydantic import ValidationError
 
 from rolledger.schemas.config import RunConfig
+from rolledger.schemas.statuses import RunStatus
 
 if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolledger --help` stays fast
     import redis

@@ -12,10 +12,12 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason
+from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.scheduler import remaining_tokens
 from rolledger.workflows.state import RunState
 
-ADMISSION_REASONS = ("bytes", "lag", "update", "handoff", "manual", "rate")
+ADMISSION_REASONS = tuple(AdmissionReason)
 
 
 class RunMetrics:
@@ -43,22 +45,13 @@ class RunMetrics:
 
     def observe(self, state: RunState, new_events: Iterable[ev.Event]) -> None:
         for e in new_events:
-            p = e.payload
-            if isinstance(p, ev.BatchConsumed):
-                for lag in p.lags:
-                    self.consumed_lag.observe(lag)
-            elif isinstance(p, ev.PolicyPublished):
-                self.updates.labels("published").inc()
-            elif isinstance(p, ev.UpdateAborted):
-                self.updates.labels("aborted").inc()
-            elif isinstance(p, ev.SampleFinished):
-                self.trajectories.inc()
+            _COUNTERS.apply(self, e)
         self.policy_version.set(state.policy_version)
         self.queued_bytes.set(state.admission.queued_bytes)
         self.lag.set(state.lag)
         for reason in ADMISSION_REASONS:
             self.admission_paused.labels(reason).set(1 if reason in state.admission.paused else 0)
-        live = {g.group_id: g for g in state.groups.values() if g.status in ("admitted", "generating")}
+        live = {g.group_id: g for g in state.groups.values() if g.status.is_open}
         for gid in self._groups - live.keys():
             self.remaining.remove(gid)
         for gid, g in live.items():
@@ -67,3 +60,28 @@ class RunMetrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+
+# ---------------------------------------------------------------- the counters and histograms fed per event
+_COUNTERS: Handlers[RunMetrics, None] = Handlers("metrics")
+
+
+@_COUNTERS.on(ev.BatchConsumed)
+def _consumed(m: RunMetrics, e: ev.Event, p: ev.BatchConsumed) -> None:
+    for lag in p.lags:
+        m.consumed_lag.observe(lag)
+
+
+@_COUNTERS.on(ev.PolicyPublished)
+def _published(m: RunMetrics, e: ev.Event, p: ev.PolicyPublished) -> None:
+    m.updates.labels("published").inc()
+
+
+@_COUNTERS.on(ev.UpdateAborted)
+def _aborted(m: RunMetrics, e: ev.Event, p: ev.UpdateAborted) -> None:
+    m.updates.labels("aborted").inc()
+
+
+@_COUNTERS.on(ev.SampleFinished)
+def _finished(m: RunMetrics, e: ev.Event, p: ev.SampleFinished) -> None:
+    m.trajectories.inc()

@@ -10,6 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from rolledger.schemas.statuses import UpdateStatus
 from rolledger.workflows.state import RunState
 
 
@@ -29,10 +30,10 @@ def status_table(state: RunState) -> Table:
     t.add_row("queued bytes (now / max)", f"{state.admission.queued_bytes} / {state.admission.max_queued_bytes}")
     t.add_row("admission", "open" if state.admission.open else "paused: " + ", ".join(state.admission.paused))
     t.add_row("groups admitted / in flight", f"{state.admission.admitted} / {state.admission.inflight}")
-    aborted = sum(1 for u in state.updates.values() if u.status == "aborted")
+    aborted = sum(1 for u in state.updates.values() if u.status == UpdateStatus.ABORTED)
     t.add_row(
         "updates published / aborted",
-        f"{sum(1 for u in state.updates.values() if u.status == 'published')} / {aborted}",
+        f"{sum(1 for u in state.updates.values() if u.status == UpdateStatus.PUBLISHED)} / {aborted}",
     )
     t.add_row("events", str(state.events_applied))
     return t

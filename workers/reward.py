@@ -58,7 +58,7 @@ class RewardWorker(Worker):
         while not self.stop_event.is_set():
             deliveries = self.consumer.read(count=64, block_ms=100)
             if not deliveries:
-                if self.follower.state.status in ("completed", "failed", "aborted"):
+                if self.follower.state.status.is_terminal:
                     break
                 self.follower.catch_up()
                 continue

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
+from rolledger.schemas.statuses import AdmissionReason, GroupStatus, RunStatus
 from rolledger.schemas.trajectory import trajectory_nbytes
 from rolledger.workflows.scheduler import PromptItem, order_candidates
 from rolledger.workflows.state import RunState
 
-OWNED_REASONS: tuple[ev.AdmissionReason, ...] = ("bytes", "lag", "rate")
+OWNED_REASONS: tuple[AdmissionReason, ...] = (AdmissionReason.BYTES, AdmissionReason.LAG, AdmissionReason.RATE)
+
+_GONE_BEFORE_TRAINING = frozenset({GroupStatus.CANCELLED, GroupStatus.DROPPED})  # the lag gate counts the rest
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,17 @@ class Gates:
     projected_lag: int
     untrained: int
 
-    def verdicts(self, cfg: RunConfig) -> list[tuple[ev.AdmissionReason, bool, str]]:
+    def verdicts(self, cfg: RunConfig) -> list[tuple[AdmissionReason, bool, str]]:
         adm = cfg.admission
         return [
-            ("bytes", self.bytes_ok, f"projected {self.projected_bytes} B > cap {adm.max_queued_bytes} B"),
-            ("lag", self.lag_ok, f"projected lag {self.projected_lag} > cap {adm.max_lag}"),
             (
-                "rate",
+                AdmissionReason.BYTES,
+                self.bytes_ok,
+                f"projected {self.projected_bytes} B > cap {adm.max_queued_bytes} B",
+            ),
+            (AdmissionReason.LAG, self.lag_ok, f"projected lag {self.projected_lag} > cap {adm.max_lag}"),
+            (
+                AdmissionReason.RATE,
                 self.rate_ok,
                 f"{self.untrained} groups ahead of the trainer (cap {2 * cfg.trainer.groups_per_step})",
             ),
@@ -68,9 +75,9 @@ class Gates:
 def gates(state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int) -> Gates:
     """The three gates, as if `extra_groups` more groups of `extra_bytes` in all were admitted now."""
     adm = cfg.admission
-    inflight_bytes = sum(g.est_bytes for g in state.groups.values() if g.status in ("admitted", "generating"))
+    inflight_bytes = sum(g.est_bytes for g in state.groups.values() if g.status.is_open)
     projected_bytes = state.admission.queued_bytes + inflight_bytes + extra_bytes
-    live = sum(1 for g in state.groups.values() if g.status not in ("cancelled", "dropped")) + extra_groups
+    live = sum(1 for g in state.groups.values() if g.status not in _GONE_BEFORE_TRAINING) + extra_groups
     projected_lag = (live - 1) // cfg.trainer.groups_per_step - state.policy_version if live else 0
     untrained = sum(1 for g in state.groups.values() if g.untrained) + extra_groups
     return Gates(
@@ -85,7 +92,7 @@ def gates(state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int) 
 
 def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payload]:
     cfg = state.config
-    if cfg is None or state.status != "running" or not inputs.prompts:
+    if cfg is None or state.status != RunStatus.RUNNING or not inputs.prompts:
         return []
     n = cfg.group_size
     admitted_prompts = {g.prompt_id for g in state.groups.values()}

@@ -5,6 +5,11 @@ increasing), and returns an AuditReport: violations of invariants 1-8, each nami
 warnings for things that break no invariant but deserve a look (open units of an unfinished run, duplicate or
 out-of-order events, orphans). No Redis, no I/O, no clock. Invariant 8 needs the reducer, so its digests are passed in.
 
+This module is the driver (dedupe, ordering and run-membership warnings, then the handlers, then the end-of-log
+checks); the report model is audit_report, the fold's state audit_context, the handlers per event family
+audit_groups, audit_samples and audit_updates (merged into one workflows.dispatch registry here), and the
+update-attempt tracker that lineage shares audit_attempts.
+
 The precise definitions checked (v is a policy version, r a rank):
 
 1. One version per sample. A SampleFinished's trajectory holds one policy version (its `policy_version` and the
@@ -49,991 +54,109 @@ The precise definitions checked (v is a policy version, r a rank):
 
 from __future__ import annotations
 
-import json
-from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
-from rolledger.schemas.config import RunConfig
-from rolledger.schemas.events import (
-    AdmissionPaused,
-    BatchConsumed,
-    CacheInvalidated,
-    EnginePaused,
-    EngineResumed,
-    EngineSlept,
-    Event,
-    GroupAdmitted,
-    GroupCancelled,
-    GroupCompleted,
-    HealthFailed,
-    HealthPassed,
-    PolicyPublished,
-    PrepareRequested,
-    RankCommitted,
-    RankJoined,
-    RankPrepared,
-    RankPrepareFailed,
-    RankQuarantined,
-    RunFinished,
-    RunStarted,
-    SampleCancelled,
-    SampleFailed,
-    SampleFinished,
-    SampleStarted,
-    TrajectoryDropped,
-    UpdateAborted,
-    UpdateCommitted,
-    UpdateStaged,
+from rolledger.schemas.events import Event, RunStarted
+from rolledger.workflows import audit_groups, audit_samples, audit_updates
+from rolledger.workflows.audit_context import Auditor, Unit
+from rolledger.workflows.audit_report import AuditReport, AuditWarning, Violation, WarningKind
+from rolledger.workflows.dispatch import Handlers
+
+__all__ = ["AuditReport", "AuditWarning", "Violation", "WarningKind", "audit"]
+
+HANDLERS: Handlers[Auditor, None] = Handlers.merge(
+    "audit", audit_groups.handlers, audit_samples.handlers, audit_updates.handlers
 )
-from rolledger.schemas.trajectory import Trajectory
-
-INVARIANTS: dict[int, str] = {
-    1: "no sample holds tokens from two policy versions (unless interruptible, and then each span is stamped)",
-    2: "no admission and no generation between an update's pause and its PolicyPublished/UpdateAborted",
-    3: "every UpdateCommitted is preceded by RankPrepared from every rank (same version and manifest); "
-    "every UpdateAborted leaves every rank on the old version",
-    4: "after PolicyPublished(v) every rank runs v with the published digest and the cache generation after v",
-    5: "every consumed trajectory has lag <= the bound and its group satisfied the partial policy",
-    6: "queued bytes never exceeded the byte cap at an admission",
-    7: "every dispatched unit reached a terminal event",
-    8: "replaying the log gives the same state digest twice and the digests recorded in snapshots",
-}
-
-_CACHE_KINDS = ("prefix", "kv")
 
 
-# ---------------------------------------------------------------- report
-@dataclass(frozen=True)
-class Violation:
-    """A broken invariant (1..8), what broke it, and the ids of the events involved."""
-
-    invariant: int
-    message: str
-    event_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class AuditWarning:
-    """Something that breaks no invariant but deserves a look: `kind` is open | duplicate | conflicting_duplicate |
-    out_of_order | orphan | restart | provenance | malformed | unresolved_update | queued_bytes | internal."""
-
-    kind: str
-    message: str
-    event_ids: tuple[str, ...]
-    invariant: int | None = None
-
-
-@dataclass(frozen=True)
-class AuditReport:
-    violations: tuple[Violation, ...]
-    warnings: tuple[AuditWarning, ...]
-    checked: dict[int, int]  # invariant -> how many things were checked for it
-    events: int = 0
-    run_id: str | None = None
-    run_finished: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
-
-    def for_invariant(self, invariant: int) -> tuple[Violation, ...]:
-        return tuple(v for v in self.violations if v.invariant == invariant)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "run_id": self.run_id,
-            "events": self.events,
-            "run_finished": self.run_finished,
-            "checked": {str(k): v for k, v in sorted(self.checked.items())},
-            "violations": [asdict(v) for v in self.violations],
-            "warnings": [asdict(w) for w in self.warnings],
-        }
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def render(self) -> str:
-        """Human text: one line per invariant, then the violations and warnings."""
-        lines = [f"audit of run {self.run_id or '?'}: {self.events} events, {'OK' if self.ok else 'VIOLATED'}"]
-        for inv in range(1, 9):
-            bad = len(self.for_invariant(inv))
-            mark = "ok " if bad == 0 else "FAIL"
-            lines.append(f"  [{mark}] {inv}. {INVARIANTS[inv]} ({self.checked.get(inv, 0)} checked, {bad} violated)")
-        for v in self.violations:
-            lines.append(f"  violation {v.invariant}: {v.message} [{', '.join(v.event_ids)}]")
-        for w in self.warnings:
-            lines.append(f"  warning {w.kind}: {w.message} [{', '.join(w.event_ids)}]")
-        return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- update attempts (shared with lineage)
-@dataclass
-class UpdateAttempt:
-    """One try at publishing `version`: from UpdateStaged (or its first event) to commit/abort, then publication."""
-
-    version: int
-    staged: Event | None = None
-    requested: Event | None = None
-    prepared: dict[int, Event] = field(default_factory=dict)
-    prepare_failed: dict[int, Event] = field(default_factory=dict)
-    committed: Event | None = None
-    aborted: Event | None = None
-    rank_committed: dict[int, Event] = field(default_factory=dict)
-    invalidated: dict[int, list[Event]] = field(default_factory=dict)
-    health_passed: dict[int, Event] = field(default_factory=dict)
-    health_failed: dict[int, Event] = field(default_factory=dict)
-    published: Event | None = None
-
-    @property
-    def resolved(self) -> bool:
-        return self.committed is not None or self.aborted is not None
-
-
-class UpdateTracker:
-    """Routes weight-update events to their attempt. `route` finds (or opens) the attempt without recording, so a
-    checker can look at the state before the event; `record` then files the event; `apply` does both."""
-
-    def __init__(self) -> None:
-        self.attempts: dict[int, list[UpdateAttempt]] = {}
-
-    def current(self, version: int) -> UpdateAttempt | None:
-        tries = self.attempts.get(version)
-        return tries[-1] if tries else None
-
-    def _new(self, version: int) -> UpdateAttempt:
-        a = UpdateAttempt(version)
-        self.attempts.setdefault(version, []).append(a)
-        return a
-
-    def pending(self) -> UpdateAttempt | None:
-        """The newest attempt not yet committed or aborted."""
-        best: UpdateAttempt | None = None
-        for tries in self.attempts.values():
-            a = tries[-1]
-            if not a.resolved and (best is None or a.version > best.version):
-                best = a
-        return best
-
-    def route(self, event: Event) -> UpdateAttempt | None:
-        p = event.payload
-        if isinstance(p, UpdateStaged):
-            return self._new(p.version)
-        if isinstance(p, (RankPrepared, RankPrepareFailed)):
-            # a rank answering after its attempt was aborted (it was still reading when another rank failed) belongs
-            # to that attempt: a version number is not retried, so it cannot open a new one
-            cur = self.current(p.version)
-            if cur is not None and cur.aborted is not None and cur.published is None:
-                return cur
-        if isinstance(p, (PrepareRequested, RankPrepared, RankPrepareFailed, UpdateCommitted)):
-            # a failure reported after the commit (phase="commit") belongs to the committed attempt
-            cur = self.current(p.version)
-            live = cur is not None and cur.aborted is None and cur.published is None
-            if isinstance(p, UpdateCommitted):
-                live = live and cur is not None and cur.committed is None
-            return cur if live and cur is not None else self._new(p.version)
-        if isinstance(p, UpdateAborted):
-            cur = self.current(p.version)
-            return cur if cur is not None and cur.aborted is None else self._new(p.version)
-        if isinstance(p, (RankCommitted, HealthPassed, HealthFailed, PolicyPublished)):
-            return self.current(p.version) or self._new(p.version)
-        if isinstance(p, CacheInvalidated):
-            cur = self.current(p.version)
-            return cur if cur is not None and cur.committed is not None and cur.published is None else None
-        return None
-
-    @staticmethod
-    def record(attempt: UpdateAttempt, event: Event) -> None:
-        p = event.payload
-        if isinstance(p, UpdateStaged):
-            attempt.staged = event
-        elif isinstance(p, PrepareRequested):
-            attempt.requested = event
-        elif isinstance(p, RankPrepared):
-            attempt.prepared[p.rank] = event
-        elif isinstance(p, RankPrepareFailed):
-            attempt.prepare_failed[p.rank] = event
-        elif isinstance(p, UpdateCommitted):
-            attempt.committed = attempt.committed or event
-        elif isinstance(p, UpdateAborted):
-            attempt.aborted = attempt.aborted or event
-        elif isinstance(p, RankCommitted):
-            attempt.rank_committed[p.rank] = event
-        elif isinstance(p, CacheInvalidated):
-            attempt.invalidated.setdefault(p.rank, []).append(event)
-        elif isinstance(p, HealthPassed):
-            attempt.health_passed[p.rank] = event
-            attempt.health_failed.pop(p.rank, None)
-        elif isinstance(p, HealthFailed):
-            attempt.health_failed[p.rank] = event
-            attempt.health_passed.pop(p.rank, None)
-        elif isinstance(p, PolicyPublished):
-            attempt.published = attempt.published or event
-
-    def apply(self, event: Event) -> UpdateAttempt | None:
-        a = self.route(event)
-        if a is not None:
-            self.record(a, event)
-        return a
-
-
-# ---------------------------------------------------------------- the auditor
-@dataclass
-class _Unit:
-    start: Event
-    terminal: Event | None = None
-
-
-@dataclass
-class _Group:
-    admitted: Event
-    terminal: Event | None = None
-    completed: Event | None = None
-    consumed: Event | None = None
-
-
-@dataclass
-class _Rank:
-    version: int
-    digest: str
-    event: Event
-    quarantined: Event | None = None
-    invalidations: list[Event] = field(default_factory=list)  # since the rank (re)joined
-
-
-@dataclass
-class _Window:
-    opened_by: Event
-    version: int | None
-    committed: Event | None = None
-
-
-def _ids(*events: Event | None) -> tuple[str, ...]:
-    out: list[str] = []
-    for e in events:
-        if e is not None and e.event_id not in out:
-            out.append(e.event_id)
-    return tuple(out)
-
-
-def _span_versions(t: Trajectory) -> list[tuple[int, str]]:
-    """(version, weights digest) of every stretch of tokens: the spans, or the whole trajectory."""
-    return [(s.policy_version, s.weights_digest) for s in t.spans] or [(t.policy_version, t.weights_digest)]
-
-
-class _Auditor:
-    def __init__(self) -> None:
-        self.quarantined_in: dict[int, set[int]] = {}
-        self.stopped: dict[int, Event] = {}  # rank -> the EnginePaused/EngineSlept that stopped its generation
-        self.violations: list[Violation] = []
-        self.warnings: list[AuditWarning] = []
-        self.checked: Counter[int] = Counter()
-        self.config: RunConfig | None = None
-        self.run_started: Event | None = None
-        self.run_finished: Event | None = None
-        self.run_id: str | None = None
-        self.count = 0
-        self.seen: dict[str, Event] = {}
-        self.max_id_by_producer: dict[str, str] = {}
-        self.groups: dict[str, _Group] = {}
-        self.samples: dict[str, _Unit] = {}
-        self.finished: dict[str, Event] = {}  # trajectory id -> SampleFinished
-        self.consumed: dict[str, Event] = {}  # trajectory id -> BatchConsumed
-        self.queued: dict[str, int] = {}  # completed, untrained group -> bytes
-        self.updates = UpdateTracker()
-        self.window: _Window | None = None
-        self.published: dict[int, Event] = {}  # version -> PolicyPublished (newest)
-        self.version_digest: dict[int, str] = {}
-        self.current_version = 0
-        self.ranks: dict[int, _Rank] = {}
-        self.last_event: Event | None = None
-        self.order: dict[str, int] = {}  # event id -> position of its first occurrence in the log
-        self.warned_no_start = False
-
-    # ------------------------------------------------ helpers
-    def violate(self, invariant: int, message: str, *events: Event | None) -> None:
-        self.violations.append(Violation(invariant, message, _ids(*events)))
-
-    def warn(self, kind: str, message: str, *events: Event | None, invariant: int | None = None) -> None:
-        self.warnings.append(AuditWarning(kind, message, _ids(*events), invariant))
-
-    @property
-    def cfg(self) -> RunConfig:
-        if self.config is None:
-            self.config = RunConfig()
-        return self.config
-
-    # ------------------------------------------------ driver
-    def feed(self, event: Event) -> None:
-        self.order.setdefault(event.event_id, self.count)
-        self.count += 1
-        prior = self.seen.get(event.event_id)
-        if prior is not None:
-            if prior == event:
-                self.warn(
-                    "duplicate", f"event {event.event_id} ({event.type}) appears twice; the copy is ignored", event
-                )
-            else:
-                self.warn(
-                    "conflicting_duplicate",
-                    f"event id {event.event_id} names two different events ({prior.type}, {event.type}); "
-                    "the second is ignored",
-                    event,
-                )
-            return
-        self.seen[event.event_id] = event
-        # Ids sort by creation time; the log's order is the order of appends. Across producers they legitimately
-        # differ (an event created earlier may be appended later), so only one producer going backwards is odd.
-        last = self.max_id_by_producer.get(event.producer, "")
-        if event.event_id < last:
-            self.warn(
-                "out_of_order",
-                f"{event.type} {event.event_id} from {event.producer} sorts before its earlier {last}",
+def _feed(ctx: Auditor, event: Event) -> None:
+    ctx.order.setdefault(event.event_id, ctx.count)
+    ctx.count += 1
+    prior = ctx.seen.get(event.event_id)
+    if prior is not None:
+        if prior == event:
+            ctx.warn(
+                WarningKind.DUPLICATE,
+                f"event {event.event_id} ({event.type}) appears twice; the copy is ignored",
                 event,
             )
         else:
-            self.max_id_by_producer[event.producer] = event.event_id
-        if self.run_started is None and not isinstance(event.payload, RunStarted) and not self.warned_no_start:
-            self.warned_no_start = True
-            self.warn("malformed", f"{event.type} before RunStarted; defaults assumed until it comes", event)
-        if self.run_finished is not None:
-            self.warn("malformed", f"{event.type} after RunFinished {self.run_finished.event_id}", event)
-        if self.run_id is not None and event.run_id != self.run_id:
-            self.warn("malformed", f"{event.type} belongs to run {event.run_id!r}, not {self.run_id!r}", event)
-        handler = getattr(self, "on_" + event.type, None)
-        if handler is not None:
-            try:
-                handler(event, event.payload)
-            except Exception as exc:  # noqa: BLE001 - an auditor reports on any log, never crashes on one
-                self.warn("internal", f"could not check {event.type}: {type(exc).__name__}: {exc}", event)
-        self.last_event = event
-
-    # ------------------------------------------------ run
-    def on_RunStarted(self, e: Event, p: RunStarted) -> None:
-        if self.run_started is not None:
-            self.warn("malformed", f"second RunStarted (first {self.run_started.event_id}); the first is kept", e)
-            return
-        self.run_started = e
-        self.run_id = e.run_id
-        self.config = p.config
-        self.version_digest[0] = p.initial_weights_digest
-
-    def on_RunFinished(self, e: Event, p: RunFinished) -> None:
-        self.run_finished = self.run_finished or e
-
-    # ------------------------------------------------ admission and the update window (2, 6)
-    def on_AdmissionPaused(self, e: Event, p: AdmissionPaused) -> None:
-        if p.reason != "update" or self.window is not None:
-            return
-        pending = self.updates.pending()
-        self.window = _Window(e, pending.version if pending else None)
-
-    def _in_window(self, e: Event, what: str) -> None:
-        self.checked[2] += 1
-        w = self.window
-        if w is not None:
-            target = f"update to v{w.version}" if w.version is not None else "an update"
-            self.violate(
-                2,
-                f"{what} during {target}: window opened by {w.opened_by.type} {w.opened_by.event_id} "
-                "and not yet closed by PolicyPublished/UpdateAborted",
-                w.opened_by,
-                e,
+            ctx.warn(
+                WarningKind.CONFLICTING_DUPLICATE,
+                f"event id {event.event_id} names two different events ({prior.type}, {event.type}); "
+                "the second is ignored",
+                event,
             )
-
-    def _close_window(self, version: int) -> None:
-        if self.window is not None and self.window.version in (None, version):
-            self.window = None
-
-    def on_GroupAdmitted(self, e: Event, p: GroupAdmitted) -> None:
-        if p.group_id in self.groups:
-            self.warn("malformed", f"group {p.group_id} admitted twice", self.groups[p.group_id].admitted, e)
-        else:
-            self.groups[p.group_id] = _Group(e)
-        self._in_window(e, f"GroupAdmitted {p.group_id}")
-        self.checked[6] += 1
-        declared = self.cfg.admission.max_queued_bytes
-        problems = []
-        if p.byte_cap > declared:
-            problems.append(f"byte_cap {p.byte_cap} exceeds the declared max_queued_bytes {declared}")
-        if p.queued_bytes > min(p.byte_cap, declared):
-            problems.append(f"queued_bytes {p.queued_bytes} > cap {min(p.byte_cap, declared)}")
-        if problems:
-            self.violate(6, f"GroupAdmitted {p.group_id}: " + "; ".join(problems), e)
-        recomputed = sum(self.queued.values())
-        if recomputed > declared:
-            self.warn(
-                "queued_bytes",
-                f"GroupAdmitted {p.group_id}: completed untrained groups hold {recomputed} bytes by the log "
-                f"(> cap {declared}; recorded {p.queued_bytes})",
-                e,
-                invariant=6,
-            )
-
-    # ------------------------------------------------ rollout (1, 2, 3, 4, 7)
-    def on_SampleStarted(self, e: Event, p: SampleStarted) -> None:
-        prior = self.samples.get(p.sample_id)
-        if prior is not None and prior.terminal is None:
-            self.warn("restart", f"sample {p.sample_id} started again before its first attempt ended", prior.start, e)
-        self.samples[p.sample_id] = _Unit(e)
-        if p.group_id not in self.groups:
-            self.warn("orphan", f"SampleStarted {p.sample_id} for group {p.group_id} never admitted", e)
-        self._generation_in_window(e, p.rank, f"SampleStarted {p.sample_id}")
-        self._generation_version(e, p.policy_version, p.weights_digest, p.rank, f"sample {p.sample_id}")
-
-    def _generation_in_window(self, e: Event, rank: int, what: str) -> None:
-        self.checked[2] += 1
-        w = self.window
-        if w is None:
-            return
-        stopped = self.stopped.get(rank)
-        if w.committed is not None:
-            self.violate(
-                2, f"{what} on rank {rank} after v{w.version} was committed and before it was published", w.committed, e
-            )
-        elif stopped is not None:
-            self.violate(2, f"{what} on rank {rank} after it stopped for the update ({stopped.type})", stopped, e)
-
-    def on_EnginePaused(self, e: Event, p: EnginePaused) -> None:
-        if self.window is not None:
-            self.stopped[p.rank] = e
-
-    def on_EngineSlept(self, e: Event, p: EngineSlept) -> None:
-        self.stopped[p.rank] = e
-
-    def on_EngineResumed(self, e: Event, p: EngineResumed) -> None:
-        self.stopped.pop(p.rank, None)
-
-    def _generation_version(self, e: Event, v: int, digest: str, rank: int, what: str) -> None:
-        """A sample starts generating on (rank, v, digest): v must be published (3/4), the digest v's, the rank on v."""
-        self.checked[4] += 1
-        if v == 0 and 0 not in self.version_digest:
-            pass  # the initial weights, before (or without) a RunStarted naming their digest
-        elif v not in self.version_digest:
-            cur = self.updates.current(v)
-            if cur is not None and cur.aborted is not None:
-                self.violate(3, f"{what} generated with version {v}, whose update was aborted", cur.aborted, e)
-            elif self.window is None:
-                self.violate(4, f"{what} generated with version {v}, which was never published", e)
-        elif digest != self.version_digest[v]:
-            src = self.published.get(v) or self.run_started
-            self.violate(
-                4, f"{what} on rank {rank} uses weights {digest}, but version {v} is {self.version_digest[v]}", src, e
-            )
-        st = self.ranks.get(rank)
-        if st is None:
-            return
-        if st.quarantined is not None:
-            self.violate(4, f"{what} generated on quarantined rank {rank}", st.quarantined, e)
-        elif st.version != v or st.digest != digest:
-            self.violate(
-                4,
-                f"{what} claims version {v}/{digest} but rank {rank} is on {st.version}/{st.digest}",
-                st.event,
-                e,
-            )
-
-    def on_SampleFinished(self, e: Event, p: SampleFinished) -> None:
-        t = p.trajectory
-        sid = t.trajectory_id
-        if sid in self.finished:
-            self.warn("duplicate", f"trajectory {sid} finished twice", self.finished[sid], e)
-        self.finished[sid] = e
-        unit = self.samples.get(sid)
-        start = unit.start if unit else None
-        if unit is None:
-            self.warn("orphan", f"SampleFinished {sid} without a SampleStarted", e, invariant=7)
-        else:
-            self._terminal(unit, e, sid)
-        self._check_versions(e, t, start)
-        self._check_published_state(e, t, start)
-
-    def _check_versions(self, e: Event, t: Trajectory, start: Event | None) -> None:
-        """Invariant 1."""
-        self.checked[1] += 1
-        sid = t.trajectory_id
-        spans = _span_versions(t)
-        versions = sorted({v for v, _ in spans} | {t.policy_version})
-        if not self.cfg.interruptible:
-            if len(versions) > 1:
-                self.violate(1, f"trajectory {sid} holds tokens from versions {versions} in a non-interruptible run", e)
-            digests = sorted({d for _, d in spans} | {t.weights_digest})
-            if len(digests) > 1:
-                self.violate(1, f"trajectory {sid} holds tokens from weights {digests}", e)
-        elif t.spans:
-            pos = 0
-            problems = []
-            for s in t.spans:
-                if s.start != pos or s.end < s.start:
-                    problems.append(f"span [{s.start},{s.end}) does not follow token {pos}")
-                pos = s.end
-            if pos != len(t.token_ids):
-                problems.append(f"spans cover {pos} of {len(t.token_ids)} tokens")
-            vs = [s.policy_version for s in t.spans]
-            if vs != sorted(vs):
-                problems.append(f"span versions {vs} go backwards")
-            if t.spans[0].policy_version != t.policy_version:
-                problems.append(f"first span is v{t.spans[0].policy_version}, trajectory says v{t.policy_version}")
-            if problems:
-                self.violate(1, f"trajectory {sid} spans are not a complete stamp: " + "; ".join(problems), e)
-        if start is not None and isinstance(start.payload, SampleStarted):
-            s0 = start.payload
-            first_digest = t.spans[0].weights_digest if t.spans else t.weights_digest
-            if s0.policy_version != t.policy_version or s0.weights_digest != first_digest:
-                self.violate(
-                    1,
-                    f"trajectory {sid} says v{t.policy_version}/{first_digest} but its sample started on "
-                    f"v{s0.policy_version}/{s0.weights_digest}",
-                    start,
-                    e,
-                )
-            if s0.rank != t.rank or s0.group_id != t.group_id:
-                self.warn(
-                    "provenance",
-                    f"trajectory {sid} says rank {t.rank}/group {t.group_id}, its start rank {s0.rank}/group "
-                    f"{s0.group_id}",
-                    start,
-                    e,
-                )
-
-    def _check_published_state(self, e: Event, t: Trajectory, start: Event | None) -> None:
-        """Invariant 4 on a trajectory: published digests per span, and the rank's cache/graph generations."""
-        sid = t.trajectory_id
-        for v, d in _span_versions(t)[1:] if t.spans else []:
-            if v in self.version_digest and d != self.version_digest[v]:
-                self.violate(4, f"trajectory {sid} has a v{v} span on weights {d}, not {self.version_digest[v]}", e)
-        st = self.ranks.get(t.rank)
-        if st is None or start is None:
-            return
-        v = t.policy_version
-        pub = self.published.get(v)
-        if v != 0 and (pub is None or self._index(pub) > self._index(start)):
-            return  # started before v was published: windows and versions are checked elsewhere
-        started_at = self._index(start)
-        before = [i for i in st.invalidations if self._index(i) <= started_at]
-        during = [i for i in st.invalidations if self._index(i) > started_at]
-        for kinds, got, label in (
-            (_CACHE_KINDS, t.cache_generation, "cache"),
-            (("graph",), t.graph_generation, "graph"),
-        ):
-            relevant = [
-                i
-                for i in before
-                if isinstance(i.payload, CacheInvalidated)
-                and i.payload.kind in kinds
-                and (label == "graph" or i.payload.version == v)
-            ]
-            if not relevant:
-                continue
-            self.checked[4] += 1
-            newest: dict[str, Event] = {}
-            for i in relevant:
-                assert isinstance(i.payload, CacheInvalidated)
-                newest[i.payload.kind] = i
-            ok = {i.payload.generation for i in newest.values() if isinstance(i.payload, CacheInvalidated)}
-            ok |= {
-                i.payload.generation
-                for i in during
-                if isinstance(i.payload, CacheInvalidated) and i.payload.kind in kinds
-            }
-            if got not in ok:
-                self.violate(
-                    4,
-                    f"trajectory {sid} on rank {t.rank} used {label} generation {got}, but the rank's current one "
-                    f"for v{v} is {sorted(ok)}",
-                    *newest.values(),
-                    e,
-                )
-
-    def _index(self, e: Event) -> int:
-        return self.order.get(e.event_id, -1)
-
-    def _terminal(self, unit: _Unit | _Group, e: Event, name: str) -> None:
-        if unit.terminal is not None:
-            self.warn(
-                "duplicate",
-                f"{name} reached a second terminal event {e.type} after {unit.terminal.type}",
-                unit.terminal,
-                e,
-                invariant=7,
-            )
-            return
-        unit.terminal = e
-
-    def _sample_terminal(self, e: Event, sample_id: str) -> None:
-        unit = self.samples.get(sample_id)
-        if unit is None and isinstance(e.payload, SampleCancelled):
-            return  # cancelled before it was dispatched (first_k, a cancelled group): nothing was started
-        if unit is None:
-            self.warn("orphan", f"{e.type} {sample_id} without a SampleStarted", e, invariant=7)
-        else:
-            self._terminal(unit, e, f"sample {sample_id}")
-
-    def on_SampleFailed(self, e: Event, p: SampleFailed) -> None:
-        self._sample_terminal(e, p.sample_id)
-
-    def on_SampleCancelled(self, e: Event, p: SampleCancelled) -> None:
-        self._sample_terminal(e, p.sample_id)
-
-    def on_GroupCompleted(self, e: Event, p: GroupCompleted) -> None:
-        g = self.groups.get(p.group_id)
-        if g is None:
-            self.warn("orphan", f"GroupCompleted {p.group_id} for a group never admitted", e, invariant=7)
-            return
-        self._terminal(g, e, f"group {p.group_id}")
-        if g.completed is None:
-            g.completed = e
-            self.queued[p.group_id] = p.bytes
-
-    def on_GroupCancelled(self, e: Event, p: GroupCancelled) -> None:
-        g = self.groups.get(p.group_id)
-        if g is None:
-            self.warn("orphan", f"GroupCancelled {p.group_id} for a group never admitted", e, invariant=7)
-            return
-        if g.completed is not None and g.consumed is None and p.group_id in self.queued:
-            self.queued.pop(p.group_id)  # a completed group withdrawn before training: legal, leaves the queue
-            g.completed = None
-            g.terminal = e
-            return
-        self._terminal(g, e, f"group {p.group_id}")
-
-    # ------------------------------------------------ trainer (5)
-    def on_BatchConsumed(self, e: Event, p: BatchConsumed) -> None:
-        cfg = self.cfg
-        if not (len(p.group_ids) == len(p.versions) == len(p.lags)):
-            self.violate(
-                5,
-                f"BatchConsumed step {p.step}: {len(p.group_ids)} groups, {len(p.versions)} versions, "
-                f"{len(p.lags)} lags",
-                e,
-            )
-        by_group: dict[str, list[str]] = {}
-        for tid in p.trajectory_ids:
-            fin = self.finished.get(tid)
-            gid = fin.payload.trajectory.group_id if fin and isinstance(fin.payload, SampleFinished) else None
-            gid = gid or tid.rsplit("/", 1)[0]
-            by_group.setdefault(gid, []).append(tid)
-            if tid in self.consumed:
-                self.warn("duplicate", f"trajectory {tid} consumed twice", self.consumed[tid], e)
-            self.consumed[tid] = e
-        for gid, listed in by_group.items():
-            if gid not in p.group_ids:
-                self.violate(5, f"BatchConsumed step {p.step} trains {listed} of group {gid} it does not list", e)
-        for i, gid in enumerate(p.group_ids):
-            self.checked[5] += 1
-            g = self.groups.get(gid)
-            lag = p.lags[i] if i < len(p.lags) else None
-            if lag is not None and lag > cfg.admission.max_lag:
-                self.violate(
-                    5,
-                    f"group {gid} consumed at step {p.step} with lag {lag} > max_lag {cfg.admission.max_lag}",
-                    g.admitted if g else None,
-                    e,
-                )
-            if g is None:
-                self.violate(5, f"BatchConsumed step {p.step} consumes group {gid}, never admitted", e)
-                continue
-            if g.consumed is not None:
-                self.warn("duplicate", f"group {gid} consumed twice", g.consumed, e)
-            g.consumed = e
-            self.queued.pop(gid, None)
-            comp = g.completed
-            if comp is None or not isinstance(comp.payload, GroupCompleted):
-                why = f"was cancelled ({g.terminal.event_id})" if g.terminal is not None else "never completed"
-                self.violate(5, f"group {gid} consumed at step {p.step} but {why}", g.admitted, g.terminal, e)
-                continue
-            gp = comp.payload
-            adm = g.admitted.payload
-            assert isinstance(adm, GroupAdmitted)
-            required = max(cfg.partial_policy.required(adm.n), adm.partial_policy.required(adm.n))
-            real = [a for a in gp.accepted if self._finished_in(a, gid)]
-            if len(real) < required:
-                self.violate(
-                    5,
-                    f"group {gid} consumed with {len(real)} finished accepted samples of {adm.n}; "
-                    f"its partial policy requires {required}",
-                    g.admitted,
-                    comp,
-                    e,
-                )
-            tids = by_group.get(gid) or list(gp.accepted)
-            stray = [t for t in tids if t not in gp.accepted or not self._finished_in(t, gid)]
-            if stray:
-                self.violate(5, f"group {gid}: consumed {stray} that the group did not accept as finished", comp, e)
-            versions = [v for t in tids if t in self.finished for v, _ in _span_versions(self._trajectory(t))]
-            if versions:
-                proven = self.current_version - min(versions)
-                if proven > cfg.admission.max_lag:
-                    self.violate(
-                        5,
-                        f"group {gid} consumed at step {p.step}: its oldest tokens are v{min(versions)} while "
-                        f"v{self.current_version} is published, lag >= {proven} > max_lag {cfg.admission.max_lag}"
-                        + (f" (recorded lag {lag})" if lag is not None else ""),
-                        self.published.get(self.current_version),
-                        e,
-                    )
-                if i < len(p.versions) and p.versions[i] != min(versions):
-                    self.warn(
-                        "provenance",
-                        f"BatchConsumed step {p.step} records group {gid} at v{p.versions[i]}, its oldest tokens "
-                        f"are v{min(versions)}",
-                        e,
-                    )
-
-    def _trajectory(self, tid: str) -> Trajectory:
-        p = self.finished[tid].payload
-        assert isinstance(p, SampleFinished)
-        return p.trajectory
-
-    def _finished_in(self, tid: str, gid: str) -> bool:
-        return tid in self.finished and self._trajectory(tid).group_id == gid
-
-    def on_TrajectoryDropped(self, e: Event, p: TrajectoryDropped) -> None:
-        """Refused at consumption: leaves the queue; a group dropped while still in flight ends there."""
-        self.queued.pop(p.group_id, None)
-        g = self.groups.get(p.group_id)
-        if g is not None and g.terminal is None:
-            g.terminal = e
-
-    # ------------------------------------------------ weight updates (2, 3, 4)
-    def on_UpdateStaged(self, e: Event, p: UpdateStaged) -> None:
-        cur = self.updates.current(p.version)
-        if cur is not None and not cur.resolved:
-            self.warn(
-                "unresolved_update", f"v{p.version} staged again before its previous attempt resolved", cur.staged, e
-            )
-        self.updates.apply(e)
-
-    def on_PrepareRequested(self, e: Event, p: PrepareRequested) -> None:
-        self.updates.apply(e)
-
-    def on_RankPrepared(self, e: Event, p: RankPrepared) -> None:
-        self.updates.apply(e)
-
-    def on_RankPrepareFailed(self, e: Event, p: RankPrepareFailed) -> None:
-        self.updates.apply(e)
-
-    def on_UpdateCommitted(self, e: Event, p: UpdateCommitted) -> None:
-        self.checked[3] += 1
-        before = self.updates.current(p.version)
-        if before is not None and before.aborted is not None:
-            self.violate(3, f"v{p.version} committed after it was aborted", before.aborted, e)
-        if before is not None and before.committed is not None:
-            self.warn("duplicate", f"v{p.version} committed twice", before.committed, e, invariant=3)
-            return
-        a = self.updates.route(e)
-        assert a is not None
-        staged = a.staged.payload if a.staged is not None else None
-        if isinstance(staged, UpdateStaged) and staged.manifest_digest != p.manifest_digest:
-            self.violate(
-                3,
-                f"v{p.version} committed manifest {p.manifest_digest} but staged {staged.manifest_digest}",
-                a.staged,
-                e,
-            )
-        for r in p.ranks:
-            prep = a.prepared.get(r)
-            if prep is None:
-                self.violate(3, f"v{p.version} committed without RankPrepared from rank {r}", e)
-            elif isinstance(prep.payload, RankPrepared) and prep.payload.manifest_digest != p.manifest_digest:
-                self.violate(
-                    3,
-                    f"v{p.version} committed manifest {p.manifest_digest}, rank {r} prepared "
-                    f"{prep.payload.manifest_digest}",
-                    prep,
-                    e,
-                )
-        for r, failed in sorted(a.prepare_failed.items()):
-            self.violate(3, f"v{p.version} committed although rank {r} failed to prepare", failed, e)
-        if a.requested is not None and isinstance(a.requested.payload, PrepareRequested):
-            left_out = sorted(set(a.requested.payload.ranks) - set(p.ranks))
-            if left_out:
-                self.violate(3, f"v{p.version} committed without requested ranks {left_out}", a.requested, e)
-        UpdateTracker.record(a, e)
-        if self.window is None:
-            self.warn(
-                "malformed", f"v{p.version} committed while admission was not paused for an update", e, invariant=2
-            )
-            self.window = _Window(e, p.version)
-        elif self.window.version is None:
-            self.window.version = p.version
-        self.window.committed = e
-
-    def on_UpdateAborted(self, e: Event, p: UpdateAborted) -> None:
-        self.checked[3] += 1
-        a = self.updates.route(e)
-        assert a is not None
-        if a.committed is not None:
-            self.violate(3, f"v{p.version} aborted after it was committed", a.committed, e)
-        UpdateTracker.record(a, e)
-        for r, st in sorted(self.ranks.items()):
-            if st.version == p.version and st.quarantined is None:
-                self.violate(3, f"v{p.version} aborted but rank {r} is on it", st.event, e)
-        self._close_window(p.version)
-
-    def on_RankCommitted(self, e: Event, p: RankCommitted) -> None:
-        a = self.updates.route(e)
-        assert a is not None
-        if a.aborted is not None:
-            self.violate(3, f"rank {p.rank} committed v{p.version}, which was aborted", a.aborted, e)
-        elif a.committed is None:
-            self.violate(3, f"rank {p.rank} committed v{p.version} before UpdateCommitted", e)
-        elif isinstance(a.committed.payload, UpdateCommitted) and p.rank not in a.committed.payload.ranks:
-            self.warn("malformed", f"rank {p.rank} committed v{p.version} but is not in its commit", a.committed, e)
-        UpdateTracker.record(a, e)
-        st = self.ranks.get(p.rank)
-        invalidations = st.invalidations if st else []
-        self.ranks[p.rank] = _Rank(p.version, p.weights_digest, e, None, invalidations)
-
-    def on_CacheInvalidated(self, e: Event, p: CacheInvalidated) -> None:
-        self.updates.apply(e)
-        st = self.ranks.get(p.rank)
-        if st is None:
-            self.warn("orphan", f"CacheInvalidated for rank {p.rank}, which never joined or committed", e)
-            return
-        st.invalidations.append(e)
-
-    def on_HealthPassed(self, e: Event, p: HealthPassed) -> None:
-        self.updates.apply(e)
-
-    def on_HealthFailed(self, e: Event, p: HealthFailed) -> None:
-        self.updates.apply(e)
-
-    def on_PolicyPublished(self, e: Event, p: PolicyPublished) -> None:
-        self.checked[4] += 1
-        a = self.updates.route(e)
-        assert a is not None
-        if a.aborted is not None:
-            self.violate(3, f"v{p.version} published after it was aborted", a.aborted, e)
-        elif a.committed is None:
-            self.violate(3, f"v{p.version} published without UpdateCommitted", e)
-        for r in p.ranks:
-            if r in a.prepare_failed:
-                self.violate(
-                    4, f"v{p.version} published with rank {r}, which reported a failure", a.prepare_failed[r], e
-                )
-            rc = a.rank_committed.get(r)
-            if rc is None or not isinstance(rc.payload, RankCommitted):
-                self.violate(4, f"v{p.version} published for rank {r}, which never committed it", e)
-                continue
-            if rc.payload.weights_digest != p.weights_digest:
-                self.violate(
-                    4,
-                    f"v{p.version} published with weights {p.weights_digest}, rank {r} committed "
-                    f"{rc.payload.weights_digest}",
-                    rc,
-                    e,
-                )
-            if r in a.health_failed:
-                self.violate(
-                    4, f"v{p.version} published with rank {r}, whose health check failed", a.health_failed[r], e
-                )
-            elif r not in a.health_passed:
-                self.violate(4, f"v{p.version} published with rank {r}, which never passed a health check", e)
-            else:
-                hp = a.health_passed[r].payload
-                if isinstance(hp, HealthPassed) and hp.weights_digest != p.weights_digest:
-                    self.violate(
-                        4,
-                        f"rank {r} passed health on weights {hp.weights_digest}, not {p.weights_digest}",
-                        a.health_passed[r],
-                        e,
-                    )
-            if not a.invalidated.get(r):
-                self.violate(4, f"v{p.version} published but rank {r} never invalidated its cache for it", rc, e)
-        if a.committed is not None and isinstance(a.committed.payload, UpdateCommitted):
-            for r in sorted(set(a.committed.payload.ranks) - set(p.ranks)):
-                st = self.ranks.get(r)
-                if (st is None or st.quarantined is None) and r not in self.quarantined_in.get(p.version, set()):
-                    self.violate(
-                        4,
-                        f"rank {r} committed v{p.version} but was left out of PolicyPublished without quarantine",
-                        a.committed,
-                        e,
-                    )
-        staged = a.staged.payload if a.staged is not None else None
-        if isinstance(staged, UpdateStaged) and staged.weights_digest != p.weights_digest:
-            self.violate(
-                4,
-                f"v{p.version} published weights {p.weights_digest} but the trainer staged {staged.weights_digest}",
-                a.staged,
-                e,
-            )
-        UpdateTracker.record(a, e)
-        if p.version <= self.current_version and p.version in self.version_digest:
-            self.warn("malformed", f"v{p.version} published again (current v{self.current_version})", e)
-        self.published[p.version] = e
-        self.version_digest[p.version] = p.weights_digest
-        self.current_version = max(self.current_version, p.version)
-        self._close_window(p.version)
-
-    # ------------------------------------------------ engine
-    def on_RankJoined(self, e: Event, p: RankJoined) -> None:
-        self.ranks[p.rank] = _Rank(p.policy_version, p.weights_digest, e)
-        known = self.version_digest.get(p.policy_version)
-        if known is not None and known != p.weights_digest:
-            self.violate(
-                4,
-                f"rank {p.rank} joined on v{p.policy_version} with weights {p.weights_digest}, not {known}",
-                self.published.get(p.policy_version) or self.run_started,
-                e,
-            )
-
-    def on_RankQuarantined(self, e: Event, p: RankQuarantined) -> None:
-        # remembered per version: a rank may rejoin (RankJoined) before the version is published without it
-        self.quarantined_in.setdefault(p.version, set()).add(p.rank)
-        st = self.ranks.get(p.rank)
-        if st is None:
-            self.ranks[p.rank] = _Rank(p.version, "", e, quarantined=e)
-        else:
-            st.quarantined = e
-
-    # ------------------------------------------------ end
-    def finish(
-        self, replay_digests: tuple[str, str] | None, snapshot_checks: Sequence[tuple[str, str, str]]
-    ) -> AuditReport:
-        end = self.run_finished
-        for kind, units in (("sample", self.samples), ("group", self.groups)):
-            for uid, unit in units.items():
-                self.checked[7] += 1
-                if unit.terminal is not None:
-                    continue
-                start = unit.start if isinstance(unit, _Unit) else unit.admitted
-                if end is not None:
-                    self.violate(7, f"{kind} {uid} never reached a terminal event before RunFinished", start, end)
-                else:
-                    self.warn("open", f"{kind} {uid} is still in flight (run not finished)", start, invariant=7)
-        for tries in self.updates.attempts.values():
-            a = tries[-1]
-            if a.committed is not None and a.published is None:
-                when = "never published" if end is not None else "not published yet"
-                self.warn("unresolved_update", f"v{a.version} committed but {when}", a.committed, invariant=4)
-            elif not a.resolved and end is not None:
-                first = a.staged or a.requested or next(iter(a.prepared.values()), None)
-                self.warn("unresolved_update", f"v{a.version} neither committed nor aborted by RunFinished", first)
-        if self.run_started is None:
-            self.warn("malformed", "no RunStarted in the log: checked against a default RunConfig", None)
-        if replay_digests is not None:
-            self.checked[8] += 1
-            a_digest, b_digest = replay_digests
-            if a_digest != b_digest:
-                self.violate(8, f"two replays of the log disagree: {a_digest} != {b_digest}", self.last_event)
-        for event_id, stored, replayed in snapshot_checks:
-            self.checked[8] += 1
-            if stored != replayed:
-                self.violations.append(
-                    Violation(8, f"snapshot at {event_id} stored {stored}, replay gives {replayed}", (event_id,))
-                )
-        return AuditReport(
-            violations=tuple(self.violations),
-            warnings=tuple(self.warnings),
-            checked={i: self.checked.get(i, 0) for i in range(1, 9)},
-            events=self.count,
-            run_id=self.run_id,
-            run_finished=end is not None,
+        return
+    ctx.seen[event.event_id] = event
+    # Ids sort by creation time; the log's order is the order of appends. Across producers they legitimately
+    # differ (an event created earlier may be appended later), so only one producer going backwards is odd.
+    last = ctx.max_id_by_producer.get(event.producer, "")
+    if event.event_id < last:
+        ctx.warn(
+            WarningKind.OUT_OF_ORDER,
+            f"{event.type} {event.event_id} from {event.producer} sorts before its earlier {last}",
+            event,
         )
+    else:
+        ctx.max_id_by_producer[event.producer] = event.event_id
+    if ctx.run_started is None and not isinstance(event.payload, RunStarted) and not ctx.warned_no_start:
+        ctx.warned_no_start = True
+        ctx.warn(WarningKind.MALFORMED, f"{event.type} before RunStarted; defaults assumed until it comes", event)
+    if ctx.run_finished is not None:
+        ctx.warn(WarningKind.MALFORMED, f"{event.type} after RunFinished {ctx.run_finished.event_id}", event)
+    if ctx.run_id is not None and event.run_id != ctx.run_id:
+        ctx.warn(WarningKind.MALFORMED, f"{event.type} belongs to run {event.run_id!r}, not {ctx.run_id!r}", event)
+    try:
+        HANDLERS.apply(ctx, event)
+    except Exception as exc:  # noqa: BLE001 - an auditor reports on any log, never crashes on one
+        ctx.warn(WarningKind.INTERNAL, f"could not check {event.type}: {type(exc).__name__}: {exc}", event)
+    ctx.last_event = event
+
+
+def _finish(
+    ctx: Auditor, replay_digests: tuple[str, str] | None, snapshot_checks: Sequence[tuple[str, str, str]]
+) -> AuditReport:
+    end = ctx.run_finished
+    for kind, units in (("sample", ctx.samples), ("group", ctx.groups)):
+        for uid, unit in units.items():
+            ctx.checked[7] += 1
+            if unit.terminal is not None:
+                continue
+            start = unit.start if isinstance(unit, Unit) else unit.admitted
+            if end is not None:
+                ctx.violate(7, f"{kind} {uid} never reached a terminal event before RunFinished", start, end)
+            else:
+                ctx.warn(WarningKind.OPEN, f"{kind} {uid} is still in flight (run not finished)", start, invariant=7)
+    for tries in ctx.updates.attempts.values():
+        a = tries[-1]
+        if a.committed is not None and a.published is None:
+            when = "never published" if end is not None else "not published yet"
+            ctx.warn(WarningKind.UNRESOLVED_UPDATE, f"v{a.version} committed but {when}", a.committed, invariant=4)
+        elif not a.resolved and end is not None:
+            first = a.staged or a.requested or next(iter(a.prepared.values()), None)
+            ctx.warn(WarningKind.UNRESOLVED_UPDATE, f"v{a.version} neither committed nor aborted by RunFinished", first)
+    if ctx.run_started is None:
+        ctx.warn(WarningKind.MALFORMED, "no RunStarted in the log: checked against a default RunConfig", None)
+    if replay_digests is not None:
+        ctx.checked[8] += 1
+        a_digest, b_digest = replay_digests
+        if a_digest != b_digest:
+            ctx.violate(8, f"two replays of the log disagree: {a_digest} != {b_digest}", ctx.last_event)
+    for event_id, stored, replayed in snapshot_checks:
+        ctx.checked[8] += 1
+        if stored != replayed:
+            ctx.violations.append(
+                Violation(8, f"snapshot at {event_id} stored {stored}, replay gives {replayed}", (event_id,))
+            )
+    return AuditReport(
+        violations=tuple(ctx.violations),
+        warnings=tuple(ctx.warnings),
+        checked={i: ctx.checked.get(i, 0) for i in range(1, 9)},
+        events=ctx.count,
+        run_id=ctx.run_id,
+        run_finished=end is not None,
+    )
 
 
 def audit(
@@ -1044,7 +167,7 @@ def audit(
 ) -> AuditReport:
     """Check invariants 1-8 over `events` (log order). `replay_digests`: the state digests of two replays of the
     log; `snapshot_checks`: (snapshot event id, digest stored in the snapshot, digest the replay computed)."""
-    auditor = _Auditor()
+    auditor = Auditor()
     for event in events:
-        auditor.feed(event)
-    return auditor.finish(replay_digests, snapshot_checks)
+        _feed(auditor, event)
+    return _finish(auditor, replay_digests, snapshot_checks)

@@ -12,9 +12,8 @@ ends each unfinished sample with SampleCancelled, so every dispatched sample rea
 
 from __future__ import annotations
 
-from typing import Literal
-
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import GroupOutcome, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import trajectory_nbytes
 from rolledger.workflows.state import GroupState, RunState, SampleState
 
@@ -23,7 +22,7 @@ def decide_groups(state: RunState, now: float) -> list[ev.Payload]:
     """Decisions for every group still admitted/generating."""
     out: list[ev.Payload] = []
     for g in state.groups.values():
-        if g.status not in ("admitted", "generating"):
+        if not g.status.is_open:
             continue
         decision = decide_group(g, now, g.deadline)
         if decision is not None:
@@ -32,28 +31,28 @@ def decide_groups(state: RunState, now: float) -> list[ev.Payload]:
 
 
 def decide_group(g: GroupState, now: float, deadline: float | None) -> ev.Payload | None:
-    finished = [s for s in sorted(g.samples.values(), key=lambda s: s.index) if s.status == "finished"]
-    terminal = sum(1 for s in g.samples.values() if s.status != "started")
+    finished = [s for s in sorted(g.samples.values(), key=lambda s: s.index) if s.status == SampleStatus.FINISHED]
+    terminal = sum(1 for s in g.samples.values() if s.status.is_terminal)
     lost = terminal - len(finished)  # failed or cancelled
     k = g.required
-    if g.policy_kind == "first_k" and len(finished) >= k:
-        return _complete(g, finished[:k], "complete" if k == g.n else "partial")
-    if g.policy_kind == "all" and len(finished) == g.n:
-        return _complete(g, finished, "complete")
-    if g.policy_kind == "at_least" and terminal == g.n and len(finished) >= k:
-        return _complete(g, finished, "complete" if len(finished) == g.n else "partial")
+    if g.policy_kind == PolicyKind.FIRST_K and len(finished) >= k:
+        return _complete(g, finished[:k], GroupOutcome.COMPLETE if k == g.n else GroupOutcome.PARTIAL)
+    if g.policy_kind == PolicyKind.ALL and len(finished) == g.n:
+        return _complete(g, finished, GroupOutcome.COMPLETE)
+    if g.policy_kind == PolicyKind.AT_LEAST and terminal == g.n and len(finished) >= k:
+        return _complete(g, finished, GroupOutcome.COMPLETE if len(finished) == g.n else GroupOutcome.PARTIAL)
     if g.n - lost < k:
         return ev.GroupCancelled(
             group_id=g.group_id, reason=f"only {g.n - lost} of the {k} required samples can finish"
         )
     if deadline is not None and now >= deadline:
-        if len(finished) >= k and g.policy_kind != "all":
-            return _complete(g, finished, "partial")
+        if len(finished) >= k and g.policy_kind != PolicyKind.ALL:
+            return _complete(g, finished, GroupOutcome.PARTIAL)
         return ev.GroupCancelled(group_id=g.group_id, reason=f"deadline passed with {len(finished)} of {k} finished")
     return None
 
 
-def _complete(g: GroupState, accepted: list[SampleState], status: Literal["complete", "partial"]) -> ev.GroupCompleted:
+def _complete(g: GroupState, accepted: list[SampleState], status: GroupOutcome) -> ev.GroupCompleted:
     nbytes = sum(trajectory_nbytes(g.prompt_tokens, s.tokens) for s in accepted)
     return ev.GroupCompleted(
         group_id=g.group_id, accepted=tuple(s.sample_id for s in accepted), status=status, bytes=nbytes

@@ -13,21 +13,22 @@ Every stage is an event with its wall time, so the timeline and the duty-cycle t
 from __future__ import annotations
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason, EngineStatus, RunStatus
 from rolledger.workflows.state import RunState
 
 
 def decide_handoff(state: RunState) -> list[ev.Payload]:
     cfg = state.config
-    if cfg is None or cfg.mode != "colocated" or state.status != "running":
+    if cfg is None or cfg.mode != "colocated" or state.status != RunStatus.RUNNING:
         return []
-    ranks = [r for r in state.ranks.values() if r.status != "quarantined"]
-    if "handoff" not in state.admission.paused:
+    ranks = [r for r in state.ranks.values() if r.status.in_service]
+    if AdmissionReason.HANDOFF not in state.admission.paused:
         ready = len(state.ready_groups()) >= cfg.trainer.groups_per_step
-        idle = state.open_update is None and all(r.status == "awake" for r in ranks)
+        idle = state.open_update is None and all(r.status == EngineStatus.AWAKE for r in ranks)
         if ready and idle and state.trainer.step < cfg.steps:
             return [
                 ev.AdmissionPaused(
-                    reason="handoff",
+                    reason=AdmissionReason.HANDOFF,
                     queued_bytes=state.admission.queued_bytes,
                     lag=state.lag,
                     detail=f"trainer step {state.trainer.step + 1}: engines sleep (level {cfg.sleep_level})",
@@ -35,12 +36,16 @@ def decide_handoff(state: RunState) -> list[ev.Payload]:
             ]
         return []
     trained = state.trainer.step > state.admission.handoff_step
-    if trained and state.open_update is None and all(r.status == "awake" for r in ranks):
-        return [ev.AdmissionResumed(reason="handoff")]
+    if trained and state.open_update is None and all(r.status == EngineStatus.AWAKE for r in ranks):
+        return [ev.AdmissionResumed(reason=AdmissionReason.HANDOFF)]
     return []
 
 
 def engines_asleep(state: RunState) -> bool:
     """The trainer's turn: a handoff is open and every rank in service sleeps."""
-    ranks = [r for r in state.ranks.values() if r.status != "quarantined"]
-    return "handoff" in state.admission.paused and bool(ranks) and all(r.status == "asleep" for r in ranks)
+    ranks = [r for r in state.ranks.values() if r.status.in_service]
+    return (
+        AdmissionReason.HANDOFF in state.admission.paused
+        and bool(ranks)
+        and all(r.status == EngineStatus.ASLEEP for r in ranks)
+    )

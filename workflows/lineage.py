@@ -8,15 +8,14 @@ version -> the rank that generated it (its committed weights digest, the CacheIn
 and graph generations, its health check) -> the reward (SampleScored) -> the trainer step that consumed it
 (BatchConsumed, its lag, TrainStepFinished) or the drop that refused it.
 
-No Redis, no I/O. `Lineage.to_json()` for machines, `Lineage.render()` for people (a tree).
+No Redis, no I/O. Two folds of the log (workflows.dispatch registries): the whole log for the trajectory's facts, and
+the log up to its start for its rank's. The result's model and rendering are in lineage_model.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from rolledger.schemas.events import (
     BatchConsumed,
@@ -40,206 +39,22 @@ from rolledger.schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
-from rolledger.workflows.audit import UpdateTracker
-
-
-@dataclass(frozen=True)
-class SampleLink:
-    sample_id: str
-    started_event_id: str | None
-    finished_event_id: str
-    rank: int
-    policy_version: int
-    weights_digest: str
-    finish_reason: str
-    prompt_tokens: int
-    generated_tokens: int
-    gen_ms: float
-
-
-@dataclass(frozen=True)
-class GroupLink:
-    group_id: str
-    prompt_id: str
-    admitted_event_id: str | None
-    n: int | None
-    partial_policy: dict[str, Any] | None
-    queued_bytes_at_admission: int | None
-    outcome: str  # complete | partial | cancelled | open
-    outcome_event_id: str | None
-    accepted: bool  # this trajectory is among the group's accepted samples
-
-
-@dataclass(frozen=True)
-class PreparedRank:
-    rank: int
-    event_id: str
-    manifest_digest: str
-    staged_digest: str
-
-
-@dataclass(frozen=True)
-class AbortedAttempt:
-    version: int
-    event_id: str
-    reason: str
-    failed_ranks: tuple[int, ...]
-    manifest_digest: str | None
-
-
-@dataclass(frozen=True)
-class PolicyLink:
-    """Where the weights of one policy version came from."""
-
-    version: int
-    source: str  # "initial" | "update" | "unknown"
-    weights_digest: str | None
-    run_started_event_id: str | None = None  # version 0
-    staged_event_id: str | None = None
-    base_version: int | None = None
-    manifest_digest: str | None = None
-    uri: str | None = None
-    bytes: int | None = None
-    prepared: tuple[PreparedRank, ...] = ()
-    committed_event_id: str | None = None
-    committed_ranks: tuple[int, ...] = ()
-    fence: int | None = None
-    published_event_id: str | None = None
-    published_ranks: tuple[int, ...] = ()
-    aborted_attempts: tuple[AbortedAttempt, ...] = ()
-
-
-@dataclass(frozen=True)
-class RankLink:
-    """The rank that generated the trajectory, as the log knew it when the sample started."""
-
-    rank: int
-    engine: str
-    weights_digest: str
-    rank_weights_event_id: str | None  # the RankCommitted / RankJoined that put these weights on the rank
-    rank_weights_digest: str | None
-    cache_generation: int
-    cache_event_id: str | None  # the CacheInvalidated that created this generation
-    graph_generation: int
-    graph_event_id: str | None
-    health_event_id: str | None
-
-
-@dataclass(frozen=True)
-class RewardLink:
-    event_id: str
-    reward: float
-    correct: bool
-
-
-@dataclass(frozen=True)
-class ConsumptionLink:
-    event_id: str
-    step: int
-    lag: int | None
-    recorded_version: int | None
-    train_step_event_id: str | None
-    loss: float | None
-
-
-@dataclass(frozen=True)
-class DropLink:
-    event_id: str
-    reason: str
-    lag: int
-
-
-@dataclass(frozen=True)
-class Lineage:
-    trajectory_id: str
-    run_id: str
-    sample: SampleLink
-    group: GroupLink
-    sampling: dict[str, Any]
-    sampling_matches_group: bool | None
-    versions: tuple[int, ...]  # every version that produced a token, oldest first
-    spans: tuple[dict[str, Any], ...]
-    policies: tuple[PolicyLink, ...]  # one per version in `versions`
-    rank: RankLink
-    reward: RewardLink | None
-    consumed: ConsumptionLink | None
-    dropped: DropLink | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def render(self) -> str:
-        """A tree, one fact per line, each with the event id that proves it."""
-        s, g, r = self.sample, self.group, self.rank
-        out = [f"trajectory {self.trajectory_id} (run {self.run_id})"]
-
-        def node(depth: int, text: str) -> None:
-            out.append("  " * depth + "- " + text)
-
-        node(
-            0,
-            f"sample {s.sample_id}: started {s.started_event_id or '?'}, finished {s.finished_event_id} "
-            f"({s.finish_reason}, {s.prompt_tokens} prompt + {s.generated_tokens} generated tokens, {s.gen_ms:.1f} ms)",
-        )
-        node(
-            0,
-            f"group {g.group_id} (prompt {g.prompt_id}): admitted {g.admitted_event_id or '?'} n={g.n} "
-            f"queued_bytes={g.queued_bytes_at_admission}; {g.outcome} {g.outcome_event_id or ''}".rstrip()
-            + ("" if g.accepted else " - NOT accepted"),
-        )
-        if g.partial_policy is not None:
-            node(1, f"partial policy {g.partial_policy}")
-        note = "" if self.sampling_matches_group in (None, True) else " (DIFFERS from the group's)"
-        node(0, "sampling " + ", ".join(f"{k}={v}" for k, v in self.sampling.items()) + note)
-        node(0, f"policy version{'s' if len(self.versions) > 1 else ''} {', '.join(f'v{v}' for v in self.versions)}")
-        for sp in self.spans:
-            node(1, f"tokens [{sp['start']},{sp['end']}) by v{sp['policy_version']} ({sp['weights_digest']})")
-        for p in self.policies:
-            if p.source == "initial":
-                node(1, f"v{p.version}: initial weights {p.weights_digest} (RunStarted {p.run_started_event_id})")
-            elif p.source == "unknown":
-                node(1, f"v{p.version}: no update in the log published this version")
-            else:
-                node(1, f"v{p.version}: weights {p.weights_digest}")
-                node(
-                    2,
-                    f"staged {p.staged_event_id or '?'}: manifest {p.manifest_digest} at {p.uri} "
-                    f"({p.bytes} bytes, base v{p.base_version})",
-                )
-                for pr in p.prepared:
-                    node(
-                        2,
-                        f"rank {pr.rank} prepared {pr.event_id} (manifest {pr.manifest_digest}, staged {pr.staged_digest})",
-                    )
-                node(2, f"committed {p.committed_event_id or '?'} on ranks {list(p.committed_ranks)} (fence {p.fence})")
-                node(2, f"published {p.published_event_id or '?'} on ranks {list(p.published_ranks)}")
-            for a in p.aborted_attempts:
-                node(
-                    2,
-                    f"before it: update to v{a.version} aborted {a.event_id}: {a.reason} "
-                    f"(failed ranks {list(a.failed_ranks)})",
-                )
-        node(0, f"rank {r.rank} ({r.engine}): weights {r.weights_digest}")
-        node(1, f"rank weights from {r.rank_weights_event_id or '?'} ({r.rank_weights_digest})")
-        node(1, f"cache generation {r.cache_generation} from {r.cache_event_id or 'start'}")
-        node(1, f"graph generation {r.graph_generation} from {r.graph_event_id or 'start'}")
-        node(1, f"health {r.health_event_id or '?'}")
-        if self.reward is not None:
-            node(0, f"reward {self.reward.reward} (correct={self.reward.correct}) {self.reward.event_id}")
-        else:
-            node(0, "reward: not scored")
-        if self.consumed is not None:
-            c = self.consumed
-            loss = f", loss {c.loss:.4f} {c.train_step_event_id}" if c.loss is not None else ""
-            node(0, f"consumed at trainer step {c.step} with lag {c.lag} {c.event_id}{loss}")
-        elif self.dropped is not None:
-            node(0, f"dropped ({self.dropped.reason}, lag {self.dropped.lag}) {self.dropped.event_id}")
-        else:
-            node(0, "not consumed (yet)")
-        return "\n".join(out)
+from rolledger.workflows.audit_attempts import UpdateTracker
+from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.lineage_model import (
+    AbortedAttempt,
+    ConsumptionLink,
+    DropLink,
+    GroupFate,
+    GroupLink,
+    Lineage,
+    PolicyLink,
+    PolicySource,
+    PreparedRank,
+    RankLink,
+    RewardLink,
+    SampleLink,
+)
 
 
 def _policy_link(version: int, tracker: UpdateTracker, run_started: Event | None) -> PolicyLink:
@@ -267,7 +82,7 @@ def _policy_link(version: int, tracker: UpdateTracker, run_started: Event | None
         rs = run_started.payload if run_started is not None else None
         return PolicyLink(
             0,
-            "initial",
+            PolicySource.INITIAL,
             rs.initial_weights_digest if isinstance(rs, RunStarted) else None,
             run_started_event_id=run_started.event_id if run_started is not None else None,
             aborted_attempts=aborted,
@@ -275,7 +90,7 @@ def _policy_link(version: int, tracker: UpdateTracker, run_started: Event | None
     published = [a for a in attempts if a.published is not None and a.aborted is None]
     chosen = published[-1] if published else next((a for a in reversed(attempts) if a.committed is not None), None)
     if chosen is None:
-        return PolicyLink(version, "unknown", None, aborted_attempts=aborted)
+        return PolicyLink(version, PolicySource.UNKNOWN, None, aborted_attempts=aborted)
     st = chosen.staged.payload if chosen.staged is not None else None
     cm = chosen.committed.payload if chosen.committed is not None else None
     pb = chosen.published.payload if chosen.published is not None else None
@@ -292,7 +107,7 @@ def _policy_link(version: int, tracker: UpdateTracker, run_started: Event | None
     )
     return PolicyLink(
         version=version,
-        source="update",
+        source=PolicySource.UPDATE,
         weights_digest=weights,
         staged_event_id=chosen.staged.event_id if chosen.staged is not None else None,
         base_version=st.base_version if isinstance(st, UpdateStaged) else None,
@@ -307,6 +122,127 @@ def _policy_link(version: int, tracker: UpdateTracker, run_started: Event | None
         published_ranks=pb.ranks if isinstance(pb, PolicyPublished) else (),
         aborted_attempts=aborted,
     )
+
+
+# ---------------------------------------------------------------- the fold over the whole log
+@dataclass
+class _Scan:
+    """What the log says about one trajectory: its start, group, reward, consumption or drop."""
+
+    trajectory_id: str
+    group_id: str
+    finished_at: int  # position of its SampleFinished
+    i: int = 0  # position of the event being folded
+    cut: int = 0  # position of its SampleStarted (or SampleFinished): rank facts are those known then
+    run_started: Event | None = None
+    start: Event | None = None
+    admitted: Event | None = None
+    outcome: Event | None = None
+    reward: Event | None = None
+    consumed: Event | None = None
+    dropped: Event | None = None
+    train_step: Event | None = None
+
+
+_SCAN: Handlers[_Scan, None] = Handlers("lineage")
+
+
+@_SCAN.on(RunStarted)
+def _run_started(s: _Scan, e: Event, p: RunStarted) -> None:
+    if s.run_started is None:
+        s.run_started = e
+
+
+@_SCAN.on(SampleStarted)
+def _sample_started(s: _Scan, e: Event, p: SampleStarted) -> None:
+    if p.sample_id == s.trajectory_id and s.i < s.finished_at:
+        s.start, s.cut = e, s.i
+
+
+@_SCAN.on(GroupAdmitted)
+def _group_admitted(s: _Scan, e: Event, p: GroupAdmitted) -> None:
+    if p.group_id == s.group_id and s.admitted is None:
+        s.admitted = e
+
+
+def _group_outcome(s: _Scan, e: Event, p: GroupCompleted | GroupCancelled) -> None:
+    if p.group_id == s.group_id:
+        s.outcome = e
+
+
+_SCAN.on(GroupCompleted)(_group_outcome)
+_SCAN.on(GroupCancelled)(_group_outcome)
+
+
+@_SCAN.on(SampleScored)
+def _sample_scored(s: _Scan, e: Event, p: SampleScored) -> None:
+    if p.sample_id == s.trajectory_id and s.reward is None:
+        s.reward = e
+
+
+@_SCAN.on(BatchConsumed)
+def _batch_consumed(s: _Scan, e: Event, p: BatchConsumed) -> None:
+    if s.trajectory_id in p.trajectory_ids and s.consumed is None:
+        s.consumed = e
+
+
+@_SCAN.on(TrainStepFinished)
+def _train_step(s: _Scan, e: Event, p: TrainStepFinished) -> None:
+    if s.consumed is not None and s.train_step is None:
+        assert isinstance(s.consumed.payload, BatchConsumed)
+        if p.step == s.consumed.payload.step:
+            s.train_step = e
+
+
+@_SCAN.on(TrajectoryDropped)
+def _dropped(s: _Scan, e: Event, p: TrajectoryDropped) -> None:
+    if s.trajectory_id in p.trajectory_ids and s.dropped is None:
+        s.dropped = e
+
+
+# ---------------------------------------------------------------- the fold up to the sample's start: its rank
+@dataclass
+class _RankFacts:
+    """The generating rank as the log knew it when the sample started."""
+
+    rank: int
+    policy_version: int
+    cache_generation: int
+    graph_generation: int
+    weights: Event | None = None  # newest RankCommitted/RankJoined of the rank
+    cache: Event | None = None  # the CacheInvalidated that made its cache generation
+    graph: Event | None = None
+    health: Event | None = None
+
+
+_RANK_FACTS: Handlers[_RankFacts, None] = Handlers("lineage: rank")
+
+
+def _rank_weights(r: _RankFacts, e: Event, p: RankCommitted | RankJoined) -> None:
+    if p.rank == r.rank:
+        r.weights = e
+        if isinstance(p, RankJoined):  # a rejoined rank starts its generations afresh
+            r.cache = r.graph = None
+
+
+_RANK_FACTS.on(RankCommitted)(_rank_weights)
+_RANK_FACTS.on(RankJoined)(_rank_weights)
+
+
+@_RANK_FACTS.on(CacheInvalidated)
+def _cache_invalidated(r: _RankFacts, e: Event, p: CacheInvalidated) -> None:
+    if p.rank != r.rank:
+        return
+    if p.kind.is_token_cache and p.generation == r.cache_generation:
+        r.cache = e
+    elif p.kind.is_graph and p.generation == r.graph_generation:
+        r.graph = e
+
+
+@_RANK_FACTS.on(HealthPassed)
+def _health_passed(r: _RankFacts, e: Event, p: HealthPassed) -> None:
+    if p.rank == r.rank and p.version == r.policy_version:
+        r.health = e
 
 
 def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
@@ -335,69 +271,30 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
     t = fin.payload.trajectory
     gid = t.group_id
 
-    run_started: Event | None = None
-    start: Event | None = None
-    admitted: Event | None = None
-    outcome: Event | None = None
-    reward: Event | None = None
-    consumed: Event | None = None
-    dropped: Event | None = None
-    train_step: Event | None = None
+    scan = _Scan(trajectory_id, gid, finished_at, cut=finished_at)
     tracker = UpdateTracker()
-    rank_weights: Event | None = None  # newest RankCommitted/RankJoined of t.rank before the sample started
-    cache_event: Event | None = None
-    graph_event: Event | None = None
-    health: Event | None = None
-    cut = finished_at  # rank facts are those known when the sample was generated
-
     for i, e in enumerate(log):
-        p = e.payload
+        scan.i = i
         tracker.apply(e)
-        if isinstance(p, RunStarted) and run_started is None:
-            run_started = e
-        elif isinstance(p, SampleStarted) and p.sample_id == trajectory_id and i < finished_at:
-            start, cut = e, i
-        elif isinstance(p, GroupAdmitted) and p.group_id == gid and admitted is None:
-            admitted = e
-        elif isinstance(p, (GroupCompleted, GroupCancelled)) and p.group_id == gid:
-            outcome = e
-        elif isinstance(p, SampleScored) and p.sample_id == trajectory_id and reward is None:
-            reward = e
-        elif isinstance(p, BatchConsumed) and trajectory_id in p.trajectory_ids and consumed is None:
-            consumed = e
-        elif isinstance(p, TrainStepFinished) and consumed is not None and train_step is None:
-            assert isinstance(consumed.payload, BatchConsumed)
-            if p.step == consumed.payload.step:
-                train_step = e
-        elif isinstance(p, TrajectoryDropped) and trajectory_id in p.trajectory_ids and dropped is None:
-            dropped = e
-
-    for e in log[: cut + 1]:  # the rank's state when generation began
-        p = e.payload
-        if isinstance(p, (RankCommitted, RankJoined)) and p.rank == t.rank:
-            rank_weights = e
-            if isinstance(p, RankJoined):
-                cache_event = graph_event = None
-        elif isinstance(p, CacheInvalidated) and p.rank == t.rank:
-            if p.kind in ("prefix", "kv") and p.generation == t.cache_generation:
-                cache_event = e
-            elif p.kind == "graph" and p.generation == t.graph_generation:
-                graph_event = e
-        elif isinstance(p, HealthPassed) and p.rank == t.rank and p.version == t.policy_version:
-            health = e
+        _SCAN.apply(scan, e)
+    facts = _RankFacts(t.rank, t.policy_version, t.cache_generation, t.graph_generation)
+    for e in log[: scan.cut + 1]:  # the rank's state when generation began
+        _RANK_FACTS.apply(facts, e)
+    run_started, start, admitted, outcome = scan.run_started, scan.start, scan.admitted, scan.outcome
+    reward, consumed, dropped, train_step = scan.reward, scan.consumed, scan.dropped, scan.train_step
+    rank_weights, cache_event, graph_event, health = facts.weights, facts.cache, facts.graph, facts.health
 
     versions = tuple(sorted(t.versions | {t.policy_version}))
     policies = tuple(_policy_link(v, tracker, run_started) for v in versions)
 
     adm = admitted.payload if admitted is not None else None
     out_p = outcome.payload if outcome is not None else None
-    outcome_name: str
     if isinstance(out_p, GroupCompleted):
-        outcome_name, accepted = out_p.status, trajectory_id in out_p.accepted
+        outcome_name, accepted = GroupFate(out_p.status), trajectory_id in out_p.accepted
     elif isinstance(out_p, GroupCancelled):
-        outcome_name, accepted = "cancelled", False
+        outcome_name, accepted = GroupFate.CANCELLED, False
     else:
-        outcome_name, accepted = "open", False
+        outcome_name, accepted = GroupFate.OPEN, False
     rw = rank_weights.payload if rank_weights is not None else None
     cp = consumed.payload if consumed is not None else None
     lag = version = None

@@ -33,7 +33,7 @@ def order_candidates(candidates: Sequence[PromptItem], policy: Literal["fifo", "
 
 def remaining_tokens(group: GroupState, est_completion_tokens: int) -> int:
     """Estimated tokens a group still has to generate: unfinished samples times the per-sample estimate."""
-    if group.status not in ("admitted", "generating"):
+    if not group.status.is_open:
         return 0
-    done = sum(1 for s in group.samples.values() if s.status != "started")
+    done = sum(1 for s in group.samples.values() if s.status.is_terminal)
     return max(group.n - done, 0) * est_completion_tokens

@@ -16,7 +16,17 @@ import xxhash
 from pydantic import TypeAdapter
 
 from rolledger.schemas.config import RunConfig
-from rolledger.schemas.statuses import EngineStatus, GroupStatus, RunStatus, SampleStatus, UpdateStatus
+from rolledger.schemas.statuses import (
+    AdmissionReason,
+    EngineStatus,
+    GroupStatus,
+    LogprobMode,
+    PolicyKind,
+    RunStatus,
+    SampleStatus,
+    UpdateStatus,
+    WakeTag,
+)
 
 
 @dataclass(slots=True)
@@ -38,7 +48,7 @@ class GroupState:
     prompt_id: str
     n: int
     required: int
-    policy_kind: str
+    policy_kind: PolicyKind
     admitted_event: str
     admitted_version: int
     est_remaining_tokens: int
@@ -55,7 +65,7 @@ class GroupState:
 
     @property
     def finished(self) -> int:
-        return sum(1 for s in self.samples.values() if s.status == "finished")
+        return sum(1 for s in self.samples.values() if s.status == SampleStatus.FINISHED)
 
     @property
     def untrained(self) -> bool:
@@ -108,15 +118,15 @@ class RankState:
     cache_generation: int = 0
     graph_generation: int = 0
     sleep_level: int = 0
-    woke: list[str] = field(default_factory=list)
+    woke: list[WakeTag] = field(default_factory=list)  # what an EngineWoke restored since the rank slept
     sleep_levels: list[int] = field(default_factory=list)
-    logprob_mode: str = "raw"
+    logprob_mode: LogprobMode = LogprobMode.RAW
     groups_generated: int = 0
 
 
 @dataclass(slots=True)
 class AdmissionState:
-    paused: list[str] = field(default_factory=list)  # reasons currently holding admission closed
+    paused: list[AdmissionReason] = field(default_factory=list)  # reasons currently holding admission closed
     queued_bytes: int = 0  # bytes of completed, untrained groups
     max_queued_bytes: int = 0  # high-water mark
     admitted: int = 0
@@ -184,7 +194,7 @@ class RunState:
 
     def ready_groups(self) -> list[GroupState]:
         """Groups completed (and scored) but not yet consumed, oldest first."""
-        return [g for g in self.groups.values() if g.status == "scored"]
+        return [g for g in self.groups.values() if g.status == GroupStatus.SCORED]
 
     def to_dict(self) -> dict[str, Any]:
         return _ADAPTER.dump_python(self, mode="json")  # type: ignore[no-any-return]

@@ -1,13 +1,18 @@
-"""The run summary (`runs/<run-id>/summary.json`), computed from the rebuilt state and the log: pure."""
+"""The run summary (`runs/<run-id>/summary.json`), computed from the rebuilt state and the log: pure.
+
+Two folds of the log, each a workflows.dispatch registry: the queue of completed-but-untrained groups over time
+(Little's law, `queue_dynamics`), and the finished samples with their generation time per rank (`summarize`)."""
 
 from __future__ import annotations
 
 import itertools
 import statistics
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import RunStatus, UpdateStatus
+from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.state import RunState
 
 EDGE_STEPS = 5  # reward_first / reward_last average this many steps
@@ -16,7 +21,7 @@ EDGE_STEPS = 5  # reward_first / reward_last average this many steps
 @dataclass(frozen=True)
 class Summary:
     run_id: str
-    status: str
+    status: RunStatus
     steps: int
     policy_version: int
     events: int
@@ -41,6 +46,63 @@ class Summary:
         return asdict(self)
 
 
+@dataclass
+class _Queue:
+    """queue_dynamics' fold: the queue of completed-but-untrained groups over time."""
+
+    last_t: float
+    completed_at: dict[str, float] = field(default_factory=dict)
+    waits: list[float] = field(default_factory=list)
+    queue: int = 0
+    area: float = 0.0  # integral of the queue length over time
+    max_queue: int = 0
+    consumed: int = 0
+    completed_total: int = 0
+    publishes: list[float] = field(default_factory=list)
+
+    def step(self, t: float, delta: int) -> None:
+        self.area += self.queue * (t - self.last_t)
+        self.last_t, self.queue = t, self.queue + delta
+        self.max_queue = max(self.max_queue, self.queue)
+
+    def left(self, group_id: str, t: float) -> None:
+        """A completed group left the queue (consumed, dropped or cancelled)."""
+        if group_id in self.completed_at:
+            self.waits.append(t - self.completed_at.pop(group_id))
+            self.step(t, -1)
+
+
+_QUEUE: Handlers[_Queue, None] = Handlers("summary: queue dynamics")
+
+
+@_QUEUE.on(ev.GroupCompleted)
+def _q_completed(q: _Queue, e: ev.Event, p: ev.GroupCompleted) -> None:
+    q.completed_total += 1
+    q.completed_at[p.group_id] = e.wall_time
+    q.step(e.wall_time, +1)
+
+
+@_QUEUE.on(ev.BatchConsumed)
+def _q_consumed(q: _Queue, e: ev.Event, p: ev.BatchConsumed) -> None:
+    for gid in p.group_ids:
+        if gid in q.completed_at:
+            q.consumed += 1
+            q.left(gid, e.wall_time)
+
+
+def _q_withdrawn(q: _Queue, e: ev.Event, p: ev.TrajectoryDropped | ev.GroupCancelled) -> None:
+    q.left(p.group_id, e.wall_time)
+
+
+_QUEUE.on(ev.TrajectoryDropped)(_q_withdrawn)
+_QUEUE.on(ev.GroupCancelled)(_q_withdrawn)
+
+
+@_QUEUE.on(ev.PolicyPublished)
+def _q_published(q: _Queue, e: ev.Event, p: ev.PolicyPublished) -> None:
+    q.publishes.append(e.wall_time)
+
+
 def queue_dynamics(events: list[ev.Event]) -> dict[str, float]:
     """Little's law on the queue of completed-but-untrained groups, measured from the log.
 
@@ -53,67 +115,55 @@ def queue_dynamics(events: list[ev.Event]) -> dict[str, float]:
         return {}
     t0, t1 = events[0].wall_time, events[-1].wall_time
     span = max(t1 - t0, 1e-9)
-    completed_at: dict[str, float] = {}
-    waits: list[float] = []
-    queue, area, last_t, max_queue = 0, 0.0, t0, 0
-    consumed = completed_total = 0
-    publishes: list[float] = []
-
-    def step_queue(t: float, delta: int) -> None:
-        nonlocal queue, area, last_t, max_queue
-        area += queue * (t - last_t)
-        last_t, queue = t, queue + delta
-        max_queue = max(max_queue, queue)
-
+    q = _Queue(last_t=t0)
     for e in events:
-        p = e.payload
-        if isinstance(p, ev.GroupCompleted):
-            completed_total += 1
-            completed_at[p.group_id] = e.wall_time
-            step_queue(e.wall_time, +1)
-        elif isinstance(p, ev.BatchConsumed):
-            for gid in p.group_ids:
-                if gid in completed_at:
-                    waits.append(e.wall_time - completed_at.pop(gid))
-                    consumed += 1
-                    step_queue(e.wall_time, -1)
-        elif isinstance(p, (ev.TrajectoryDropped, ev.GroupCancelled)) and p.group_id in completed_at:
-            waits.append(e.wall_time - completed_at.pop(p.group_id))
-            step_queue(e.wall_time, -1)
-        elif isinstance(p, ev.PolicyPublished):
-            publishes.append(e.wall_time)
-    step_queue(t1, 0)
-    arrival = completed_total / span
-    mean_wait = statistics.fmean(waits) if waits else 0.0
+        _QUEUE.apply(q, e)
+    q.step(t1, 0)
+    arrival = q.completed_total / span
+    mean_wait = statistics.fmean(q.waits) if q.waits else 0.0
+    publishes = q.publishes
     period = statistics.fmean(b - a for a, b in itertools.pairwise(publishes)) if len(publishes) > 1 else span
-    drain = consumed / span
+    drain = q.consumed / span
     surplus = arrival - drain
     return {
         "arrival_rate_groups_s": arrival,
         "drain_rate_groups_s": drain,
         "mean_wait_s": mean_wait,
         "littles_L_groups": arrival * mean_wait,
-        "measured_queue_groups": area / span,
-        "max_queue_groups": float(max_queue),
+        "measured_queue_groups": q.area / span,
+        "max_queue_groups": float(q.max_queue),
         "update_period_s": period,
         "surplus_rate_groups_s": surplus,
         "surplus_x_period_groups": max(surplus, 0.0) * period,
     }
 
 
+@dataclass
+class _Generation:
+    """summarize's fold over the log: finished samples, and each group's generate-call duration per rank."""
+
+    trajectories: int = 0
+    group_ms: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, group) -> its generate call
+
+
+_GENERATION: Handlers[_Generation, None] = Handlers("summary: generation")
+
+
+@_GENERATION.on(ev.SampleFinished)
+def _sample_finished(g: _Generation, e: ev.Event, p: ev.SampleFinished) -> None:
+    g.trajectories += 1
+    key = (p.trajectory.rank, p.trajectory.group_id)
+    # one generate call per group; samples stream out as they end, so the call lasted as long as the last one
+    g.group_ms[key] = max(g.group_ms.get(key, 0.0), p.gen_ms)
+
+
 def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
-    group_ms: dict[tuple[int, str], float] = {}  # (rank, group) -> its generate call's duration
-    trajectories = 0
     events = list(events)
+    gen = _Generation()
     for e in events:
-        p = e.payload
-        if isinstance(p, ev.SampleFinished):
-            trajectories += 1
-            key = (p.trajectory.rank, p.trajectory.group_id)
-            # one generate call per group; samples stream out as they end, so the call lasted as long as the last one
-            group_ms[key] = max(group_ms.get(key, 0.0), p.gen_ms)
+        _GENERATION.apply(gen, e)
     gen_ms_by_rank: dict[int, float] = {}
-    for (rank, _), ms in group_ms.items():
+    for (rank, _), ms in gen.group_ms.items():
         gen_ms_by_rank[rank] = gen_ms_by_rank.get(rank, 0.0) + ms
     wall = max(state.last_wall_time - state.first_wall_time, 1e-9)
     ranks = state.ranks or {}
@@ -125,13 +175,13 @@ def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
         steps=state.trainer.step,
         policy_version=state.policy_version,
         events=state.events_applied,
-        trajectories=trajectories,
+        trajectories=gen.trajectories,
         reward_first=statistics.fmean(rewards[:EDGE_STEPS]) if rewards else 0.0,
         reward_last=statistics.fmean(rewards[-EDGE_STEPS:]) if rewards else 0.0,
         max_lag=state.trainer.max_lag,
         max_queued_bytes=state.admission.max_queued_bytes,
-        updates_committed=sum(1 for u in state.updates.values() if u.status not in ("staged", "preparing", "aborted")),
-        updates_aborted=sum(1 for u in state.updates.values() if u.status == "aborted"),
+        updates_committed=sum(1 for u in state.updates.values() if u.status.is_decided_commit),
+        updates_aborted=sum(1 for u in state.updates.values() if u.status == UpdateStatus.ABORTED),
         handoff_tax=1.0 - statistics.fmean(busy),
         logprob_agreement=statistics.median(state.trainer.logprob_gaps) if state.trainer.logprob_gaps else 0.0,
         agreement_steps=len(state.trainer.logprob_gaps),

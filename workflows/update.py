@@ -16,12 +16,13 @@ commits it; a transaction whose commit is logged is rolled forward by whoever ho
 from __future__ import annotations
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason, UpdateStatus
 from rolledger.workflows.state import RunState, UpdateState
 
 
 def in_service(state: RunState) -> tuple[int, ...]:
     """Ranks that take part in updates: joined and not quarantined."""
-    return tuple(sorted(r.rank for r in state.ranks.values() if r.status != "quarantined"))
+    return tuple(sorted(r.rank for r in state.ranks.values() if r.status.in_service))
 
 
 def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
@@ -31,9 +32,11 @@ def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
     out: list[ev.Payload] = []
     open_updates = sorted(v for v, u in state.updates.items() if u.open)
     for v in open_updates[:-1]:  # a newer version was staged: the older transaction can no longer win
-        if state.updates[v].status in ("staged", "preparing"):
+        if state.updates[v].status.is_undecided:
             out.append(ev.UpdateAborted(version=v, reason=f"superseded by v{open_updates[-1]}", fence=fence))
-    if "update" in state.admission.paused and (not open_updates or not state.updates[open_updates[-1]].paused_at):
+    if AdmissionReason.UPDATE in state.admission.paused and (
+        not open_updates or not state.updates[open_updates[-1]].paused_at
+    ):
         # that pause belonged to a transaction already closed: the open one pauses (and times its drain) itself
         out.append(ev.AdmissionResumed(reason="update"))
         return out
@@ -41,7 +44,7 @@ def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
         out.extend(_decide_one(state, state.updates[open_updates[-1]], now, fence))
     else:  # a live rank behind the published version (it rejoined on an older one) is sent to reload it
         for r in sorted(state.ranks.values(), key=lambda r: r.rank):
-            if r.status != "quarantined" and r.committed_version != state.policy_version:
+            if r.status.in_service and r.committed_version != state.policy_version:
                 out.append(
                     ev.RankQuarantined(
                         rank=r.rank,
@@ -56,7 +59,7 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
     cfg = state.config
     assert cfg is not None
     up = cfg.update
-    if u.status == "staged":
+    if u.status == UpdateStatus.STAGED:
         ranks = in_service(state)
         if not ranks:
             return [ev.UpdateAborted(version=u.version, reason="no rank in service", fence=fence)]
@@ -69,7 +72,7 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
                 fence=fence,
             )
         ]
-    if u.status == "preparing":
+    if u.status == UpdateStatus.PREPARING:
         if (
             u.fence != fence
         ):  # a coordinator that died mid-transaction: no decision was logged, so abort at its deadline
@@ -97,7 +100,7 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
                     )
                 ]
             return []
-        if "update" not in state.admission.paused:
+        if AdmissionReason.UPDATE not in state.admission.paused:
             return [
                 ev.AdmissionPaused(
                     reason="update",
@@ -106,7 +109,7 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
                     detail=f"committing v{u.version}",
                 )
             ]
-        drained = all(state.ranks[r].status in ("paused", "asleep") for r in u.ranks if r in state.ranks)
+        drained = all(state.ranks[r].status.is_stopped for r in u.ranks if r in state.ranks)
         if drained:
             return [
                 ev.UpdateCommitted(

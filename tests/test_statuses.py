@@ -1,0 +1,203 @@
+"""Closed statuses and the one dispatch style: wire values unchanged, predicates equal to the sets they replaced,
+state digests unchanged for a fixed log, and the dispatch registry's rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from logbuilder import LogBuilder
+
+from rolledger.events.codec import decode, encode
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import PartialPolicy, RunConfig
+from rolledger.schemas.statuses import (
+    AdmissionReason,
+    CacheKind,
+    DrainMode,
+    DropReason,
+    EngineStatus,
+    GroupOutcome,
+    GroupStatus,
+    LogprobMode,
+    PolicyKind,
+    PreparePhase,
+    RunStatus,
+    SampleStatus,
+    UpdateStatus,
+    WakeTag,
+)
+from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.reducer import HANDLERS, replay
+from rolledger.workflows.state import RunState
+
+# ---------------------------------------------------------------- wire values
+WIRE = {
+    RunStatus: ["pending", "running", "completed", "failed", "aborted"],
+    GroupStatus: ["admitted", "generating", "complete", "partial", "cancelled", "scored", "consumed", "dropped"],
+    SampleStatus: ["started", "finished", "failed", "cancelled"],
+    UpdateStatus: ["staged", "preparing", "committed", "aborted", "invalidated", "healthy", "published"],
+    EngineStatus: ["awake", "paused", "asleep", "quarantined"],
+    AdmissionReason: ["bytes", "lag", "update", "handoff", "manual", "rate"],
+    DrainMode: ["abort", "wait", "keep"],
+    PreparePhase: ["prepare", "transfer", "commit"],
+    CacheKind: ["prefix", "kv", "graph", "encoder"],
+    DropReason: ["lag", "mixed_versions", "quarantined_rank"],
+    GroupOutcome: ["complete", "partial"],
+    WakeTag: ["weights", "kv_cache"],
+    LogprobMode: ["raw", "processed"],
+    PolicyKind: ["all", "at_least", "first_k"],
+}
+
+
+@pytest.mark.parametrize("enum", list(WIRE), ids=lambda e: e.__name__)
+def test_every_member_is_its_wire_string(enum: type) -> None:
+    assert [m.value for m in enum] == WIRE[enum]
+    for m in enum:
+        assert m == m.value and f"{m}" == m.value and json.dumps(m) == json.dumps(m.value)
+
+
+def test_predicates_are_the_sets_they_replaced() -> None:
+    def having(enum: type, pred: str) -> set[str]:
+        return {m.value for m in enum if getattr(m, pred)}
+
+    assert having(RunStatus, "is_terminal") == {"completed", "failed", "aborted"}
+    assert having(GroupStatus, "is_open") == {"admitted", "generating"}
+    assert having(GroupStatus, "is_completed") == {"complete", "partial"}
+    assert having(GroupStatus, "is_queued") == {"complete", "partial", "scored"}
+    assert having(GroupStatus, "is_terminal") == {"consumed", "dropped", "cancelled"}
+    assert having(GroupStatus, "is_untrained") == set(WIRE[GroupStatus]) - {"consumed", "dropped", "cancelled"}
+    assert having(SampleStatus, "is_terminal") == {"finished", "failed", "cancelled"}
+    assert having(UpdateStatus, "is_undecided") == {"staged", "preparing"}
+    assert having(UpdateStatus, "is_swappable") == {"committed", "invalidated", "healthy"}
+    assert having(UpdateStatus, "is_decided_commit") == {"committed", "invalidated", "healthy", "published"}
+    assert having(UpdateStatus, "is_open") == set(WIRE[UpdateStatus]) - {"aborted", "published"}
+    assert having(EngineStatus, "is_stopped") == {"paused", "asleep"}
+    assert having(EngineStatus, "in_service") == {"awake", "paused", "asleep"}
+    assert having(CacheKind, "is_token_cache") == {"prefix", "kv"}
+    assert having(CacheKind, "is_graph") == {"graph"}
+
+
+def test_old_wire_strings_decode_to_members_and_encode_back_unchanged() -> None:
+    b = LogBuilder()
+    payloads: list[ev.Payload] = [
+        ev.RunFinished(status="aborted"),
+        ev.AdmissionPaused(reason="rate"),
+        ev.RankPrepareFailed(version=1, rank=0, phase="transfer", reason="x"),
+        ev.CacheInvalidated(rank=0, kind="kv", generation=1, version=1),
+        ev.EngineWoke(rank=0, tags=("weights", "kv_cache")),
+        ev.EnginePaused(rank=0, mode="keep"),
+        ev.TrajectoryDropped(group_id="g", trajectory_ids=(), reason="quarantined_rank"),
+        ev.RankJoined(rank=0, engine="torch", policy_version=0, weights_digest="w", logprob_mode="processed"),
+    ]
+    for p in payloads:
+        b.emit(p)
+    for e in b.build():
+        back = decode(encode(e))
+        assert back == e and encode(back) == encode(e)
+    assert decode(encode(b.build()[0])).payload.status is RunStatus.ABORTED  # type: ignore[union-attr]
+    assert ev.EngineWoke(rank=0, tags=("weights",)).tags == (WakeTag.WEIGHTS,)
+
+
+def test_a_run_finishes_only_on_a_terminal_status() -> None:
+    for status in ("pending", "running", "bogus"):
+        with pytest.raises(ValueError):
+            ev.RunFinished(status=status)
+
+
+# ---------------------------------------------------------------- digests
+def golden_log() -> list[ev.Event]:
+    """Every status, reason, kind, phase, mode and tag the reducer folds, in one valid log."""
+    b = LogBuilder(RunConfig(group_size=2, ranks=2, partial_policy=PartialPolicy(kind="at_least", k=1))).start_run()
+    b.group()
+    g1 = b.last_group
+    b.admit(n=2)
+    g2 = b.last_group
+    b.start(f"{g2}/0").start(f"{g2}/1").finish(f"{g2}/0").fail(f"{g2}/1")
+    b.complete(g2, accepted=(f"{g2}/0",), status="partial")
+    b.score(f"{g2}/0")
+    b.admit(n=2)
+    g3 = b.last_group
+    b.start(f"{g3}/0").cancel(f"{g3}/0").cancel(f"{g3}/1")
+    b.cancel_group(g3)
+    b.emit(ev.AdmissionPaused(reason="bytes", queued_bytes=10, detail="cap"))
+    b.emit(ev.AdmissionResumed(reason="bytes"))
+    b.consume([g1])
+    b.update(1)
+    b.update(2, fail_rank=1)
+    b.emit(ev.AdmissionPaused(reason="handoff"))
+    for r in (0, 1):
+        b.emit(ev.EnginePaused(rank=r, mode="wait"))
+        b.emit(ev.EngineSlept(rank=r, level=1, bytes_freed=100, verified=True))
+        b.emit(ev.EngineWoke(rank=r, tags=("weights",)))
+        b.emit(ev.EngineWoke(rank=r, tags=("kv_cache",)))
+        b.emit(ev.CacheInvalidated(rank=r, kind="graph", generation=3, version=1))
+        b.emit(ev.CacheInvalidated(rank=r, kind="encoder", generation=4, version=1))
+        b.emit(ev.EngineResumed(rank=r))
+    b.emit(ev.AdmissionResumed(reason="handoff"))
+    b.emit(ev.RankPrepareFailed(version=2, rank=0, phase="commit", reason="late"))
+    b.drop(g2, reason="mixed_versions", lag=0)
+    b.quarantine(1)
+    b.emit(ev.CommandRefused(command="resume", reason="asleep", rank=0))
+    b.emit(ev.RankJoined(rank=1, engine="torch", policy_version=1, weights_digest="w", logprob_mode="processed"))
+    return b.finish_run("aborted").build()
+
+
+# The digest the reducer gave this log before statuses were StrEnums (computed at the commit that introduced them,
+# with string statuses): the enums serialise as their strings, so the digest must not move.
+GOLDEN_DIGEST = "6193d03a4e89016a2364e30e5357fbda"
+
+
+def test_state_digest_of_a_fixed_log_is_unchanged() -> None:
+    state = replay(golden_log())
+    assert state.anomalies == []
+    assert state.digest() == GOLDEN_DIGEST
+
+
+def test_serialised_state_holds_plain_strings_and_restores_members() -> None:
+    state = replay(golden_log())
+    data = state.to_dict()
+
+    def walk(obj: object) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                assert type(k) in (str, int), k
+                walk(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                walk(v)
+        else:
+            assert type(obj) in (str, int, float, bool, type(None)), (obj, type(obj))
+
+    walk(data)
+    back = RunState.from_dict(json.loads(json.dumps(data)))
+    assert back.digest() == state.digest() == GOLDEN_DIGEST
+    assert back.status is RunStatus.ABORTED
+    assert all(type(g.status) is GroupStatus and type(g.policy_kind) is PolicyKind for g in back.groups.values())
+    assert all(type(s.status) is SampleStatus for g in back.groups.values() for s in g.samples.values())
+    assert all(type(u.status) is UpdateStatus for u in back.updates.values())
+    assert all(type(r.status) is EngineStatus and type(r.logprob_mode) is LogprobMode for r in back.ranks.values())
+
+
+# ---------------------------------------------------------------- dispatch
+def test_the_reducer_handles_every_payload_type() -> None:
+    assert set(HANDLERS.table) == set(ev.PAYLOAD_TYPES.values())
+
+
+def test_handlers_refuse_a_second_handler_and_skip_unhandled_types() -> None:
+    h: Handlers[list[str], None] = Handlers("test")
+
+    @h.on(ev.RunStarted)
+    def _started(ctx: list[str], e: ev.Event, p: ev.RunStarted) -> None:
+        ctx.append(p.initial_weights_digest)
+
+    with pytest.raises(ValueError, match="already has a handler"):
+        h.on(ev.RunStarted)(_started)
+    seen: list[str] = []
+    for e in LogBuilder().start_run().group().build():
+        h.apply(seen, e)
+    assert len(seen) == 1
+    with pytest.raises(ImportError, match="no handler for"):
+        h.require_all()
+    with pytest.raises(ValueError, match="handled by two parts"):
+        Handlers.merge("both", h, h)

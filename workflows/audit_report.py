@@ -1,0 +1,99 @@
+"""The audit's report: the invariants it checks, each violation and warning, and how they are shown (text, JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+INVARIANTS: dict[int, str] = {
+    1: "no sample holds tokens from two policy versions (unless interruptible, and then each span is stamped)",
+    2: "no admission and no generation between an update's pause and its PolicyPublished/UpdateAborted",
+    3: "every UpdateCommitted is preceded by RankPrepared from every rank (same version and manifest); "
+    "every UpdateAborted leaves every rank on the old version",
+    4: "after PolicyPublished(v) every rank runs v with the published digest and the cache generation after v",
+    5: "every consumed trajectory has lag <= the bound and its group satisfied the partial policy",
+    6: "queued bytes never exceeded the byte cap at an admission",
+    7: "every dispatched unit reached a terminal event",
+    8: "replaying the log gives the same state digest twice and the digests recorded in snapshots",
+}
+
+
+class WarningKind(StrEnum):
+    """What an AuditWarning is about."""
+
+    OPEN = "open"  # a unit still in flight (the run is not finished)
+    DUPLICATE = "duplicate"  # the same event (or terminal, or commit) twice
+    CONFLICTING_DUPLICATE = "conflicting_duplicate"  # one event id naming two different events
+    OUT_OF_ORDER = "out_of_order"  # one producer's ids going backwards
+    ORPHAN = "orphan"  # an event about a unit the log never started
+    RESTART = "restart"  # a sample started again before its first attempt ended
+    PROVENANCE = "provenance"  # recorded provenance disagrees with the log
+    MALFORMED = "malformed"  # an event out of place (before RunStarted, after RunFinished, another run's)
+    UNRESOLVED_UPDATE = "unresolved_update"  # an update neither committed nor aborted, or committed and not published
+    QUEUED_BYTES = "queued_bytes"  # the log's queued bytes above the cap at an admission
+    INTERNAL = "internal"  # the auditor could not check an event
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A broken invariant (1..8), what broke it, and the ids of the events involved."""
+
+    invariant: int
+    message: str
+    event_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AuditWarning:
+    """Something that breaks no invariant but deserves a look, of one WarningKind."""
+
+    kind: WarningKind
+    message: str
+    event_ids: tuple[str, ...]
+    invariant: int | None = None
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    violations: tuple[Violation, ...]
+    warnings: tuple[AuditWarning, ...]
+    checked: dict[int, int]  # invariant -> how many things were checked for it
+    events: int = 0
+    run_id: str | None = None
+    run_finished: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def for_invariant(self, invariant: int) -> tuple[Violation, ...]:
+        return tuple(v for v in self.violations if v.invariant == invariant)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "run_id": self.run_id,
+            "events": self.events,
+            "run_finished": self.run_finished,
+            "checked": {str(k): v for k, v in sorted(self.checked.items())},
+            "violations": [asdict(v) for v in self.violations],
+            "warnings": [asdict(w) for w in self.warnings],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def render(self) -> str:
+        """Human text: one line per invariant, then the violations and warnings."""
+        lines = [f"audit of run {self.run_id or '?'}: {self.events} events, {'OK' if self.ok else 'VIOLATED'}"]
+        for inv in range(1, 9):
+            bad = len(self.for_invariant(inv))
+            mark = "ok " if bad == 0 else "FAIL"
+            lines.append(f"  [{mark}] {inv}. {INVARIANTS[inv]} ({self.checked.get(inv, 0)} checked, {bad} violated)")
+        for v in self.violations:
+            lines.append(f"  violation {v.invariant}: {v.message} [{', '.join(v.event_ids)}]")
+        for w in self.warnings:
+            lines.append(f"  warning {w.kind}: {w.message} [{', '.join(w.event_ids)}]")
+        return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""What the reducer's event families share: recording an anomaly, and finding the group, update or rank an event
+names (an unknown one is an anomaly)."""
+
+from __future__ import annotations
+
+from rolledger.schemas import events as ev
+from rolledger.workflows.state import Anomaly, GroupState, RankState, RunState, UpdateState
+
+
+def anomaly(state: RunState, event: ev.Event, message: str) -> None:
+    state.anomalies.append(Anomaly(event.event_id, event.type, message))
+
+
+def find_group(s: RunState, e: ev.Event, group_id: str) -> GroupState | None:
+    g = s.groups.get(group_id)
+    if g is None:
+        anomaly(s, e, f"unknown group {group_id}")
+    return g
+
+
+def find_update(s: RunState, e: ev.Event, version: int) -> UpdateState | None:
+    u = s.updates.get(version)
+    if u is None:
+        anomaly(s, e, f"unknown update version {version}")
+    return u
+
+
+def find_rank(s: RunState, e: ev.Event, rank: int) -> RankState | None:
+    r = s.ranks.get(rank)
+    if r is None:
+        anomaly(s, e, f"unknown rank {rank}")
+    return r
+
+
+def sample_index(sample_id: str) -> int:
+    """The index in its group of a sample id `g000017/3`."""
+    return int(sample_id.rsplit("/", 1)[1])

@@ -1,0 +1,143 @@
+"""The reducer's rollout and reward events: samples starting and ending, groups completing or cancelled, scores."""
+
+from __future__ import annotations
+
+from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import GroupStatus, SampleStatus
+from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.reducer_common import anomaly, find_group, sample_index
+from rolledger.workflows.state import GroupState, RunState, SampleState
+
+handlers: Handlers[RunState, None] = Handlers("reducer: rollout and reward")
+
+
+@handlers.on(ev.SampleStarted)
+def _sample_started(s: RunState, e: ev.Event, p: ev.SampleStarted) -> None:
+    g = find_group(s, e, p.group_id)
+    if g is None:
+        return
+    # A group the coordinator closed while a worker was starting it is a race, not an error: the worker sees the
+    # closure and ends the sample with SampleCancelled, which invariant 7 checks.
+    if p.index in g.samples:
+        anomaly(s, e, f"sample {p.sample_id} started twice")
+        return
+    if g.status == GroupStatus.ADMITTED:
+        g.status = GroupStatus.GENERATING
+        rank = s.ranks.get(p.rank)
+        if rank is not None:
+            rank.groups_generated += 1
+    g.samples[p.index] = SampleState(
+        p.sample_id, p.index, SampleStatus.STARTED, p.rank, p.policy_version, p.weights_digest
+    )
+
+
+def _sample(
+    s: RunState, e: ev.Event, group_id: str, index: int, sample_id: str
+) -> tuple[GroupState, SampleState] | None:
+    g = find_group(s, e, group_id)
+    if g is None:
+        return None
+    smp = g.samples.get(index)
+    if smp is None:
+        anomaly(s, e, f"sample {sample_id} has no SampleStarted")
+        smp = g.samples[index] = SampleState(sample_id, index, SampleStatus.STARTED, -1, e.policy_version)
+    elif smp.status.is_terminal:
+        anomaly(s, e, f"sample {sample_id} already {smp.status}")
+        return None
+    return g, smp
+
+
+@handlers.on(ev.SampleFinished)
+def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
+    t = p.trajectory
+    found = _sample(s, e, t.group_id, t.index, t.trajectory_id)
+    if found is None:
+        return
+    g, smp = found
+    smp.status, smp.tokens = SampleStatus.FINISHED, len(t.token_ids)
+    if t.policy_version != smp.policy_version and smp.rank >= 0 and not t.spans:  # spans: interruptible, stamped
+        anomaly(s, e, f"sample {t.trajectory_id} started on v{smp.policy_version}, finished on v{t.policy_version}")
+    smp.policy_version, smp.weights_digest = t.policy_version, t.weights_digest
+    for v in t.versions:
+        if v not in g.versions:
+            g.versions.append(v)
+            g.versions.sort()
+
+
+@handlers.on(ev.SampleFailed)
+def _sample_failed(s: RunState, e: ev.Event, p: ev.SampleFailed) -> None:
+    found = _sample(s, e, p.group_id, p.index, p.sample_id)
+    if found is not None:
+        found[1].status = SampleStatus.FAILED
+
+
+@handlers.on(ev.SampleCancelled)
+def _sample_cancelled(s: RunState, e: ev.Event, p: ev.SampleCancelled) -> None:
+    g = find_group(s, e, p.group_id)
+    if g is None:
+        return
+    smp = g.samples.get(p.index)
+    if smp is None:  # cancelled before it started: a legal end for a never-started sample
+        g.samples[p.index] = SampleState(p.sample_id, p.index, SampleStatus.CANCELLED, -1, e.policy_version)
+    elif smp.status.is_terminal:
+        anomaly(s, e, f"sample {p.sample_id} already {smp.status}")
+    else:
+        smp.status = SampleStatus.CANCELLED
+
+
+def _maybe_scored(g: GroupState) -> None:
+    if g.status.is_completed and all(g.samples[sample_index(sid)].reward is not None for sid in g.accepted):
+        g.status = GroupStatus.SCORED
+
+
+@handlers.on(ev.GroupCompleted)
+def _group_completed(s: RunState, e: ev.Event, p: ev.GroupCompleted) -> None:
+    g = find_group(s, e, p.group_id)
+    if g is None:
+        return
+    if not g.status.is_open:
+        anomaly(s, e, f"group {p.group_id} completed while {g.status}")
+        return
+    for sid in p.accepted:
+        smp = g.samples.get(sample_index(sid))
+        if smp is None or smp.status != SampleStatus.FINISHED:
+            anomaly(s, e, f"group {p.group_id} accepts {sid}, which did not finish")
+    if len(p.accepted) < g.required:
+        anomaly(s, e, f"group {p.group_id} completed with {len(p.accepted)} < {g.required} required samples")
+    g.status, g.accepted, g.bytes = GroupStatus(p.status), list(p.accepted), p.bytes
+    s.admission.inflight -= 1
+    s.admission.queued_bytes += p.bytes
+    s.admission.max_queued_bytes = max(s.admission.max_queued_bytes, s.admission.queued_bytes)
+    _maybe_scored(g)
+
+
+@handlers.on(ev.GroupCancelled)
+def _group_cancelled(s: RunState, e: ev.Event, p: ev.GroupCancelled) -> None:
+    g = find_group(s, e, p.group_id)
+    if g is None:
+        return
+    if g.status.is_open:
+        s.admission.inflight -= 1
+    elif g.status.is_queued:
+        s.admission.queued_bytes -= g.bytes
+    else:
+        anomaly(s, e, f"group {p.group_id} cancelled while {g.status}")
+        return
+    g.status = GroupStatus.CANCELLED
+
+
+@handlers.on(ev.SampleScored)
+def _sample_scored(s: RunState, e: ev.Event, p: ev.SampleScored) -> None:
+    g = find_group(s, e, p.group_id)
+    if g is None:
+        return
+    smp = g.samples.get(sample_index(p.sample_id))
+    if smp is None or smp.status != SampleStatus.FINISHED:
+        anomaly(s, e, f"score for {p.sample_id}, which did not finish")
+        return
+    if smp.reward is not None:
+        anomaly(s, e, f"{p.sample_id} scored twice")
+        return
+    smp.reward, smp.correct = p.reward, p.correct
+    g.scored += 1
+    _maybe_scored(g)

@@ -1,0 +1,71 @@
+"""The reducer's run and admission events: RunStarted/RunFinished, GroupAdmitted, AdmissionPaused/Resumed."""
+
+from __future__ import annotations
+
+from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason, RunStatus
+from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.reducer_common import anomaly
+from rolledger.workflows.state import GroupState, RunState
+
+handlers: Handlers[RunState, None] = Handlers("reducer: run and admission")
+
+
+@handlers.on(ev.RunStarted)
+def _run_started(s: RunState, e: ev.Event, p: ev.RunStarted) -> None:
+    if s.status != RunStatus.PENDING:
+        anomaly(s, e, f"RunStarted while the run is {s.status}")
+        return
+    s.run_id, s.config, s.status = e.run_id, p.config, RunStatus.RUNNING
+    s.weights_digest = p.initial_weights_digest
+
+
+@handlers.on(ev.RunFinished)
+def _run_finished(s: RunState, e: ev.Event, p: ev.RunFinished) -> None:
+    if s.status != RunStatus.RUNNING:
+        anomaly(s, e, f"RunFinished while the run is {s.status}")
+    s.status = p.status
+
+
+@handlers.on(ev.GroupAdmitted)
+def _group_admitted(s: RunState, e: ev.Event, p: ev.GroupAdmitted) -> None:
+    if p.group_id in s.groups:
+        anomaly(s, e, f"group {p.group_id} admitted twice")
+        return
+    if s.admission.paused:
+        anomaly(s, e, f"group {p.group_id} admitted while admission is paused ({', '.join(s.admission.paused)})")
+    s.groups[p.group_id] = GroupState(
+        group_id=p.group_id,
+        prompt_id=p.prompt_id,
+        n=p.n,
+        required=p.partial_policy.required(p.n),
+        policy_kind=p.partial_policy.kind,
+        admitted_event=e.event_id,
+        admitted_version=e.policy_version,
+        est_remaining_tokens=p.est_remaining_tokens,
+        est_bytes=p.est_bytes,
+        prompt_tokens=len(p.prompt_token_ids),
+        deadline=p.deadline,
+    )
+    s.admission.admitted += 1
+    s.admission.inflight += 1
+
+
+@handlers.on(ev.AdmissionPaused)
+def _admission_paused(s: RunState, e: ev.Event, p: ev.AdmissionPaused) -> None:
+    if p.reason in s.admission.paused:
+        anomaly(s, e, f"admission already paused for {p.reason}")
+        return
+    s.admission.paused.append(p.reason)
+    if p.reason == AdmissionReason.UPDATE and (u := s.open_update) is not None:
+        u.paused_at = e.wall_time
+    if p.reason == AdmissionReason.HANDOFF:
+        s.admission.handoff_step = s.trainer.step
+
+
+@handlers.on(ev.AdmissionResumed)
+def _admission_resumed(s: RunState, e: ev.Event, p: ev.AdmissionResumed) -> None:
+    if p.reason not in s.admission.paused:
+        anomaly(s, e, f"admission resumed for {p.reason} but it was not paused for it")
+        return
+    s.admission.paused.remove(p.reason)

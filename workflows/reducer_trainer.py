@@ -1,0 +1,54 @@
+"""The reducer's trainer events: BatchConsumed, TrajectoryDropped, TrainStepFinished."""
+
+from __future__ import annotations
+
+from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import GroupStatus
+from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.reducer_common import anomaly, find_group
+from rolledger.workflows.state import RunState
+
+handlers: Handlers[RunState, None] = Handlers("reducer: trainer")
+
+
+@handlers.on(ev.BatchConsumed)
+def _batch_consumed(s: RunState, e: ev.Event, p: ev.BatchConsumed) -> None:
+    for gid, lag in zip(p.group_ids, p.lags, strict=False):
+        g = find_group(s, e, gid)
+        if g is None:
+            continue
+        if g.status != GroupStatus.SCORED:
+            anomaly(s, e, f"group {gid} consumed while {g.status}")
+            if g.status == GroupStatus.CONSUMED:
+                continue
+        if g.status.is_queued:
+            s.admission.queued_bytes -= g.bytes
+        g.status, g.consumed_step = GroupStatus.CONSUMED, p.step
+        s.trainer.lag_histogram[lag] = s.trainer.lag_histogram.get(lag, 0) + 1
+        s.trainer.max_lag = max(s.trainer.max_lag, lag)
+        s.trainer.consumed_groups += 1
+    s.trainer.consumed_trajectories += len(p.trajectory_ids)
+
+
+@handlers.on(ev.TrajectoryDropped)
+def _trajectory_dropped(s: RunState, e: ev.Event, p: ev.TrajectoryDropped) -> None:
+    g = find_group(s, e, p.group_id)
+    if g is None:
+        return
+    if g.status.is_queued:
+        s.admission.queued_bytes -= g.bytes
+    elif g.status.is_open:
+        s.admission.inflight -= 1
+    else:
+        anomaly(s, e, f"group {p.group_id} dropped while {g.status}")
+        return
+    g.status = GroupStatus.DROPPED
+    s.trainer.dropped_trajectories += len(p.trajectory_ids)
+
+
+@handlers.on(ev.TrainStepFinished)
+def _train_step(s: RunState, e: ev.Event, p: ev.TrainStepFinished) -> None:
+    s.trainer.step = p.step
+    s.trainer.rewards.append(p.reward_mean)
+    if p.agreement_tokens:
+        s.trainer.logprob_gaps.append(p.logprob_gap_median)

@@ -1,0 +1,152 @@
+"""The reducer's weight-update events: the transaction of one version, from UpdateStaged to PolicyPublished."""
+
+from __future__ import annotations
+
+from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import EngineStatus, UpdateStatus, WakeTag
+from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.reducer_common import anomaly, find_update
+from rolledger.workflows.state import RunState, UpdateState
+
+handlers: Handlers[RunState, None] = Handlers("reducer: weight update")
+
+_HEALTH_PENDING = frozenset({UpdateStatus.COMMITTED, UpdateStatus.INVALIDATED})  # swapped in, health not yet passed
+
+
+@handlers.on(ev.UpdateStaged)
+def _update_staged(s: RunState, e: ev.Event, p: ev.UpdateStaged) -> None:
+    if p.version in s.updates:
+        anomaly(s, e, f"version {p.version} staged twice")
+        return
+    if p.version <= s.policy_version:
+        anomaly(s, e, f"version {p.version} staged at or below the published v{s.policy_version}")
+    s.updates[p.version] = UpdateState(
+        p.version, p.base_version, p.manifest_digest, p.weights_digest, p.uri, p.bytes, e.event_id
+    )
+
+
+@handlers.on(ev.PrepareRequested)
+def _prepare_requested(s: RunState, e: ev.Event, p: ev.PrepareRequested) -> None:
+    u = find_update(s, e, p.version)
+    if u is None:
+        return
+    if u.status != UpdateStatus.STAGED:
+        anomaly(s, e, f"prepare of v{p.version} requested while {u.status}")
+        return
+    u.status, u.ranks, u.fence, u.deadline = UpdateStatus.PREPARING, list(p.ranks), p.fence, p.deadline
+
+
+@handlers.on(ev.RankPrepared)
+def _rank_prepared(s: RunState, e: ev.Event, p: ev.RankPrepared) -> None:
+    u = find_update(s, e, p.version)
+    if u is None:
+        return
+    if p.manifest_digest != u.manifest_digest:
+        anomaly(s, e, f"rank {p.rank} prepared v{p.version} with manifest {p.manifest_digest}, not {u.manifest_digest}")
+        return
+    if u.status == UpdateStatus.ABORTED:  # a rank finishing its prepare after the abort: legal, and changes nothing
+        return
+    if u.status != UpdateStatus.PREPARING:
+        anomaly(s, e, f"rank {p.rank} prepared v{p.version} while the update is {u.status}")
+    u.prepared[p.rank] = p.staged_digest
+
+
+@handlers.on(ev.RankPrepareFailed)
+def _rank_prepare_failed(s: RunState, e: ev.Event, p: ev.RankPrepareFailed) -> None:
+    u = find_update(s, e, p.version)
+    if u is not None:
+        u.failed[p.rank] = f"{p.phase}: {p.reason}"
+
+
+@handlers.on(ev.UpdateCommitted)
+def _update_committed(s: RunState, e: ev.Event, p: ev.UpdateCommitted) -> None:
+    u = find_update(s, e, p.version)
+    if u is None:
+        return
+    if u.status != UpdateStatus.PREPARING:
+        anomaly(s, e, f"v{p.version} committed while {u.status}")
+        return
+    missing = [r for r in p.ranks if r not in u.prepared]
+    if missing or not p.ranks:
+        anomaly(s, e, f"v{p.version} committed without RankPrepared from ranks {missing}")
+    u.status, u.decided_event, u.committed_at = UpdateStatus.COMMITTED, e.event_id, e.wall_time
+
+
+@handlers.on(ev.UpdateAborted)
+def _update_aborted(s: RunState, e: ev.Event, p: ev.UpdateAborted) -> None:
+    u = find_update(s, e, p.version)
+    if u is None:
+        return
+    if not u.status.is_undecided:
+        anomaly(s, e, f"v{p.version} aborted while {u.status}")
+        return
+    u.status, u.abort_reason, u.decided_event = UpdateStatus.ABORTED, p.reason, e.event_id
+
+
+@handlers.on(ev.RankCommitted)
+def _rank_committed(s: RunState, e: ev.Event, p: ev.RankCommitted) -> None:
+    u = find_update(s, e, p.version)
+    if u is None:
+        return
+    if not u.status.is_decided_commit:
+        anomaly(s, e, f"rank {p.rank} swapped in v{p.version}, which is {u.status}")
+        return
+    u.committed[p.rank] = p.weights_digest
+    rank = s.ranks.get(p.rank)
+    if rank is None:
+        anomaly(s, e, f"unknown rank {p.rank}")
+        return
+    if rank.status == EngineStatus.ASLEEP and WakeTag.WEIGHTS not in rank.woke:
+        anomaly(s, e, f"rank {p.rank} swapped weights while asleep")
+    rank.committed_version, rank.weights_digest = p.version, p.weights_digest
+
+
+@handlers.on(ev.CacheInvalidated)
+def _cache_invalidated(s: RunState, e: ev.Event, p: ev.CacheInvalidated) -> None:
+    rank = s.ranks.get(p.rank)
+    if rank is None:
+        anomaly(s, e, f"unknown rank {p.rank}")
+        return
+    if p.kind.is_graph:
+        rank.graph_generation = p.generation
+    else:
+        rank.cache_generation = p.generation
+    u = s.updates.get(p.version)
+    if u is not None and not p.kind.is_graph:
+        u.invalidated[p.rank] = p.generation
+        if u.status == UpdateStatus.COMMITTED and all(r in u.invalidated for r in u.ranks):
+            u.status = UpdateStatus.INVALIDATED
+
+
+@handlers.on(ev.HealthPassed)
+def _health_passed(s: RunState, e: ev.Event, p: ev.HealthPassed) -> None:
+    u = s.updates.get(p.version)
+    if u is None:  # a probe outside an update (a rank joining): nothing to track
+        return
+    if p.rank not in u.healthy:
+        u.healthy.append(p.rank)
+    u.probe_digests[p.rank] = p.probe_digest
+    if u.status in _HEALTH_PENDING and all(r in u.healthy for r in u.ranks):
+        u.status = UpdateStatus.HEALTHY
+
+
+@handlers.on(ev.HealthFailed)
+def _health_failed(s: RunState, e: ev.Event, p: ev.HealthFailed) -> None:
+    u = s.updates.get(p.version)
+    if u is not None:
+        u.failed[p.rank] = f"health: {p.reason}"
+
+
+@handlers.on(ev.PolicyPublished)
+def _policy_published(s: RunState, e: ev.Event, p: ev.PolicyPublished) -> None:
+    u = find_update(s, e, p.version)
+    if u is None:
+        return
+    if not u.status.is_swappable:
+        anomaly(s, e, f"v{p.version} published while {u.status}")
+        return
+    for r in p.ranks:
+        if u.committed.get(r) != p.weights_digest:
+            anomaly(s, e, f"v{p.version} published but rank {r} holds {u.committed.get(r)!r}")
+    u.status = UpdateStatus.PUBLISHED
+    s.policy_version, s.weights_digest = p.version, p.weights_digest
