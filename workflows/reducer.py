@@ -608,6 +608,26 @@ def _command_refused(s: RunState, e: ev.Event) -> None:
     """Refusals change no state; they are counted in `counts` and explained by audit."""
 
 
+# ---------------------------------------------------------------- facts the coordinator decides on
+@_on(ev.TrainStepRefused)
+def _train_step_refused(s: RunState, e: ev.Event) -> None:
+    p = e.payload
+    assert isinstance(p, ev.TrainStepRefused)
+    if s.trainer.refused:
+        _anomaly(s, e, f"step {p.step} refused after the trainer already refused one")
+        return
+    if p.step != s.trainer.step + 1:
+        _anomaly(s, e, f"step {p.step} refused while the trainer is at step {s.trainer.step}")
+    s.trainer.refused = p.reason
+
+
+@_on(ev.WorkerLost)
+def _worker_lost(s: RunState, e: ev.Event) -> None:
+    p = e.payload
+    assert isinstance(p, ev.WorkerLost)
+    s.workers_lost[p.worker] = p.error
+
+
 _missing = set(ev.PAYLOAD_TYPES) - set(_HANDLERS)
 if _missing:  # pragma: no cover - caught at import by every test
     raise ImportError(f"reducer has no handler for {sorted(_missing)}")
