@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
+from rolledger.events.lease import LeaderLease
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
+from rolledger.workers.coordinator import finish_as_coordinator
 from rolledger.workflows.admission import AdmissionInputs
 from rolledger.workflows.coordinator import decide, decide_terminal
 from rolledger.workflows.handoff import engines_asleep
@@ -238,3 +240,31 @@ def test_append_once_lets_one_writer_claim_a_step(redis_client: redis.Redis, run
     assert log.append_once(batch("b"), ["step:2", "UpdateStaged:v1"]) is None  # one key taken: nothing written
     assert log.append_once(batch("c"), ["step:2", "UpdateStaged:v2"]) is not None
     assert [s.event.producer for s in log.read()] == ["a", "c"]
+
+
+def test_a_driver_ends_a_run_whose_coordinator_is_lost_under_the_coordinator_lease(
+    redis_client: redis.Redis, run_id: str
+) -> None:
+    """The coordinator died holding its lease and nothing restarts it: the driver records WorkerLost, waits out the
+    lease, and appends the coordinator decider's RunFinished with a larger fencing token, conditionally."""
+    log = EventLog(redis_client, run_id)
+    for e in LogBuilder(run_id=run_id).start_run().build():
+        log.append(e)
+    dead = LeaderLease(redis_client, run_id, "coordinator", "coordinator", ttl_ms=300)
+    token = dead.acquire()
+    assert token is not None
+    log.append(
+        ev.make_event(
+            ev.WorkerLost(worker="coordinator", kind="coordinator", error="boom"),
+            run_id=run_id,
+            producer="run",
+            policy_version=0,
+        )
+    )
+    assert finish_as_coordinator(redis_client, run_id, "run", ttl_ms=300, timeout_s=10)
+    events = [s.event for s in log.read()]
+    end = events[-1]
+    assert isinstance(end.payload, ev.RunFinished) and end.payload.status == "failed" and end.producer == "run"
+    assert "worker coordinator crashed: boom" in end.payload.reason
+    assert LeaderLease(redis_client, run_id, "coordinator", "x", ttl_ms=300).current_token() == token + 1
+    assert replay(events).anomalies == []
