@@ -27,8 +27,8 @@ from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Follower, Worker
-from rolledger.workers.staging import StagingStore
-from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal
+from rolledger.workers.staging import StagingStore, load_verified, read_manifest
+from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, weights_version
 
 TAIL_PAGE = 500  # events one Follower.poll returns at most (EventLog.tail's count)
 
@@ -54,6 +54,7 @@ class TrainerWorker(Worker):
         self.trajectories: dict[str, Trajectory] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.train: TrainFn = self._grpo  # one optimizer step; a fault wrapper may replace it
+        self._restored = False
 
     def respawn(self) -> TrainerWorker:
         """A restarted trainer rebuilds its state and trajectories from the log; the model is the one it staged last."""
@@ -63,12 +64,32 @@ class TrainerWorker(Worker):
         while not self.stop_event.is_set():
             if self._follow(block_ms=100) >= TAIL_PAGE:
                 continue  # not caught up with the log yet: a plan on an old prefix would be a wasted step
+            if not self._restored:
+                self._restore_weights()
             plan = plan_step(self.follower.state)
             if isinstance(plan, Wait):
                 if plan.reason.is_final or self.follower.state.status.is_terminal:
                     break
                 continue
             self.carry_out(plan)
+
+    def _restore_weights(self) -> None:
+        """Once caught up: make the model the weights the log says the trainer holds (the last version staged), so
+        a trainer restarted as a fresh process (its model loaded at v0) measures and trains on the right weights.
+        A respawn in this process already holds them; reloading them changes nothing."""
+        state = self.follower.state
+        if state.config is None:
+            return  # RunStarted not folded yet
+        self._restored = True
+        v = weights_version(state)
+        if v == 0:
+            return
+        u = state.updates[v]
+        staged = load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest))
+        with torch.no_grad():
+            for name, p in policy_state(self.model).items():
+                p.copy_(staged.tensors[name])
+        self.logger.info("weights restored from the log", version=v)
 
     def _follow(self, block_ms: int) -> int:
         """Fold what the log has after our position, keeping the trajectories; how many events came."""
@@ -88,6 +109,8 @@ class TrainerWorker(Worker):
             self.logger.warning("step already recorded by another writer", keys=list(keys))
         target = ids[-1] if ids else self.log.last_id()
         while target is not None and _stream_order(self.follower.last_id) < _stream_order(target):
+            if self.stop_event.is_set():
+                break
             self._follow(block_ms=100)
         return ids is not None
 

@@ -2,7 +2,7 @@
 
 Owns the one place where a run ends: `RunFinished` of every status, and the run halt (`AdmissionPaused(manual)`),
 are produced here and nowhere else. Workers append facts (`TrainStepRefused`: the trainer would not train on weights
-that did not arrive; `WorkerLost`: a crashed worker nothing restarts), and `decide_run_end` turns them into the
+that did not arrive; `WorkerLost`: a crashed worker nothing restarts), and `decide_terminal` turns them into the
 run's end; the coordinator worker appends that under its lease with `append_if`, like every other decision.
 
 - `decide_terminal(state, now)`: the run ends now (failed: a refused step, a lost worker, ranks that never joined;
