@@ -4,7 +4,9 @@
 Hypothesis draws a run (disaggregated or colocated, the lag cap, groups per step) and a sequence of moves on a
 LogBuilder log: groups finish, the trainer takes the step its decider plans (the plan's own events folded in), a
 staged update is published or aborted, a colocated handoff sleeps or wakes the engines. At every move, and at every
-prefix a restarted trainer could start from, the plan is checked against the properties below.
+prefix a restarted trainer could start from, the plan is checked against the properties below. The Redis tests:
+`EventLog.append_once` lets one writer claim a step; a driver ends a run whose coordinator is lost under the
+coordinator lease; a trainer started as a fresh process takes its weights from the log.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from pathlib import Path
 import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from logbuilder import LogBuilder
+from logbuilder import LogBuilder, default_config
 
 from rolledger.events.lease import LeaderLease
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.workers.coordinator import finish_as_coordinator
+from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.staging import DirectoryStagingStore
+from rolledger.workers.trainer import TrainerWorker
+from rolledger.workers.weights import state_digest
 from rolledger.workflows.admission import AdmissionInputs
 from rolledger.workflows.coordinator import decide, decide_terminal
 from rolledger.workflows.handoff import engines_asleep
@@ -268,3 +274,36 @@ def test_a_driver_ends_a_run_whose_coordinator_is_lost_under_the_coordinator_lea
     assert "worker coordinator crashed: boom" in end.payload.reason
     assert LeaderLease(redis_client, run_id, "coordinator", "x", ttl_ms=300).current_token() == token + 1
     assert replay(events).anomalies == []
+
+
+def test_a_trainer_started_as_a_fresh_process_takes_its_weights_from_the_log(
+    redis_client: redis.Redis, run_id: str, tmp_path: Path
+) -> None:
+    """Its model comes up at v0; the log says v1 was staged: before planning, the worker loads v1's staged weights."""
+    cfg = default_config()
+    tok = build_tokenizer()
+    model = build_model(cfg.model, len(tok), 0)
+    trained = build_model(cfg.model, len(tok), 1)  # other weights: what the dead trainer staged as v1
+    store = DirectoryStagingStore(tmp_path / "staging")
+    staged = store.stage(1, 0, policy_state(trained))
+    log = EventLog(redis_client, run_id)
+    b = LogBuilder(cfg, run_id=run_id).start_run()
+    b.emit(
+        ev.UpdateStaged(
+            version=1,
+            base_version=0,
+            manifest_digest=staged.manifest_digest,
+            weights_digest=staged.manifest.weights_digest,
+            uri=staged.uri,
+            bytes=staged.bytes,
+            tensors=len(staged.manifest.tensors),
+        ),
+        producer="trainer",
+    )
+    for e in b.build():
+        log.append(e)
+    worker = TrainerWorker(redis_client, run_id, "trainer#2", model, store)
+    assert state_digest(policy_state(model)) != staged.manifest.weights_digest
+    worker.follower.catch_up()
+    worker._restore_weights()
+    assert state_digest(policy_state(model)) == staged.manifest.weights_digest
