@@ -7,7 +7,7 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
   read (reference notes, section 1.4).
 - `dedupe_key(run)`: hash event id -> stream id, written by `append_idempotent` and `append_if` in the same Lua call
   as the XADD, so a retried append returns the original stream id instead of writing a duplicate. Redis 7.0 has no
-  idempotent XADD (IDMP arrived in 8.6), hence the script.
+  idempotent XADD (IDMP arrived in 8.6), hence the script. `append_once` records its batch key there as `once:<key>`.
 - `dead_letter_key(run)`: entries nobody could process, each with `source` (stream id), `raw` (the bytes), `reason`,
   `consumer`, `at` (unix seconds). `dead_letter_key(run) + ":seen"` remembers what was already dead-lettered so a
   replay or a redelivery copies an entry once.
@@ -117,6 +117,26 @@ return ids
 """
 
 
+# KEYS: log, dedupe. ARGV: k, then k once-keys, then (event id, bytes, type) triples. Returns {1, id...} when the
+# batch was appended (and every key recorded), {0, the first key already taken} when any key was taken before.
+_APPEND_ONCE_LUA = """
+local k = tonumber(ARGV[1])
+for i = 2, k + 1 do
+  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then return {0, ARGV[i]} end
+end
+local ids = {1}
+local n = (#ARGV - 1 - k) / 3
+for i = 1, n do
+  local j = 1 + k + 3 * (i - 1)
+  local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[j + 2], 't', ARGV[j + 3])
+  redis.call('HSET', KEYS[2], ARGV[j + 1], id)
+  ids[i + 1] = id
+end
+for i = 2, k + 1 do redis.call('HSET', KEYS[2], ARGV[i], ids[2]) end
+return ids
+"""
+
+
 def dead_letter(
     client: redis.Redis,
     run_id: str,
@@ -177,6 +197,7 @@ class EventLog:
         self.dedupe = dedupe_key(run_id)
         self._append_idempotent = client.register_script(_APPEND_IDEMPOTENT_LUA)
         self._append_if = client.register_script(_APPEND_IF_LUA)
+        self._append_once = client.register_script(_APPEND_ONCE_LUA)
         self._server_version: tuple[int, int, int] | None = None
         self.last_scanned_id: str | None = None  # last entry read()/tail() looked at, including skipped ones
 
@@ -214,6 +235,24 @@ class EventLog:
         reply = self._append_if(keys=[self.key, self.dedupe], args=args)
         if int(reply[0]) == 0:
             raise ConcurrencyConflict(expected_last_id, as_str(reply[1]) or None)
+        return [as_str(i) for i in reply[1:]]
+
+    def append_once(self, events: Sequence[Event], keys: Collection[str]) -> list[str] | None:
+        """Atomically append `events` and claim `keys`, unless any of the keys was claimed before (then None, and
+        nothing is written).
+
+        The single-writer guard for facts that must exist at most once whatever the interleaving (e.g. staging
+        version v: two trainers, or a restarted one, can never both stage it). Keys live in the dedupe hash under a
+        `once:` prefix, apart from event ids.
+        """
+        if not events:
+            return []
+        args: list[bytes | str] = [str(len(keys)), *("once:" + k for k in keys)]
+        for event in events:
+            args += [event.event_id, encode(event), event.type]
+        reply = self._append_once(keys=[self.key, self.dedupe], args=args)
+        if int(reply[0]) == 0:
+            return None
         return [as_str(i) for i in reply[1:]]
 
     # ------------------------------------------------------------------ reads

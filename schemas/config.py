@@ -123,6 +123,7 @@ class RunConfig(Model):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     join_deadline_s: float = Field(600.0, gt=0, description="every rank must have joined this long after RunStarted")
+    run_deadline_s: float = Field(1800.0, gt=0, description="the coordinator aborts the run this long after RunStarted")
     vllm_urls: tuple[str, ...] = ()
     allow_remote_engines: bool = Field(False, description="drive unauthenticated RL routes on non-private addresses")
 

@@ -333,6 +333,30 @@ class CommandRefused(Payload):
     rank: int | None = None
 
 
+# ---------------------------------------------------------------- facts the coordinator decides on
+class TrainStepRefused(Payload):
+    """The trainer measured its logprob gap over the on-policy tokens of the planned step and did not train on it
+    (the weights the engine reported did not arrive). A fact: the coordinator decides the run's end from it."""
+
+    type: Literal["TrainStepRefused"] = "TrainStepRefused"
+    step: int
+    version: int = Field(description="the version the trainer's weights are (the one the gap was measured against)")
+    reason: str
+    gap_median: float
+    gap_p99: float = 0.0
+    agreement_tokens: int = 0
+
+
+class WorkerLost(Payload):
+    """A worker crashed and nothing restarts it (written by the driver that watched it die). A fact: the coordinator
+    decides the run's end from it."""
+
+    type: Literal["WorkerLost"] = "WorkerLost"
+    worker: str
+    kind: str = ""
+    error: str = ""
+
+
 AnyPayload = Annotated[
     RunStarted
     | RunFinished
@@ -366,7 +390,9 @@ AnyPayload = Annotated[
     | EngineResumed
     | RankJoined
     | RankQuarantined
-    | CommandRefused,
+    | CommandRefused
+    | TrainStepRefused
+    | WorkerLost,
     Field(discriminator="type"),
 ]
 

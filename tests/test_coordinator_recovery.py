@@ -14,14 +14,16 @@ from test_coordinator_election import Harness, config, stop
 from rolledger.schemas import events as ev
 from rolledger.schemas.injection import parse_injection
 from rolledger.workers.coordinator import Coordinator
-from rolledger.workers.faults import Injector
+from rolledger.workers.faults import Injector, mortal_coordinator
 from rolledger.workers.runtime import WorkerKilled
 
 
 def killed_after(h: Harness, decisions: int) -> Coordinator:
     """A coordinator (no prompts: its only decisions are the update's) that dies right after its n-th decision."""
     injector = Injector([parse_injection(f"kill-worker=coordinator@{decisions}")])
-    return Coordinator(h.client, h.run_id, "coordinator", [], lease_ttl_ms=300, injector=injector)
+    c = Coordinator(h.client, h.run_id, "coordinator", [], lease_ttl_ms=300)
+    c.append_decisions = mortal_coordinator(c.append_decisions, injector)
+    return c
 
 
 def wait_dead(c: Coordinator) -> None:

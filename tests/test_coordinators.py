@@ -319,7 +319,7 @@ def test_a_rank_with_the_wrong_digest_or_a_stale_probe_is_quarantined_and_the_re
 
 # ---------------------------------------------------------------- the run waits for its ranks
 def test_nothing_is_decided_until_every_rank_joined_and_a_missing_rank_fails_the_run() -> None:
-    from rolledger.workers.coordinator import decide
+    from rolledger.workflows.coordinator import decide
 
     b = LogBuilder(ranks=2).start_run(join_ranks=False)
     b.join(0)

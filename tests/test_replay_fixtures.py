@@ -47,10 +47,7 @@ def test_a_changed_decision_fails_loudly() -> None:
     """The fixtures catch a deliberate change: a coordinator that gives ranks one second more to prepare."""
     from rolledger.schemas import events as ev
 
-    try:
-        from rolledger.workflows.coordinator import decide
-    except ImportError:
-        from rolledger.workers.coordinator import decide  # type: ignore[no-redef]
+    decide = history.coordinator_decide()
 
     def generous(*args: Any, **kwargs: Any) -> list[ev.Payload]:
         out = decide(*args, **kwargs)

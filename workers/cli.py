@@ -70,7 +70,6 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rolledger.schemas.injection import check_injections, parse_injection
-    from rolledger.schemas.statuses import RunStatus
     from rolledger.workers.local_run import LocalRun, RunOptions
     from rolledger.workers.progress import LiveProgress
 

@@ -4,7 +4,14 @@ thread of this process, all talking only through the run's log. The same workers
 
 Steps: start Redis; build the tokenizer and the tiny policy, warm-start it (supervised) and save it to
 `runs/<run-id>/model`; append RunStarted; start the coordinator, one rank worker per rank (each with its own engine),
-the reward worker and the trainer; follow the log with a live display until RunFinished; write summary.json.
+the reward worker and the trainer (each wrapped by its injected faults, workers/faults.py); follow the log with a
+live display until RunFinished; write summary.json.
+
+The driver decides nothing about the run: the coordinator aborts it at its deadline (`config.run_deadline_s`, set
+from `RunOptions.deadline_s` when given) and fails it when a worker is lost. A crashed worker is replaced by its
+respawn; one nothing restarts is recorded as the fact `WorkerLost`, and the coordinator's decider ends the run. When
+the coordinator itself cannot go on (lost, or the deadline long past without its decision), the driver takes the
+coordinator lease and appends the decision through the same conditional path (`finish_as_coordinator`).
 """
 
 from __future__ import annotations
@@ -29,9 +36,9 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import Injection, check_injections
-from rolledger.workers.coordinator import Coordinator
+from rolledger.workers.coordinator import Coordinator, finish_as_coordinator
 from rolledger.workers.engines.factory import build_engines
-from rolledger.workers.faults import Injector
+from rolledger.workers.faults import Injector, mortal_coordinator, mortal_scorer, slow_and_mortal_trainer
 from rolledger.workers.grpo import warm_start
 from rolledger.workers.metrics import RunMetrics
 from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
@@ -47,6 +54,8 @@ from rolledger.workflows.summary import Summary, summarize
 
 log = structlog.get_logger("run")
 
+DEADLINE_GRACE_S = 30.0  # how long past the run deadline the driver waits for the coordinator to end the run
+
 
 @dataclass
 class RunOptions:
@@ -55,7 +64,7 @@ class RunOptions:
     run_id: str | None = None
     runs_dir: Path = Path("runs")
     injections: list[Injection] = field(default_factory=list)
-    deadline_s: float = 1800.0
+    deadline_s: float | None = None  # the run's deadline (config.run_deadline_s) when given
     metrics_port: int | None = None
     external_workers: bool = False  # start the run and follow it; the coordinator and workers are other processes
     model_dir: Path | None = None  # an existing policy directory (no warm start); default runs/<run-id>/model
@@ -107,6 +116,9 @@ class LocalRun:
         check_injections(opts.injections, opts.config, in_process=not opts.external_workers)
         self.opts = opts
         self.cfg = opts.config
+        if opts.deadline_s is not None:
+            self.cfg = self.cfg.model_copy(update={"run_deadline_s": opts.deadline_s})
+        self.injector = Injector(opts.injections)
         self.run_id = opts.run_id or new_run_id()
         self.run_dir = (opts.runs_dir / self.run_id).absolute()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -161,21 +173,29 @@ class LocalRun:
 
     def _start_workers(self, client: redis.Redis, model: torch.nn.Module, tokenizer: object, model_dir: Path) -> None:
         cfg = self.cfg
-        injector = Injector(self.opts.injections)
+        injector = self.injector
         staging = DirectoryStagingStore(cfg.update.staging_dir or self.run_dir / "staging")
-        self.workers.append(
-            Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer), injector=injector)
-        )
+        self.workers.append(Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer)))
         initial = {k: v.clone() for k, v in policy_state(model).items()}
         engines, self._close_engines = build_engines(cfg, model_dir, tokenizer, self.run_dir)
         for r, engine in enumerate(engines):
             self.workers.append(
                 RankWorker(client, self.run_id, r, engine, injector=injector, initial_weights=lambda: dict(initial))
             )
-        self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer, injector=injector))
-        self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging, injector=injector))
+        self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer))
+        self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging))
         for w in self.workers:
-            w.start()
+            self._with_faults(w).start()
+
+    def _with_faults(self, w: Worker) -> Worker:
+        """Wrap the part of `w` its pending injections target (a fired injection is gone: a respawn runs clean)."""
+        if isinstance(w, TrainerWorker):
+            w.train = slow_and_mortal_trainer(w.train, self.injector)
+        elif isinstance(w, Coordinator):
+            w.append_decisions = mortal_coordinator(w.append_decisions, self.injector)
+        elif isinstance(w, RewardWorker):
+            w.scorer = mortal_scorer(w.scorer, self.injector)
+        return w
 
     def _follow(self, client: redis.Redis, logbook: EventLog, keep_events: dict[str, list[ev.Event]] | None) -> Summary:
         """Follow the log (progress, metrics, dead workers) until the run finishes or its deadline passes."""
@@ -183,25 +203,17 @@ class LocalRun:
         metrics = RunMetrics()
         if self.opts.metrics_port is not None:
             metrics.serve(self.opts.metrics_port)
-        deadline = time.monotonic() + self.opts.deadline_s
-        while follower.state.status == "running" or follower.state.status == "pending":
+        give_up = time.monotonic() + self.cfg.run_deadline_s + DEADLINE_GRACE_S
+        while not follower.state.status.is_terminal:
             metrics.observe(follower.state, (s.event for s in follower.poll(block_ms=200)))
             if self.opts.on_progress is not None:
                 self.opts.on_progress(follower)
             self._restart_dead()
-            if time.monotonic() > deadline:
-                logbook.append(
-                    make_event(
-                        ev.RunFinished(
-                            status="aborted", reason="run deadline passed", steps=follower.state.trainer.step
-                        ),
-                        run_id=self.run_id,
-                        producer="run",
-                        policy_version=follower.state.policy_version,
-                    )
-                )
-                follower.poll(block_ms=200)
-                break
+            if time.monotonic() > give_up:  # the coordinator did not end the run at its deadline: end it as one
+                log.error("the coordinator did not end the run at its deadline; ending it under its lease")
+                if not finish_as_coordinator(client, self.run_id, "run"):
+                    raise RuntimeError(f"run {self.run_id}: could not end the run under the coordinator lease")
+                give_up = float("inf")
         take_snapshot(client, self.run_id, follower.state, follower.last_id)
         events = [s.event for s in logbook.read()]
         if keep_events is not None:
@@ -220,15 +232,17 @@ class LocalRun:
             if replacement is not None:
                 log.warning("replacing dead worker", worker=w.name, replacement=replacement.name)
                 self.workers[i] = replacement
-                replacement.start()
-            elif not w.stop_event.is_set():  # a crash nothing restarts: fail the run now, not at its deadline
+                self._with_faults(replacement).start()
+            elif not w.stop_event.is_set():  # a crash nothing restarts: record the fact; the coordinator fails the run
                 w.stop()
                 assert self.client is not None
                 EventLog(self.client, self.run_id).append(
                     make_event(
-                        ev.RunFinished(status="failed", reason=f"worker {w.name} crashed: {w.error!r}"),
+                        ev.WorkerLost(worker=w.name, kind=w.kind, error=repr(w.error)),
                         run_id=self.run_id,
                         producer="run",
                         policy_version=0,
                     )
                 )
+                if isinstance(w, Coordinator):  # nobody else decides: the driver ends the run as the coordinator
+                    finish_as_coordinator(self.client, self.run_id, "run", ttl_ms=w.lease.ttl_ms)

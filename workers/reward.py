@@ -1,19 +1,19 @@
 """The reward worker: scores every finished sample with the task's checker (SampleFinished -> SampleScored).
 
 Stateless apart from a follower used to skip samples already scored (a reclaimed entry is never scored twice).
-The answer travels in SampleFinished, so no lookup is needed.
+The answer travels in SampleFinished, so no lookup is needed. Faults wrap `scorer` (workers/faults.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
 from rolledger.events.consumer import GroupConsumer
 from rolledger.schemas import events as ev
-from rolledger.workers.faults import Injector
-from rolledger.workers.runtime import Follower, Worker, WorkerKilled
+from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.tasks import score
 
 
@@ -27,12 +27,12 @@ class RewardWorker(Worker):
         name: str,
         tokenizer: Any,
         *,
-        injector: Injector | None = None,
         claim_idle_ms: int = 5000,
     ) -> None:
         super().__init__(client, run_id, name)
         self.tokenizer = tokenizer
-        self.injector = injector or Injector()
+        # the finished samples of one read -> their scores; a fault wrapper may replace it
+        self.scorer: Callable[[Sequence[ev.SampleFinished]], Sequence[ev.SampleScored]] = self.score_samples
         self.consumer = GroupConsumer(client, run_id, "reward", name, claim_idle_ms=claim_idle_ms)
         self.follower = Follower(self.log)
         self.scored = 0
@@ -43,7 +43,6 @@ class RewardWorker(Worker):
             self.run_id,
             self.next_name(),
             self.tokenizer,
-            injector=self.injector,
             claim_idle_ms=self.consumer.claim_idle_ms,
         )
 
@@ -63,24 +62,26 @@ class RewardWorker(Worker):
                 self.follower.catch_up()
                 continue
             self.follower.catch_up()
-            out: list[ev.Payload] = []
-            for d in deliveries:
-                p = d.event.payload
-                if isinstance(p, ev.SampleFinished) and not self._already_scored(p):
-                    t = p.trajectory
-                    reward = score(self.completion_text(list(t.token_ids)), p.answer)
-                    out.append(
-                        ev.SampleScored(
-                            sample_id=t.trajectory_id, group_id=t.group_id, reward=reward, correct=reward >= 1.0
-                        )
-                    )
-            kill = self.injector.peek("kill-worker", worker="reward")
-            if out and kill is not None and self.scored + len(out) >= kill.after:
-                self.injector.take("kill-worker", worker="reward")
-                raise WorkerKilled(f"reward worker killed with {len(deliveries)} entries unacknowledged")
+            finished = [
+                p
+                for p in (d.event.payload for d in deliveries)
+                if isinstance(p, ev.SampleFinished) and not self._already_scored(p)
+            ]
+            out = self.scorer(finished) if finished else []
             self.emitter.emit(out, policy_version=self.follower.state.policy_version)
             self.consumer.ack(*(d.stream_id for d in deliveries))
             self.scored += len(out)
+
+    def score_samples(self, finished: Sequence[ev.SampleFinished]) -> list[ev.SampleScored]:
+        """The task's checker on each sample's completion (up to <eos>) against its answer."""
+        out = []
+        for p in finished:
+            t = p.trajectory
+            reward = score(self.completion_text(list(t.token_ids)), p.answer)
+            out.append(
+                ev.SampleScored(sample_id=t.trajectory_id, group_id=t.group_id, reward=reward, correct=reward >= 1.0)
+            )
+        return out
 
     def _already_scored(self, p: ev.SampleFinished) -> bool:
         g = self.follower.state.groups.get(p.trajectory.group_id)

@@ -1,177 +1,170 @@
-"""The trainer worker: consumes scored groups, takes GRPO steps, and stages each new version as an update.
+"""The trainer worker: an interpreter of `workflows.trainer.plan_step` that does the torch and staging I/O.
 
-Per step: take the oldest `groups_per_step` scored groups; drop (TrajectoryDropped) any whose lag exceeds the cap,
-the second check after admission's; log BatchConsumed with every group's version and lag; recompute the logprobs of
-the on-policy (lag 0) trajectories with the trainer's own weights and halt admission instead of training when they
-disagree with what the engine reported (the weights did not arrive); take the step (TrainStepFinished); write the new
-weights to the staging store and append UpdateStaged. It waits for that update to be published or aborted before
-the next step, so at most one transaction is open.
+Per loop: fold the log; ask the decider for a plan (or why to wait); fetch the planned trajectories (kept from the
+SampleFinished events it follows: data the reducer does not hold); measure the logprob gap of the on-policy ones
+with the trainer's weights; if the gate refuses the step, append the plan's drops and the fact `TrainStepRefused`
+(the coordinator's decider ends the run from it); else take the GRPO step, stage the new weights and append the drops,
+BatchConsumed, TrainStepFinished and UpdateStaged as one batch with `EventLog.append_once` under the plan's key, so
+version v is staged by one writer only. It keeps nothing the reducer knows: the step, the next version, the version
+its weights are and whether it is halted all come from the state. Faults wrap `train` (workers/faults.py).
+
+The model object is the trainer's weights; a respawned trainer in this process shares it, so its weights are the
+last version staged, which is what `weights_version(state)` says.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import redis
 import torch
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.config import RunConfig
+from rolledger.schemas.config import TrainerConfig
 from rolledger.schemas.trajectory import Trajectory
-from rolledger.workers.faults import Injector
-from rolledger.workers.grpo import grpo_step, make_optimizer, sequence_logprobs
+from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
 from rolledger.workers.policy_model import policy_state
-from rolledger.workers.runtime import Follower, Worker, WorkerKilled
-from rolledger.workers.staging import DirectoryStagingStore
-from rolledger.workflows.handoff import engines_asleep
-from rolledger.workflows.state import GroupState, RunState
+from rolledger.workers.runtime import Follower, Worker
+from rolledger.workers.staging import StagingStore, load_verified, read_manifest
+from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, weights_version
+
+TAIL_PAGE = 500  # events one Follower.poll returns at most (EventLog.tail's count)
+
+
+def _stream_order(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+TrainFn = Callable[[Sequence[Trajectory], Sequence[float], TrainerConfig], GrpoStats]
 
 
 class TrainerWorker(Worker):
     kind = "trainer"
 
     def __init__(
-        self,
-        client: redis.Redis,
-        run_id: str,
-        name: str,
-        model: torch.nn.Module,
-        staging: DirectoryStagingStore,
-        *,
-        injector: Injector | None = None,
+        self, client: redis.Redis, run_id: str, name: str, model: torch.nn.Module, staging: StagingStore
     ) -> None:
         super().__init__(client, run_id, name)
         self.model = model
         self.staging = staging
-        self.injector = injector or Injector()
         self.follower = Follower(self.log)
         self.trajectories: dict[str, Trajectory] = {}
         self.optimizer: torch.optim.Optimizer | None = None
-        self.halted = False
-        self.model_version = 0  # the version the trainer's weights are: the last one it staged (published or not)
+        self.train: TrainFn = self._grpo  # one optimizer step; a fault wrapper may replace it
+        self._restored = False
 
     def respawn(self) -> TrainerWorker:
         """A restarted trainer rebuilds its state and trajectories from the log; the model is the one it staged last."""
-        fresh = TrainerWorker(
-            self.client, self.run_id, self.next_name(), self.model, self.staging, injector=self.injector
-        )
-        fresh.model_version = self.model_version
-        return fresh
+        return TrainerWorker(self.client, self.run_id, self.next_name(), self.model, self.staging)
 
     def run(self) -> None:
         while not self.stop_event.is_set():
-            for stored in self.follower.poll(block_ms=100):
-                p = stored.event.payload
-                if isinstance(p, ev.SampleFinished):
-                    self.trajectories[p.trajectory.trajectory_id] = p.trajectory
-            state = self.follower.state
-            if state.status in ("completed", "failed", "aborted"):
-                break
-            cfg = state.config
-            if cfg is None or self.halted or state.trainer.step >= cfg.steps or state.open_update is not None:
+            if self._follow(block_ms=100) >= TAIL_PAGE:
+                continue  # not caught up with the log yet: a plan on an old prefix would be a wasted step
+            if not self._restored:
+                self._restore_weights()
+            plan = plan_step(self.follower.state)
+            if isinstance(plan, Wait):
+                if plan.reason.is_final or self.follower.state.status.is_terminal:
+                    break
                 continue
-            if cfg.mode == "colocated" and not engines_asleep(state):
-                continue  # colocated: the trainer's turn comes only while every engine sleeps
-            ready = sorted(state.ready_groups(), key=lambda g: g.group_id)
-            if len(ready) >= cfg.trainer.groups_per_step:
-                self.step(state, cfg, ready[: cfg.trainer.groups_per_step])
+            self.carry_out(plan)
 
-    def _lag(self, state: RunState, g: GroupState) -> int:
-        return state.policy_version - min(g.versions or [g.admitted_version])
-
-    def step(self, state: RunState, cfg: RunConfig, groups: list[GroupState]) -> None:
-        delay = self.injector.take("delay-trainer")
-        if delay is not None:
-            time.sleep(delay.seconds)  # the injected fault itself: a slow trainer
-        kill = self.injector.take("kill-worker", worker="trainer")
-        if kill is not None:
-            raise WorkerKilled("trainer killed before its step")
-        step = state.trainer.step + 1
-        drops: list[ev.Payload] = []
-        kept: list[GroupState] = []
-        for g in groups:
-            lag = self._lag(state, g)
-            if lag > cfg.admission.max_lag:
-                drops.append(
-                    ev.TrajectoryDropped(group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason="lag", lag=lag)
-                )
-            else:
-                kept.append(g)
-        if not kept:
-            self.emitter.emit(drops, policy_version=state.policy_version)
+    def _restore_weights(self) -> None:
+        """Once caught up: make the model the weights the log says the trainer holds (the last version staged), so
+        a trainer restarted as a fresh process (its model loaded at v0) measures and trains on the right weights.
+        A respawn in this process already holds them; reloading them changes nothing."""
+        state = self.follower.state
+        if state.config is None:
+            return  # RunStarted not folded yet
+        self._restored = True
+        v = weights_version(state)
+        if v == 0:
             return
-        batch = [self.trajectories[tid] for g in kept for tid in g.accepted]
-        rewards = [g.samples[int(tid.rsplit("/", 1)[1])].reward or 0.0 for g in kept for tid in g.accepted]
-        lags = tuple(self._lag(state, g) for g in kept)
-        consumed = ev.BatchConsumed(
-            step=step,
-            group_ids=tuple(g.group_id for g in kept),
-            versions=tuple(min(g.versions or [g.admitted_version]) for g in kept),
-            lags=lags,
-            trajectory_ids=tuple(t.trajectory_id for t in batch),
-            bytes=sum(g.bytes for g in kept),
-        )
-        # agreement is only defined where the engine ran the very weights the trainer holds
-        on_policy = [t for t in batch if t.policy_version == self.model_version]
+        u = state.updates[v]
+        staged = load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest))
+        with torch.no_grad():
+            for name, p in policy_state(self.model).items():
+                p.copy_(staged.tensors[name])
+        self.logger.info("weights restored from the log", version=v)
+
+    def _follow(self, block_ms: int) -> int:
+        """Fold what the log has after our position, keeping the trajectories; how many events came."""
+        got = self.follower.poll(block_ms=block_ms)
+        for stored in got:
+            p = stored.event.payload
+            if isinstance(p, ev.SampleFinished):
+                self.trajectories[p.trajectory.trajectory_id] = p.trajectory
+        return len(got)
+
+    def _append(self, payloads: Sequence[ev.Payload], keys: Sequence[str]) -> bool:
+        """Append the batch under its single-writer keys, then fold the log up to it so the next plan sees it;
+        False when a key was taken (another trainer, or an earlier incarnation, recorded that step or group)."""
+        events = [self.emitter.wrap(p, policy_version=self.follower.state.policy_version) for p in payloads]
+        ids = self.log.append_once(events, keys)
+        if ids is None:
+            self.logger.warning("step already recorded by another writer", keys=list(keys))
+        target = ids[-1] if ids else self.log.last_id()
+        while target is not None and _stream_order(self.follower.last_id) < _stream_order(target):
+            if self.stop_event.is_set():
+                break
+            self._follow(block_ms=100)
+        return ids is not None
+
+    def carry_out(self, plan: TrainPlan) -> None:
+        cfg = self.follower.state.config
+        assert cfg is not None  # a plan exists only for a running run
+        if plan.batch is None:
+            self._append(plan.drops, plan.once_keys)
+            return
+        batch = [self.trajectories[tid] for tid in plan.batch.trajectory_ids]
+        on_policy = [self.trajectories[tid] for tid in plan.on_policy]
         gap_median, gap_p99 = logprob_agreement(self.model, on_policy)
         agreement_tokens = sum(len(t.token_ids) for t in on_policy)
-        if gap_median > cfg.trainer.max_logprob_gap:
-            self.halted = True
-            why = (
-                f"logprob agreement lost on v{self.model_version}: median gap {gap_median:.4f} > "
-                f"{cfg.trainer.max_logprob_gap:g} over {agreement_tokens} on-policy tokens; the weights did not "
-                "arrive; not training on it"
-            )
-            self.emitter.emit(
-                [
-                    *drops,
-                    ev.AdmissionPaused(reason="manual", detail=why),
-                    ev.RunFinished(status="failed", reason=why, steps=state.trainer.step),
-                ],
-                policy_version=state.policy_version,
-            )
-            self.logger.error("halting: engine logprobs disagree with the trainer's weights", gap=gap_median)
+        refused = refusal(plan, gap_median, gap_p99, agreement_tokens, cfg.trainer.max_logprob_gap)
+        if refused is not None:
+            self.logger.error("refusing the step: engine logprobs disagree with the trainer's weights", gap=gap_median)
+            self._append([*plan.drops, refused], plan.refusal_keys)
             return
-        if self.optimizer is None:
-            self.optimizer = make_optimizer(self.model, cfg.trainer.lr)
         started = time.perf_counter()
-        self.model.train()
-        stats = grpo_step(self.model, self.optimizer, batch, rewards, cfg.trainer)
-        self.model.eval()
+        stats = self.train(batch, plan.rewards, cfg.trainer)
         train_ms = (time.perf_counter() - started) * 1e3
-        version = max([*state.updates, state.policy_version]) + 1
-        staged = self.staging.stage(version, state.policy_version, policy_state(self.model))
-        self.model_version = version
-        self.emitter.emit(
-            [
-                *drops,
-                consumed,
-                ev.TrainStepFinished(
-                    step=step,
-                    loss=stats.loss,
-                    reward_mean=stats.reward_mean,
-                    logprob_gap_median=gap_median,
-                    logprob_gap_p99=gap_p99,
-                    agreement_tokens=agreement_tokens,
-                    max_seq_ratio=stats.max_seq_ratio,
-                    clipped_frac=stats.clipped_frac,
-                    train_ms=train_ms,
-                ),
-                ev.UpdateStaged(
-                    version=version,
-                    base_version=state.policy_version,
-                    manifest_digest=staged.manifest_digest,
-                    weights_digest=staged.manifest.weights_digest,
-                    uri=staged.uri,
-                    bytes=staged.bytes,
-                    tensors=len(staged.manifest.tensors),
-                ),
-            ],
-            policy_version=state.policy_version,
+        staged = self.staging.stage(plan.version, plan.base_version, policy_state(self.model))
+        done = ev.TrainStepFinished(
+            step=plan.step,
+            loss=stats.loss,
+            reward_mean=stats.reward_mean,
+            logprob_gap_median=gap_median,
+            logprob_gap_p99=gap_p99,
+            agreement_tokens=agreement_tokens,
+            max_seq_ratio=stats.max_seq_ratio,
+            clipped_frac=stats.clipped_frac,
+            train_ms=train_ms,
         )
-        for tid in consumed.trajectory_ids:
-            self.trajectories.pop(tid, None)
+        update = ev.UpdateStaged(
+            version=plan.version,
+            base_version=plan.base_version,
+            manifest_digest=staged.manifest_digest,
+            weights_digest=staged.manifest.weights_digest,
+            uri=staged.uri,
+            bytes=staged.bytes,
+            tensors=len(staged.manifest.tensors),
+        )
+        if self._append([*plan.drops, plan.batch, done, update], plan.once_keys):
+            for tid in plan.batch.trajectory_ids:
+                self.trajectories.pop(tid, None)
+
+    def _grpo(self, batch: Sequence[Trajectory], rewards: Sequence[float], cfg: TrainerConfig) -> GrpoStats:
+        if self.optimizer is None:
+            self.optimizer = make_optimizer(self.model, cfg.lr)
+        self.model.train()
+        try:
+            return grpo_step(self.model, self.optimizer, batch, rewards, cfg)
+        finally:
+            self.model.eval()
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The reducer's run and admission events: RunStarted/RunFinished, GroupAdmitted, AdmissionPaused/Resumed."""
+"""The reducer's run and admission events: RunStarted/RunFinished, WorkerLost, GroupAdmitted, AdmissionPaused/Resumed."""
 
 from __future__ import annotations
 
@@ -69,3 +69,9 @@ def _admission_resumed(s: RunState, e: ev.Event, p: ev.AdmissionResumed) -> None
         anomaly(s, e, f"admission resumed for {p.reason} but it was not paused for it")
         return
     s.admission.paused.remove(p.reason)
+
+
+@handlers.on(ev.WorkerLost)
+def _worker_lost(s: RunState, e: ev.Event, p: ev.WorkerLost) -> None:
+    """A fact the driver records; the coordinator decides the run's end on it."""
+    s.workers_lost[p.worker] = p.error

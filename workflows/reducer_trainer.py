@@ -1,4 +1,5 @@
-"""The reducer's trainer events: BatchConsumed, TrajectoryDropped, TrainStepFinished."""
+"""The reducer's trainer events: BatchConsumed, TrajectoryDropped, TrainStepFinished, TrainStepRefused (a fact the
+coordinator decides the run's end on)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,13 @@ def _train_step(s: RunState, e: ev.Event, p: ev.TrainStepFinished) -> None:
     s.trainer.rewards.append(p.reward_mean)
     if p.agreement_tokens:
         s.trainer.logprob_gaps.append(p.logprob_gap_median)
+
+
+@handlers.on(ev.TrainStepRefused)
+def _train_step_refused(s: RunState, e: ev.Event, p: ev.TrainStepRefused) -> None:
+    if s.trainer.refused:
+        anomaly(s, e, f"step {p.step} refused after the trainer already refused one")
+        return
+    if p.step != s.trainer.step + 1:
+        anomaly(s, e, f"step {p.step} refused while the trainer is at step {s.trainer.step}")
+    s.trainer.refused = p.reason

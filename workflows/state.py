@@ -148,6 +148,7 @@ class TrainerState:
     max_lag: int = 0
     rewards: list[float] = field(default_factory=list)  # reward mean per step
     logprob_gaps: list[float] = field(default_factory=list)  # median |gap| per step that had on-policy tokens
+    refused: str = ""  # why the trainer refused a step (TrainStepRefused); non-empty: it trains no more
 
 
 @dataclass(slots=True)
@@ -169,6 +170,7 @@ class RunState:
     ranks: dict[int, RankState] = field(default_factory=dict)
     admission: AdmissionState = field(default_factory=AdmissionState)
     trainer: TrainerState = field(default_factory=TrainerState)
+    workers_lost: dict[str, str] = field(default_factory=dict)  # WorkerLost: worker name -> its error
     anomalies: list[Anomaly] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # events applied, per type
     events_applied: int = 0

@@ -1,0 +1,26 @@
+"""The worker faults of workers/faults.py on the real loop: a trainer, reward worker or coordinator killed by its
+wrapper is replaced by its respawn, and the run ends as it would have without the fault (every update committed,
+nothing aborted, a clean audit, a replay without anomalies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_run_loop import execute, small
+
+from rolledger.workflows.audit import audit
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("spec", ["kill-worker=trainer@2", "kill-worker=reward@3", "kill-worker=coordinator@5"])
+def test_a_killed_worker_is_replaced_and_the_run_ends_as_without_the_fault(
+    redis_url: str, run_id: str, tmp_path: Path, spec: str
+) -> None:
+    events, summary = execute(redis_url, run_id, tmp_path, small(), spec)
+    kind = spec.split("=")[1].split("@")[0]
+    assert {e.producer for e in events} >= {kind, f"{kind}#2"}  # it died, and its respawn carried on
+    assert summary.status == "completed" and summary.steps == 3  # type: ignore[attr-defined]
+    assert summary.updates_committed == 3 and summary.updates_aborted == 0  # type: ignore[attr-defined]
+    assert audit(events).ok
