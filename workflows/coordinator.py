@@ -74,7 +74,9 @@ def decide_run_end(state: RunState) -> list[ev.Payload]:
     for g in open_groups:
         out.append(ev.GroupCancelled(group_id=g.group_id, reason="run finished"))
     unsettled = any(s.status is SampleStatus.STARTED for g in state.groups.values() for s in g.samples.values())
-    unsettled |= any(r.status is EngineStatus.PAUSED for r in state.ranks.values())  # let ranks resume after the last publish
+    unsettled |= any(
+        r.status is EngineStatus.PAUSED for r in state.ranks.values()
+    )  # let ranks resume after the last publish
     if not open_groups and not unsettled:
         out.append(ev.RunFinished(status="completed", steps=state.trainer.step))
     return out
