@@ -376,6 +376,11 @@ def _prepare_requested(s: RunState, e: ev.Event) -> None:
     if u.status != "staged":
         _anomaly(s, e, f"prepare of v{p.version} requested while {u.status}")
         return
+    for name, sent, staged in (("uri", p.uri, u.uri), ("weights digest", p.weights_digest, u.weights_digest)):
+        if sent and sent != staged:  # empty: a v1 command, which names only the staged record
+            _anomaly(
+                s, e, f"prepare of v{p.version} names {name} {sent!r}, but v{p.version} was staged with {staged!r}"
+            )
     u.status, u.ranks, u.fence, u.deadline = UpdateStatus.PREPARING, list(p.ranks), p.fence, p.deadline
 
 
@@ -417,6 +422,8 @@ def _update_committed(s: RunState, e: ev.Event) -> None:
     if u.status != "preparing":
         _anomaly(s, e, f"v{p.version} committed while {u.status}")
         return
+    if p.weights_digest and p.weights_digest != u.weights_digest:
+        _anomaly(s, e, f"v{p.version} committed to weights {p.weights_digest!r}, but staged {u.weights_digest!r}")
     missing = [r for r in p.ranks if r not in u.prepared]
     if missing or not p.ranks:
         _anomaly(s, e, f"v{p.version} committed without RankPrepared from ranks {missing}")
@@ -434,6 +441,9 @@ def _update_aborted(s: RunState, e: ev.Event) -> None:
         _anomaly(s, e, f"v{p.version} aborted while {u.status}")
         return
     u.status, u.abort_reason, u.decided_event = UpdateStatus.ABORTED, p.reason, e.event_id
+    for r in u.ranks:
+        if (rank := s.ranks.get(r)) is not None and rank.status == "asleep":
+            rank.wake_on_abort = True
 
 
 @_on(ev.RankCommitted)
@@ -533,6 +543,7 @@ def _engine_slept(s: RunState, e: ev.Event) -> None:
     if r.status == "asleep":
         _anomaly(s, e, f"rank {p.rank} slept twice")
     r.status, r.sleep_level, r.woke = EngineStatus.ASLEEP, p.level, []
+    r.slept_in_handoff, r.wake_on_abort = s.admission.handoff_step if "handoff" in s.admission.paused else -1, False
 
 
 @_on(ev.EngineWoke)
@@ -551,7 +562,7 @@ def _engine_woke(s: RunState, e: ev.Event) -> None:
         if tag not in r.woke:
             r.woke.append(tag)
     if "weights" in r.woke and "kv_cache" in r.woke:
-        r.status, r.sleep_level, r.woke = EngineStatus.PAUSED, 0, []
+        r.status, r.sleep_level, r.woke, r.wake_on_abort = EngineStatus.PAUSED, 0, [], False
 
 
 @_on(ev.EnginePaused)
@@ -559,8 +570,12 @@ def _engine_paused(s: RunState, e: ev.Event) -> None:
     p = e.payload
     assert isinstance(p, ev.EnginePaused)
     r = _rank(s, e, p.rank)
-    if r is not None and r.status == "awake":
+    if r is None:
+        return
+    if r.status == "awake":
         r.status = EngineStatus.PAUSED
+    if (u := s.open_update) is not None and p.rank in u.ranks:
+        r.drained_for = u.version
 
 
 @_on(ev.EngineResumed)
