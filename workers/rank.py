@@ -156,9 +156,13 @@ class RankWorker(Worker):
             case rd.Discard():
                 self.engine.discard_weights()
                 self._staged = None
-            case rd.Rejoin(source=src):
+            case rd.Rejoin(source=src, wake=tags):
                 try:
+                    if "weights" in tags:  # quarantined mid-handoff; the quarantine already ended the sleep in the log
+                        self.engine.wake(["weights"])
                     loaded = self._load(src)
+                    if "kv_cache" in tags:
+                        self.engine.wake(["kv_cache"])
                 except Exception as exc:  # noqa: BLE001 - the rank stays quarantined; the log says why it is
                     self.logger.error("rejoin failed; rank stays quarantined", error=str(exc))
                     self._failed_load = src.version

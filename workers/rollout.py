@@ -92,7 +92,7 @@ class Rollout:
             ]
         if not GroupStatus(g.status).is_open:  # closed before any sample started: nothing was dispatched
             return "skip", []
-        if not may_serve(self.w.state, self.w.rank):
+        if not may_serve(self.w.state, self.w.rank, live_version=self.w.engine.policy_version):
             return "wait", []
         self.w.running += 1
         return "start", []

@@ -135,9 +135,11 @@ class Discard:
 
 @dataclass(frozen=True, slots=True)
 class Rejoin:
-    """Quarantined: load `source` through the verified path, swap it in -> RankJoined."""
+    """Quarantined: wake what still sleeps (`wake`: quarantined mid-handoff), load `source` through the verified
+    path, swap it in -> RankJoined."""
 
     source: Source
+    wake: tuple[WakeTag, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +166,8 @@ RankAction = (
     | Reload
 )
 
-WAKE_ACTIONS = (Wake, WakeOnPublished, Discard)  # what a rank whose weights sleep may do
+WAKE_ACTIONS = (Wake, WakeOnPublished, Discard)
+_TAGS: tuple[WakeTag, ...] = ("weights", "kv_cache")  # wake order  # what a rank whose weights sleep may do
 
 
 # ---------------------------------------------------------------- derived facts
@@ -203,13 +206,18 @@ def _held(state: RunState, rank: int) -> bool:
 
 
 def _sleep_due(state: RunState, me: RankState) -> bool:
-    return "handoff" in state.admission.paused and me.slept_in_handoff != state.admission.handoff_step
+    """A colocated handoff waits for this rank to sleep: it has not slept in it, and the trainer has not trained."""
+    a = state.admission
+    return "handoff" in a.paused and me.slept_in_handoff != a.handoff_step and state.trainer.step <= a.handoff_step
 
 
-def may_serve(state: RunState, rank: int) -> bool:
-    """May the rank's rollout start a group now?"""
+def may_serve(state: RunState, rank: int, live_version: int | None = None) -> bool:
+    """May the rank's rollout start a group now? `live_version`: what its engine reports serving; a group never
+    starts on other weights than the log says the rank holds (a restarted engine reloads them first)."""
     me = state.ranks.get(rank)
     if me is None or not EngineStatus(me.status).may_serve or RunStatus(state.status).is_terminal:
+        return False
+    if live_version is not None and live_version != me.committed_version:
         return False
     return not _held(state, rank) and not _sleep_due(state, me)
 
@@ -239,7 +247,10 @@ def decide_rank(state: RunState, rank: int, local: RankLocal) -> list[RankAction
         out.append(Discard(local.staged_version))
     if me.status == EngineStatus.QUARANTINED:
         v = rejoin_version(state)
-        return out if local.failed_load == v else [*out, Rejoin(source(state, v))]
+        if local.failed_load == v:
+            return out
+        asleep = tuple(t for t in _TAGS if t not in me.woke) if me.sleep_level else ()
+        return [*out, Rejoin(source(state, v), asleep)]
     if me.status == EngineStatus.ASLEEP:
         return out + _asleep(state, rank, me, local)
     u = _my_update(state, rank)
@@ -294,7 +305,7 @@ def _in_update(state: RunState, rank: int, me: RankState, u: UpdateState, local:
 def _asleep(state: RunState, rank: int, me: RankState, local: RankLocal) -> list[RankAction]:
     """A sleeping rank only wakes: its weights before an update reaches the engine, its KV cache after the commit."""
     if me.wake_on_abort:
-        tags: tuple[WakeTag, ...] = tuple(t for t in ("weights", "kv_cache") if t not in me.woke)
+        tags = tuple(t for t in _TAGS if t not in me.woke)
         return [WakeOnPublished(me.sleep_level, tags, source(state, state.policy_version))]
     u = _my_update(state, rank)
     if u is None:

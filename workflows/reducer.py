@@ -601,7 +601,7 @@ def _rank_joined(s: RunState, e: ev.Event) -> None:
         r = s.ranks[p.rank] = RankState(p.rank, p.engine)
     elif r.status != "quarantined":
         _anomaly(s, e, f"rank {p.rank} joined twice")
-    r.status, r.engine = EngineStatus.AWAKE, p.engine
+    r.status, r.engine, r.sleep_level, r.woke = EngineStatus.AWAKE, p.engine, 0, []
     r.committed_version, r.weights_digest = p.policy_version, p.weights_digest
     r.sleep_levels, r.logprob_mode = list(p.sleep_levels), p.logprob_mode
 
