@@ -3,7 +3,9 @@
 An engine is one inference rank. It generates groups (one prompt, N samples sharing the prompt prefix), can be
 paused and resumed, put to sleep and woken by tags, and takes new weights in two steps: `stage_weights` validates
 into an inactive buffer (the live weights keep serving), `commit_weights` swaps them in and invalidates what the old
-weights produced. Everything it reports is plain data the workers stamp into events.
+weights produced. `prepare` is the one way a rank stages a staged update: read from its URI, every checksum verified
+(an in-process engine through workers.staging.load_verified, a remote one in its own workers). Everything it
+reports is plain data the workers stamp into events.
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ class RankWorker(Worker):
                 acted = self.execute(action) or acted
             if joined:
                 self.rollout.ensure_running()  # a killed rollout thread is replaced; the new one reclaims its entries
+        self.stop_event.set()  # the run is over (or we were stopped): the rollout thread ends too
         self.rollout.join(timeout=30)
 
     def catch_up(self, block_ms: int = 0) -> None:
