@@ -20,17 +20,20 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rolledger.events.codec import decode, encode
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.statuses import EngineStatus, GroupStatus, UpdateStatus
 from rolledger.schemas.trajectory import Trajectory
 from rolledger.workflows import rank as rd
+from rolledger.workflows.audit import audit
 from rolledger.workflows.handoff import decide_handoff, engines_asleep
-from rolledger.workflows.reducer import fold
+from rolledger.workflows.reducer import fold, replay
 from rolledger.workflows.state import RunState
 from rolledger.workflows.update import decide_update
 
@@ -431,11 +434,33 @@ def test_a_restarted_rank_behind_the_log_reloads_what_the_log_says_it_holds() ->
     assert sim.engines[0].version == v and rd.decide_rank(sim.state, 0, sim.local(0)) == []
 
 
-def test_old_v1_commands_upcast_with_empty_fields_and_replay() -> None:
-    prepare = ev.upcast("PrepareRequested", 1, {"version": 1, "manifest_digest": "m", "ranks": [0], "deadline": 1.0})
-    assert prepare["uri"] == "" and prepare["weights_digest"] == ""
-    commit = ev.upcast("UpdateCommitted", 1, {"version": 1, "manifest_digest": "m", "ranks": [0], "fence": 1})
-    assert commit["weights_digest"] == ""
+def test_old_v1_commands_decode_with_empty_fields_and_the_rank_decides_from_the_staged_record() -> None:
+    """A log written before PrepareRequested/UpdateCommitted v2: decoded from the wire, upcast with empty fields,
+    folded without anomalies; the decider takes the uri and digests from the version's UpdateStaged."""
+    sim = Sim(1, RunConfig(ranks=1, group_size=2), {})
+    sim.rank_turn(0)
+    sim.trainer()
+    for _ in range(10):
+        sim.coordinator()
+        sim.rank_turn(0)
+    old_log: list[ev.Event] = []
+    for e in sim.log:
+        raw = msgpack.unpackb(encode(e), raw=False)
+        if e.type in ("PrepareRequested", "UpdateCommitted"):
+            raw["v"] = 1
+            for name in ("uri", "weights_digest", "bytes"):
+                raw["p"].pop(name, None)
+        back = decode(msgpack.packb(raw, use_bin_type=True))
+        if e.type in ("PrepareRequested", "UpdateCommitted"):
+            assert back.payload.weights_digest == "" and back.schema_version == 2  # type: ignore[union-attr]
+        old_log.append(back)
+    state = replay(old_log)
+    assert not state.anomalies and state.policy_version == sim.state.policy_version == 1
+    assert audit(old_log).ok
+    prefix = replay(old_log[: next(i for i, e in enumerate(old_log) if e.type == "PrepareRequested") + 1])
+    assert rd.decide_rank(prefix, 0, rd.RankLocal(live_version=0)) == [
+        rd.Prepare(1, "file:///staging/v000001", "m0001", digest(1))
+    ]
 
 
 def drive_to_drain(sim: Sim) -> None:
