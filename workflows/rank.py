@@ -223,10 +223,12 @@ def may_serve(state: RunState, rank: int, live_version: int | None = None) -> bo
 
 
 def _keeps_staged(state: RunState, rank: int, version: int) -> bool:
+    """Does the transaction of `version` still need what this rank staged for it?"""
     u = state.updates.get(version)
     return (
         u is not None
-        and u.status in (UpdateStatus.PREPARING, UpdateStatus.COMMITTED, UpdateStatus.INVALIDATED, UpdateStatus.HEALTHY)
+        and UpdateStatus(u.status).is_open
+        and u.status != UpdateStatus.STAGED
         and rank in u.ranks
         and rank not in u.committed
         and rank not in u.failed
