@@ -197,14 +197,23 @@ class UpdateStaged(Payload):
 
 
 class PrepareRequested(Payload):
-    """The coordinator's command to every participating rank: prepare `version` by `deadline`."""
+    """The coordinator's command to every participating rank: prepare `version` by `deadline`.
 
+    Self-contained: it carries where the update is staged and what it must verify to, so a rank prepares from the
+    command alone. v2 added `uri`, `weights_digest` and `bytes`; a v1 event upcasts with them empty,
+    and readers fall back to the version's UpdateStaged record.
+    """
+
+    SCHEMA_VERSION: ClassVar[int] = 2
     type: Literal["PrepareRequested"] = "PrepareRequested"
     version: int
     manifest_digest: str
     ranks: tuple[int, ...]
     deadline: float
     fence: int
+    uri: str = ""
+    weights_digest: str = Field("", description="the digest every rank must report after committing")
+    bytes: int = 0
 
 
 class RankPrepared(Payload):
@@ -226,11 +235,16 @@ class RankPrepareFailed(Payload):
 
 
 class UpdateCommitted(Payload):
+    """The decision to swap `version` in on `ranks`. v2 added `weights_digest` (what each rank must then hold);
+    a v1 event upcasts with it empty, and readers fall back to the version's UpdateStaged record."""
+
+    SCHEMA_VERSION: ClassVar[int] = 2
     type: Literal["UpdateCommitted"] = "UpdateCommitted"
     version: int
     manifest_digest: str
     ranks: tuple[int, ...]
     fence: int
+    weights_digest: str = ""
 
 
 class UpdateAborted(Payload):
@@ -425,6 +439,8 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("SampleScored", 1): lambda p: {**p, "correct": float(p.get("reward", 0.0)) >= 1.0},
+    ("PrepareRequested", 1): lambda p: {**p, "uri": "", "weights_digest": "", "bytes": 0},
+    ("UpdateCommitted", 1): lambda p: {**p, "weights_digest": ""},
 }
 
 

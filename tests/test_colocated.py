@@ -17,6 +17,7 @@ from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer
 from rolledger.workers.rank import RankWorker
 from rolledger.workflows.audit import audit
+from rolledger.workflows.rank import Commit
 from rolledger.workflows.reducer import replay
 
 pytestmark = pytest.mark.slow
@@ -67,8 +68,8 @@ def test_an_update_sent_to_a_sleeping_rank_is_refused_with_an_event(redis_url: s
     client = redis.Redis.from_url(redis_url)
     worker = RankWorker(client, run_id, 0, engine)
     engine.sleep(1)
-    commit = ev.UpdateCommitted(version=1, manifest_digest="m", ranks=(0,), fence=1)
-    worker._commit(commit, "cause")  # the weights are asleep: the engine refuses, the rank says so in the log
+    commit = Commit(version=1, uri="", manifest_digest="m", weights_digest="w")
+    worker.execute(commit)  # the weights are asleep: the engine refuses, the rank says so in the log
     got = [s.event.payload for s in EventLog(client, run_id).read()]
     assert isinstance(got[0], ev.CommandRefused) and "asleep" in got[0].reason and got[0].rank == 0
     assert isinstance(got[1], ev.HealthFailed)

@@ -3,7 +3,9 @@
 An engine is one inference rank. It generates groups (one prompt, N samples sharing the prompt prefix), can be
 paused and resumed, put to sleep and woken by tags, and takes new weights in two steps: `stage_weights` validates
 into an inactive buffer (the live weights keep serving), `commit_weights` swaps them in and invalidates what the old
-weights produced. Everything it reports is plain data the workers stamp into events.
+weights produced. `prepare` is the one way a rank stages a staged update: read from its URI, every checksum verified
+(an in-process engine through workers.staging.load_verified, a remote one in its own workers). Everything it
+reports is plain data the workers stamp into events.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 from rolledger.schemas.config import SamplingParams
+from rolledger.schemas.weights import WeightManifest
 
 PauseMode = Literal["abort", "wait", "keep"]
 WakeTag = Literal["weights", "kv_cache"]
@@ -167,6 +170,26 @@ class Engine(Protocol):
         identical. Refused (IllegalEngineOrder) while asleep or with nothing staged."""
         ...
 
+    def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
+        """Read the update staged at `uri`, verify every checksum against `manifest`, and stage it (as
+        `stage_weights`); return the staged digest. The one prepare path of every engine: an in-process engine
+        loads through `workers.staging.load_verified`, a remote one makes its own workers read the files.
+
+        Raises StagingError (unreadable, truncated, checksum mismatch naming the tensor), WeightValidationError
+        or IllegalEngineOrder (asleep); the live weights keep serving either way.
+        """
+        ...
+
+    @property
+    def cache_generation(self) -> int:
+        """Generation of the prefix/KV cache: bumped each time it is invalidated."""
+        ...
+
+    @property
+    def graph_generation(self) -> int:
+        """Generation of the captured graphs: bumped when a commit changed shapes."""
+        ...
+
     def discard_weights(self) -> None: ...
 
     def reset_prefix_cache(self) -> int:
@@ -182,6 +205,13 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ArmsFaults(Protocol):
+    """An engine whose faults must be armed where it reads the staged files (a remote server's workers)."""
+
+    def inject(self, spec: str) -> None: ...
 
 
 @dataclass

@@ -8,11 +8,32 @@ once, at its first opportunity.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import ParamSpec, TypeVar
 
+import torch
+
+from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.injection import Injection
+from rolledger.schemas.weights import WeightManifest
+from rolledger.workers.engine import (
+    ArmsFaults,
+    CommitReport,
+    Engine,
+    EngineCapabilities,
+    EngineError,
+    GroupOutput,
+    HealthReport,
+    PauseMode,
+    SampleOutput,
+    SleepReport,
+    TensorSpec,
+    WakeReport,
+    WakeTag,
+)
 from rolledger.workers.runtime import WorkerKilled
+from rolledger.workers.staging import StagingError, load_verified
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -25,6 +46,10 @@ class Injector:
     def __init__(self, injections: list[Injection] | tuple[Injection, ...] = ()) -> None:
         self._pending = list(injections)
         self.fired: list[Injection] = []
+
+    @property
+    def pending(self) -> tuple[Injection, ...]:
+        return tuple(self._pending)
 
     def peek(self, kind: str, **match: object) -> Injection | None:
         for inj in self._pending:
@@ -41,6 +66,156 @@ class Injector:
 
 
 # ---------------------------------------------------------------- engine and staging faults (rank side)
+RANK_FAULTS = ("fail-rank", "corrupt-rank", "stale-weights")
+
+
+def wrap_engine(engine: Engine, rank: int, injector: Injector) -> Engine:
+    """`engine` wrapped in a FaultyEngine when the run has an injection for this rank (or a rollout kill, which
+    fires on whichever rank gets there first); the engine itself otherwise."""
+    wanted = any(
+        (i.kind in RANK_FAULTS and i.rank == rank) or (i.kind == "kill-worker" and i.worker == "rollout")
+        for i in injector.pending
+    )
+    return FaultyEngine(engine, rank, injector) if wanted else engine
+
+
+class FaultyEngine:
+    """Any Engine, with the rank-side faults of the run's injections; each fires once, through the Injector.
+
+    fail-rank=R@prepare    prepare raises (RankPrepareFailed, phase prepare)
+    fail-rank=R@transfer   prepare raises an unreadable-transfer StagingError (phase transfer)
+    corrupt-rank=R         one byte of the first tensor flips after reading: the normal verified path reports the
+                           checksum mismatch naming the tensor (a remote engine arms the same fault in its workers)
+    fail-rank=R@commit     commit drops the staged weights and raises (HealthFailed, then quarantine)
+    stale-weights=R        commit reports the manifest's version and digest but keeps the old weights: every stamp
+                           and digest claims the new version until the next real commit (a rejoin)
+    kill-worker=rollout@N  generate raises WorkerKilled at the start of the N-th group
+    """
+
+    def __init__(self, inner: Engine, rank: int, injector: Injector) -> None:
+        self.inner = inner
+        self.rank = rank
+        self.injector = injector
+        self.groups = 0
+        self._expected: dict[int, str] = {}  # version -> the manifest's weights digest, learnt at prepare
+        self._claim: tuple[int, str] | None = None  # stale-weights: the (version, digest) the engine claims
+
+    # ------------------------------------------------------------ faulty paths
+    def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
+        self._expected[version] = manifest.weights_digest
+        fail = self.injector.take("fail-rank", rank=self.rank, phase="prepare")
+        if fail is not None:
+            raise EngineError(f"injected ({fail.spec})")
+        fail = self.injector.take("fail-rank", rank=self.rank, phase="transfer")
+        if fail is not None:
+            raise StagingError(None, f"transfer interrupted (injected {fail.spec})", kind="unreadable", version=version)
+        if self.injector.take("corrupt-rank", rank=self.rank) is not None:
+            if isinstance(self.inner, ArmsFaults):  # the remote workers read the files: the fault is armed there
+                self.inner.inject("corrupt-prepare")
+            else:
+                tensors = load_verified(uri, manifest, corrupt=manifest.tensors[0].name)
+                return self.inner.stage_weights(version, dict(tensors))
+        return self.inner.prepare(version, uri, manifest)
+
+    def commit_weights(self, version: int) -> CommitReport:
+        fail = self.injector.take("fail-rank", rank=self.rank, phase="commit")
+        if fail is not None:
+            self.inner.discard_weights()
+            raise EngineError(f"injected {fail.spec}")
+        if self._claim is None and self.injector.take("stale-weights", rank=self.rank) is not None:
+            self.inner.discard_weights()  # keeps serving the old weights
+            self._claim = (version, self._expected.get(version, ""))
+            cache_generation = self.inner.reset_prefix_cache()
+            return CommitReport(version, self._claim[1], cache_generation, self.inner.graph_generation, False)
+        self._claim = None
+        return self.inner.commit_weights(version)
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        should_cancel: Callable[[int], bool] | None = None,
+        on_sample: Callable[[int, SampleOutput], None] | None = None,
+    ) -> GroupOutput:
+        kill = self.injector.peek("kill-worker", worker="rollout")
+        if kill is not None and self.groups + 1 >= kill.after and self.injector.take("kill-worker", worker="rollout"):
+            raise WorkerKilled(f"rollout on rank {self.rank} killed mid-group")
+        self.groups += 1
+        kw: dict[str, object] = {"should_cancel": should_cancel}
+        if on_sample is not None:
+            kw["on_sample"] = lambda i, s: on_sample(i, self._stamped(s))
+        out = self.inner.generate(prompt_token_ids, n, sampling, **kw)  # type: ignore[arg-type]  # on_sample: streaming engines only
+        if self._claim is None:
+            return out
+        version, digest = self._claim
+        return replace(
+            out, samples=[self._stamped(s) for s in out.samples], policy_version=version, weights_digest=digest
+        )
+
+    def _stamped(self, s: SampleOutput) -> SampleOutput:
+        if self._claim is None or not s.spans:
+            return s
+        return replace(s, spans=tuple((b, self._claim[0], self._claim[1]) for b, _, _ in s.spans))
+
+    @property
+    def policy_version(self) -> int:
+        return self._claim[0] if self._claim is not None else self.inner.policy_version
+
+    def weights_digest(self) -> str:
+        return self._claim[1] if self._claim is not None else self.inner.weights_digest()
+
+    # ------------------------------------------------------------ the rest: the real engine
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities
+
+    def pause(self, mode: PauseMode) -> None:
+        self.inner.pause(mode)
+
+    def resume(self) -> None:
+        self.inner.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.inner.is_paused
+
+    def sleep(self, level: int) -> SleepReport:
+        return self.inner.sleep(level)
+
+    def wake(self, tags: Sequence[WakeTag]) -> WakeReport:
+        return self.inner.wake(tags)
+
+    @property
+    def asleep_level(self) -> int:
+        return self.inner.asleep_level
+
+    def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
+        return self.inner.live_tensor_specs()
+
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
+        return self.inner.stage_weights(version, tensors)
+
+    @property
+    def cache_generation(self) -> int:
+        return self.inner.cache_generation
+
+    @property
+    def graph_generation(self) -> int:
+        return self.inner.graph_generation
+
+    def discard_weights(self) -> None:
+        self.inner.discard_weights()
+
+    def reset_prefix_cache(self) -> int:
+        return self.inner.reset_prefix_cache()
+
+    def health(self) -> HealthReport:
+        return self.inner.health()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 # ---------------------------------------------------------------- trainer and worker faults

@@ -38,7 +38,7 @@ from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import Injection, check_injections
 from rolledger.workers.coordinator import Coordinator, finish_as_coordinator
 from rolledger.workers.engines.factory import build_engines
-from rolledger.workers.faults import Injector, mortal_coordinator, mortal_scorer, slow_and_mortal_trainer
+from rolledger.workers.faults import Injector, mortal_coordinator, mortal_scorer, slow_and_mortal_trainer, wrap_engine
 from rolledger.workers.grpo import warm_start
 from rolledger.workers.metrics import RunMetrics
 from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
@@ -180,7 +180,9 @@ class LocalRun:
         engines, self._close_engines = build_engines(cfg, model_dir, tokenizer, self.run_dir)
         for r, engine in enumerate(engines):
             self.workers.append(
-                RankWorker(client, self.run_id, r, engine, injector=injector, initial_weights=lambda: dict(initial))
+                RankWorker(
+                    client, self.run_id, r, wrap_engine(engine, r, injector), initial_weights=lambda: dict(initial)
+                )
             )
         self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer))
         self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging))

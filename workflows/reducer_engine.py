@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import EngineStatus, WakeTag
+from rolledger.schemas.statuses import AdmissionReason, EngineStatus, WakeTag
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly, find_rank
 from rolledger.workflows.state import RankState, RunState
@@ -19,6 +19,8 @@ def _engine_slept(s: RunState, e: ev.Event, p: ev.EngineSlept) -> None:
     if r.status == EngineStatus.ASLEEP:
         anomaly(s, e, f"rank {p.rank} slept twice")
     r.status, r.sleep_level, r.woke = EngineStatus.ASLEEP, p.level, []
+    in_handoff = AdmissionReason.HANDOFF in s.admission.paused
+    r.slept_in_handoff, r.wake_on_abort = s.admission.handoff_step if in_handoff else -1, False
 
 
 @handlers.on(ev.EngineWoke)
@@ -35,14 +37,18 @@ def _engine_woke(s: RunState, e: ev.Event, p: ev.EngineWoke) -> None:
         if tag not in r.woke:
             r.woke.append(tag)
     if WakeTag.WEIGHTS in r.woke and WakeTag.KV_CACHE in r.woke:
-        r.status, r.sleep_level, r.woke = EngineStatus.PAUSED, 0, []
+        r.status, r.sleep_level, r.woke, r.wake_on_abort = EngineStatus.PAUSED, 0, [], False
 
 
 @handlers.on(ev.EnginePaused)
 def _engine_paused(s: RunState, e: ev.Event, p: ev.EnginePaused) -> None:
     r = find_rank(s, e, p.rank)
-    if r is not None and r.status == EngineStatus.AWAKE:
+    if r is None:
+        return
+    if r.status == EngineStatus.AWAKE:
         r.status = EngineStatus.PAUSED
+    if (u := s.open_update) is not None and p.rank in u.ranks:
+        r.drained_for = u.version
 
 
 @handlers.on(ev.EngineResumed)
@@ -64,7 +70,7 @@ def _rank_joined(s: RunState, e: ev.Event, p: ev.RankJoined) -> None:
         r = s.ranks[p.rank] = RankState(p.rank, p.engine)
     elif r.status.in_service:
         anomaly(s, e, f"rank {p.rank} joined twice")
-    r.status, r.engine = EngineStatus.AWAKE, p.engine
+    r.status, r.engine, r.sleep_level, r.woke = EngineStatus.AWAKE, p.engine, 0, []
     r.committed_version, r.weights_digest = p.policy_version, p.weights_digest
     r.sleep_levels, r.logprob_mode = list(p.sleep_levels), p.logprob_mode
 

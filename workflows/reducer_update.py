@@ -33,6 +33,9 @@ def _prepare_requested(s: RunState, e: ev.Event, p: ev.PrepareRequested) -> None
     if u.status != UpdateStatus.STAGED:
         anomaly(s, e, f"prepare of v{p.version} requested while {u.status}")
         return
+    for name, sent, staged in (("uri", p.uri, u.uri), ("weights digest", p.weights_digest, u.weights_digest)):
+        if sent and sent != staged:  # empty: a v1 command, which names only the staged record
+            anomaly(s, e, f"prepare of v{p.version} names {name} {sent!r}, but v{p.version} was staged with {staged!r}")
     u.status, u.ranks, u.fence, u.deadline = UpdateStatus.PREPARING, list(p.ranks), p.fence, p.deadline
 
 
@@ -66,6 +69,8 @@ def _update_committed(s: RunState, e: ev.Event, p: ev.UpdateCommitted) -> None:
     if u.status != UpdateStatus.PREPARING:
         anomaly(s, e, f"v{p.version} committed while {u.status}")
         return
+    if p.weights_digest and p.weights_digest != u.weights_digest:
+        anomaly(s, e, f"v{p.version} committed to weights {p.weights_digest!r}, but staged {u.weights_digest!r}")
     missing = [r for r in p.ranks if r not in u.prepared]
     if missing or not p.ranks:
         anomaly(s, e, f"v{p.version} committed without RankPrepared from ranks {missing}")
@@ -81,6 +86,9 @@ def _update_aborted(s: RunState, e: ev.Event, p: ev.UpdateAborted) -> None:
         anomaly(s, e, f"v{p.version} aborted while {u.status}")
         return
     u.status, u.abort_reason, u.decided_event = UpdateStatus.ABORTED, p.reason, e.event_id
+    for r in u.ranks:
+        if (rank := s.ranks.get(r)) is not None and rank.status is EngineStatus.ASLEEP:
+            rank.wake_on_abort = True
 
 
 @handlers.on(ev.RankCommitted)

@@ -122,6 +122,9 @@ class RankState:
     sleep_levels: list[int] = field(default_factory=list)
     logprob_mode: LogprobMode = LogprobMode.RAW
     groups_generated: int = 0
+    drained_for: int = 0  # the update version whose drain this rank reported (EnginePaused); 0: none
+    slept_in_handoff: int = -1  # admission.handoff_step of the handoff this rank last slept in; -1: never
+    wake_on_abort: bool = False  # an update aborted while it slept: it wakes on the published weights
 
 
 @dataclass(slots=True)

@@ -66,9 +66,8 @@ class TrainPlan:
     drops: tuple[ev.TrajectoryDropped, ...]  # selected groups over the lag cap
     batch: ev.BatchConsumed | None  # None: every selected group was over the cap; only the drops are appended
     rewards: tuple[float, ...]  # per trajectory of batch.trajectory_ids
-    on_policy: tuple[
-        str, ...
-    ]  # trajectories generated with the trainer's own weights: the agreement is measured on them
+    # trajectories generated with the trainer's own weights: the agreement is measured on them
+    on_policy: tuple[str, ...]
 
     @property
     def once_keys(self) -> tuple[str, ...]:

@@ -70,6 +70,9 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
                 ranks=ranks,
                 deadline=now + up.prepare_deadline_s,
                 fence=fence,
+                uri=u.uri,
+                weights_digest=u.weights_digest,
+                bytes=u.bytes,
             )
         ]
     if u.status == UpdateStatus.PREPARING:
@@ -113,7 +116,11 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
         if drained:
             return [
                 ev.UpdateCommitted(
-                    version=u.version, manifest_digest=u.manifest_digest, ranks=tuple(u.ranks), fence=fence
+                    version=u.version,
+                    manifest_digest=u.manifest_digest,
+                    ranks=tuple(u.ranks),
+                    fence=fence,
+                    weights_digest=u.weights_digest,
                 )
             ]
         if u.paused_at and now > u.paused_at + up.drain_deadline_s:

@@ -45,6 +45,7 @@ import xxhash
 from transformers import DynamicCache
 
 from rolledger.schemas.config import SamplingParams
+from rolledger.schemas.weights import WeightManifest
 from rolledger.workers.engine import (
     CommitReport,
     EngineCapabilities,
@@ -62,6 +63,7 @@ from rolledger.workers.engine import (
     WeightValidationError,
 )
 from rolledger.workers.policy_model import policy_state
+from rolledger.workers.staging import load_verified
 from rolledger.workers.weights import dtype_name, state_digest
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -648,6 +650,10 @@ class TorchEngine:
         with self._state:
             self._staged = _Staged(version=version, tensors=buffer, digest=digest)
         return digest
+
+    def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
+        """Load the update at `uri` through the verified path (every checksum), then stage it."""
+        return self.stage_weights(version, dict(load_verified(uri, manifest)))
 
     def commit_weights(self, version: int) -> CommitReport:
         with self._model_lock, self._state:

@@ -44,6 +44,7 @@ import torch
 import xxhash
 
 from rolledger.schemas.config import SamplingParams
+from rolledger.schemas.weights import WeightManifest
 from rolledger.workers.engine import (
     CommitReport,
     EngineCapabilities,
@@ -404,6 +405,18 @@ class VllmEngine:
     def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
         specs = self._answers(self._rpc("rolledger_specs"), "specs")[0]["specs"]
         return {name: TensorSpec(shape=tuple(shape), dtype=str(dtype)) for name, (shape, dtype) in specs.items()}
+
+    @property
+    def cache_generation(self) -> int:
+        return self._st.cache_generation
+
+    @property
+    def graph_generation(self) -> int:
+        return self._st.graph_generation
+
+    def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
+        """The Engine prepare path: the server's own workers read and verify the staged files (prepare_from_uri)."""
+        return self.prepare_from_uri(version, uri, manifest)
 
     def prepare_from_uri(self, version: int, uri: str, manifest: Any) -> str:
         """Every vLLM worker reads and validates the staged update at `uri`; returns the staged weights digest.

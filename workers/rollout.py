@@ -1,0 +1,235 @@
+"""A rank's rollout thread: generates the groups it takes from the `rollout` consumer group.
+
+It reads GroupAdmitted entries (acking every other entry type at once), waits until the rank may serve
+(`workflows.rank.may_serve` on the rank's folded state, under the rank's lock, where the running-group count is
+raised in the same step), and generates the group: SampleStarted for each sample, SampleFinished as each sample ends
+(streamed, so a first-k group completes while the others still run), SampleCancelled for a sample cut short because
+the coordinator closed the group, SampleFailed when the engine fails. A group reclaimed from a dead consumer first
+has its orphaned samples closed with SampleFailed, so no sample is counted twice and none is left without a
+terminal event. A WorkerKilled from the engine (an injected fault) ends the thread without acknowledging its entry;
+the rank's control thread starts a new one, which reclaims it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from rolledger.events.consumer import Delivery, GroupConsumer
+from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import GroupStatus, SampleStatus
+from rolledger.schemas.trajectory import Trajectory, VersionSpan
+from rolledger.workers.engine import GroupOutput, SampleOutput
+from rolledger.workers.runtime import WorkerKilled
+from rolledger.workflows.rank import may_serve
+
+if TYPE_CHECKING:
+    from rolledger.workers.rank import RankWorker
+
+_SEEN_WITHIN_S = 30.0  # how long a delivered group may take to reach the rank's folded state
+
+
+class Rollout:
+    def __init__(self, worker: RankWorker, claim_idle_ms: int) -> None:
+        self.w = worker
+        self.claim_idle_ms = claim_idle_ms
+        self.incarnation = 0
+        self.groups_done = 0
+        self._thread: threading.Thread | None = None
+
+    def ensure_running(self) -> None:
+        if self._thread is not None and (self._thread.is_alive() or self.w.stop_event.is_set()):
+            return
+        self.incarnation += 1
+        name = self.w.name if self.incarnation == 1 else f"{self.w.name}.{self.incarnation}"
+        consumer = GroupConsumer(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_idle_ms)
+        consumer.ensure_group()
+        self._thread = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        with self.w.lock:
+            self.w.lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+
+    def _main(self, consumer: GroupConsumer) -> None:
+        try:
+            while not self.w.stop_event.is_set():
+                for d in consumer.read(count=1, block_ms=100):
+                    if not isinstance(d.event.payload, ev.GroupAdmitted):
+                        consumer.ack(d.stream_id)
+                        continue
+                    if not self._generate_group(d, consumer):
+                        return
+        except WorkerKilled as exc:
+            self.w.logger.warning("rollout thread killed by injection", reason=str(exc))
+        except Exception:
+            self.w.logger.exception("rollout thread crashed")
+
+    def _open(self, group_id: str) -> bool:
+        g = self.w.state.groups.get(group_id)
+        return g is not None and GroupStatus(g.status).is_open
+
+    def _admit(self, p: ev.GroupAdmitted) -> tuple[str, list[ev.Payload]]:
+        """Under the lock: 'wait' (not in the folded state yet, or the rank may not serve), 'skip' (closed or
+        reclaimed: the payloads close its orphans), or 'start' (the running count is raised)."""
+        g = self.w.state.groups.get(p.group_id)
+        if g is None:
+            return "wait", []
+        if g.samples:  # reclaimed from a dead worker: close what it left open, never run a sample twice
+            return "skip", [
+                ev.SampleFailed(
+                    sample_id=f"{p.group_id}/{s.index}",
+                    group_id=p.group_id,
+                    index=s.index,
+                    rank=self.w.rank,
+                    error="worker lost before the sample finished",
+                )
+                for s in g.samples.values()
+                if s.status == SampleStatus.STARTED
+            ]
+        if not GroupStatus(g.status).is_open:  # closed before any sample started: nothing was dispatched
+            return "skip", []
+        if not may_serve(self.w.state, self.w.rank, live_version=self.w.engine.policy_version):
+            return "wait", []
+        self.w.running += 1
+        return "start", []
+
+    def _generate_group(self, d: Delivery, consumer: GroupConsumer) -> bool:
+        p = d.event.payload
+        assert isinstance(p, ev.GroupAdmitted)
+        seen_by = time.monotonic() + _SEEN_WITHIN_S
+        with self.w.lock:
+            while True:
+                verdict, orphans = self._admit(p)
+                if verdict != "wait":
+                    break
+                if self.w.stop_event.is_set():
+                    return False
+                if p.group_id not in self.w.state.groups and time.monotonic() > seen_by:
+                    # leave it pending: another consumer (or we, later) reclaims it
+                    self.w.logger.error("group never reached this rank's follower", group=p.group_id)
+                    return True
+                self.w.lock.wait(timeout=0.2)  # woken by every fold of the control thread
+        if verdict == "skip":
+            self.w.emitter.emit(orphans, policy_version=self.w.engine.policy_version, causation_id=d.event.event_id)
+            consumer.ack(d.stream_id)
+            return True
+        try:
+            self._run(d, p)
+            consumer.ack(d.stream_id)
+            self.groups_done += 1
+            return True
+        finally:
+            with self.w.lock:
+                self.w.running -= 1
+                self.w.lock.notify_all()
+
+    def _run(self, d: Delivery, p: ev.GroupAdmitted) -> None:
+        engine, rank = self.w.engine, self.w.rank
+        ids = [f"{p.group_id}/{i}" for i in range(p.n)]
+        version, digest = engine.policy_version, engine.weights_digest()
+
+        def emit(*payloads: ev.Payload) -> None:
+            self.w.emitter.emit(list(payloads), policy_version=engine.policy_version, causation_id=d.event.event_id)
+
+        emit(
+            *[
+                ev.SampleStarted(
+                    sample_id=ids[i],
+                    group_id=p.group_id,
+                    index=i,
+                    rank=rank,
+                    policy_version=version,
+                    weights_digest=digest,
+                )
+                for i in range(p.n)
+            ]
+        )
+        started = time.perf_counter()
+
+        def should_cancel(_: int) -> bool:
+            with self.w.lock:
+                return not self._open(p.group_id)
+
+        streamed: set[int] = set()
+
+        def on_sample(i: int, s: SampleOutput) -> None:
+            # one sample ended: log it now, so a first-k group can complete while the others still run
+            so_far = GroupOutput([], version, digest, engine.cache_generation, engine.graph_generation)
+            t = self._trajectory(p, i, s, so_far)
+            emit(ev.SampleFinished(trajectory=t, answer=p.answer, gen_ms=(time.perf_counter() - started) * 1e3))
+            streamed.add(i)
+
+        try:
+            if engine.capabilities.streams_samples:
+                out = engine.generate(
+                    p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel, on_sample=on_sample
+                )  # type: ignore[call-arg]  # streaming engines take on_sample (EngineCapabilities.streams_samples)
+            else:
+                out = engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
+        except WorkerKilled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
+            emit(
+                *[
+                    ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=rank, error=str(exc))
+                    for i in range(p.n)
+                ]
+            )
+            return
+        gen_ms = (time.perf_counter() - started) * 1e3
+        emit(*self._results(p, out, gen_ms, skip=streamed))
+
+    def _results(self, p: ev.GroupAdmitted, out: GroupOutput, gen_ms: float, skip: set[int]) -> list[ev.Payload]:
+        results: list[ev.Payload] = []
+        for i, s in enumerate(out.samples):
+            if i in skip:
+                continue
+            sid = f"{p.group_id}/{i}"
+            if s.finish_reason == "abort":
+                results.append(
+                    ev.SampleCancelled(sample_id=sid, group_id=p.group_id, index=i, reason="cancelled while generating")
+                )
+                continue
+            results.append(ev.SampleFinished(trajectory=self._trajectory(p, i, s, out), answer=p.answer, gen_ms=gen_ms))
+        return results
+
+    def _trajectory(self, p: ev.GroupAdmitted, i: int, s: SampleOutput, out: GroupOutput) -> Trajectory:
+        start = len(p.prompt_token_ids)
+        spans = tuple(
+            VersionSpan(
+                start=b,
+                end=s.spans[k + 1][0] if k + 1 < len(s.spans) else len(s.token_ids),
+                policy_version=v,
+                weights_digest=dg,
+            )
+            for k, (b, v, dg) in enumerate(s.spans)
+        )
+        # a trajectory says the version it started on; its spans say which version produced which tokens
+        version, digest = (
+            (spans[0].policy_version, spans[0].weights_digest) if spans else (out.policy_version, out.weights_digest)
+        )
+        return Trajectory(
+            trajectory_id=f"{p.group_id}/{i}",
+            group_id=p.group_id,
+            prompt_id=p.prompt_id,
+            index=i,
+            prompt_token_ids=p.prompt_token_ids,
+            token_ids=s.token_ids,
+            loss_mask=[1] * len(s.token_ids),
+            positions=list(range(start, start + len(s.token_ids))),
+            logprobs=s.logprobs,
+            logprob_mode=self.w.engine.capabilities.logprob_mode,
+            finish_reason=s.finish_reason,
+            sampling=p.sampling,
+            policy_version=version,
+            weights_digest=digest,
+            spans=spans,
+            rank=self.w.rank,
+            engine=self.w.engine.capabilities.name,
+            cache_generation=out.cache_generation,
+            graph_generation=out.graph_generation,
+        )

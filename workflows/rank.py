@@ -1,0 +1,329 @@
+"""The rank's decisions: `decide_rank(state, rank, local) -> [RankAction]`, pure and level-triggered.
+
+A rank worker (workers/rank.py) folds the log until it is caught up, asks this module what to do, executes each
+action and appends its events, then catches up again before the next decision. The decision is a function of the
+folded `RunState` and of `RankLocal` - the few facts only the engine knows (groups running right now, the version it
+holds staged, the version it reports serving) - and never of "the event just seen". So a batch of events can never
+make a rank act on a state it has already left, deciding twice on one state gives the same actions, executing an
+action changes the state so that it is not decided again, and a restarted rank is the same rank.
+
+Also here: `may_serve(state, rank)`, whether the rank's rollout may start a group. It is false from the moment the
+log asks the rank to drain (AdmissionPaused for an update it takes part in, a colocated handoff it has not slept in
+yet), so "may I start a group" and "report drained" are decided on the same state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rolledger.schemas.statuses import EngineStatus, RunStatus, UpdateStatus
+from rolledger.workflows.state import RankState, RunState, UpdateState
+
+DrainMode = Literal["abort", "wait", "keep"]
+WakeTag = Literal["weights", "kv_cache"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankLocal:
+    """What the log cannot know: the engine's own facts, read by the interpreter just before each decision."""
+
+    running: int = 0  # groups the engine is generating right now
+    engine_paused: bool = False  # the engine's pause flag
+    staged_version: int | None = None  # the version the engine holds staged (validated, not swapped in)
+    live_version: int | None = None  # the version the engine reports serving (None: not known)
+    interruptible: bool = False  # the engine can park a running group and continue it on new weights
+    failed_load: int | None = None  # the version a rejoin/reload last failed on: not retried until another is due
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a version's weights come from: the staged update (uri + manifest), or the initial weights (v0, uri "")."""
+
+    version: int
+    uri: str = ""
+    manifest_digest: str = ""
+    weights_digest: str = ""
+
+
+# ---------------------------------------------------------------- actions (each carries what its executor needs)
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Announce the rank (RankJoined) with the engine's capabilities and live weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare:
+    """Read the staged update, verify every checksum, stage it -> RankPrepared | RankPrepareFailed."""
+
+    version: int
+    uri: str
+    manifest_digest: str
+    weights_digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Pause the engine without reporting (drain_mode "abort": cut the running groups short)."""
+
+    mode: DrainMode
+
+
+@dataclass(frozen=True, slots=True)
+class ReportDrained:
+    """No group runs (or the engine parks them): pause the engine in `mode` and say so (EnginePaused)."""
+
+    version: int
+    mode: DrainMode
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Swap the staged version in -> RankCommitted, CacheInvalidated (| CommandRefused, HealthFailed). `reload`: the
+    engine holds nothing staged for it (a restarted rank): prepare it again through the verified path first."""
+
+    version: int
+    uri: str
+    manifest_digest: str
+    weights_digest: str
+    reload: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Run the health probe on the committed weights -> HealthPassed | HealthFailed."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Colocated handoff: pause (drain_mode) and sleep at `level` -> EngineSlept."""
+
+    level: int
+    drain_mode: DrainMode
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Wake these tags -> EngineWoke (weights before an update reaches the engine, kv_cache after its commit)."""
+
+    tags: tuple[WakeTag, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WakeOnPublished:
+    """The update aborted while the rank slept: wake what still sleeps; level 2 dropped the weights, so the published
+    version is reloaded through the verified path between the weights and the KV cache."""
+
+    level: int
+    tags: tuple[WakeTag, ...]
+    source: Source
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Resume generation -> EngineResumed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Discard:
+    """Drop what the engine holds staged for a version whose transaction no longer needs it."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoin:
+    """Quarantined: wake what still sleeps (`wake`: quarantined mid-handoff), load `source` through the verified
+    path, swap it in -> RankJoined."""
+
+    source: Source
+    wake: tuple[WakeTag, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """The engine serves another version than the log says this rank holds (a restarted engine): load the logged
+    one through the verified path, silently (the log already says so)."""
+
+    source: Source
+
+
+RankAction = (
+    Join
+    | Prepare
+    | Pause
+    | ReportDrained
+    | Commit
+    | Probe
+    | Sleep
+    | Wake
+    | WakeOnPublished
+    | Resume
+    | Discard
+    | Rejoin
+    | Reload
+)
+
+WAKE_ACTIONS = (Wake, WakeOnPublished, Discard)
+_TAGS: tuple[WakeTag, ...] = ("weights", "kv_cache")  # wake order  # what a rank whose weights sleep may do
+
+
+# ---------------------------------------------------------------- derived facts
+def source(state: RunState, version: int) -> Source:
+    """The weights of a decided version: its staged record, or the initial weights (version 0)."""
+    u = state.updates.get(version)
+    if version == 0 or u is None:
+        return Source(version)
+    return Source(version, u.uri, u.manifest_digest, u.weights_digest)
+
+
+def rejoin_version(state: RunState) -> int:
+    """The version a quarantined rank rejoins on: the newest whose commit is decided (roll forward), else the
+    published one."""
+    decided = [v for v, u in state.updates.items() if UpdateStatus(u.status).is_decided_commit]
+    return max([*decided, state.policy_version])
+
+
+def _my_update(state: RunState, rank: int) -> UpdateState | None:
+    """The open transaction this rank takes part in (not quarantined out of it)."""
+    u = state.open_update
+    if u is None or rank not in u.ranks or rank in u.quarantined:
+        return None
+    return u
+
+
+def _held(state: RunState, rank: int) -> bool:
+    """Must generation stay stopped for an update? From the update's pause on (or, rejoined mid-transaction, until
+    the transaction closes), through the commit, until the version is published or aborted."""
+    u = state.open_update
+    if u is None or rank not in u.ranks:
+        return False
+    if rank in u.quarantined:
+        return True
+    return "update" in state.admission.paused or UpdateStatus(u.status).is_decided_commit
+
+
+def _sleep_due(state: RunState, me: RankState) -> bool:
+    """A colocated handoff waits for this rank to sleep: it has not slept in it, and the trainer has not trained."""
+    a = state.admission
+    return "handoff" in a.paused and me.slept_in_handoff != a.handoff_step and state.trainer.step <= a.handoff_step
+
+
+def may_serve(state: RunState, rank: int, live_version: int | None = None) -> bool:
+    """May the rank's rollout start a group now? `live_version`: what its engine reports serving; a group never
+    starts on other weights than the log says the rank holds (a restarted engine reloads them first)."""
+    me = state.ranks.get(rank)
+    if me is None or not EngineStatus(me.status).may_serve or RunStatus(state.status).is_terminal:
+        return False
+    if live_version is not None and live_version != me.committed_version:
+        return False
+    return not _held(state, rank) and not _sleep_due(state, me)
+
+
+def _keeps_staged(state: RunState, rank: int, version: int) -> bool:
+    """Does the transaction of `version` still need what this rank staged for it?"""
+    u = state.updates.get(version)
+    return (
+        u is not None
+        and UpdateStatus(u.status).is_open
+        and u.status != UpdateStatus.STAGED
+        and rank in u.ranks
+        and rank not in u.committed
+        and rank not in u.failed
+        and rank not in u.quarantined
+    )
+
+
+# ---------------------------------------------------------------- the decider
+def decide_rank(state: RunState, rank: int, local: RankLocal) -> list[RankAction]:
+    """What rank `rank` does next, from the folded state and the engine's local facts alone."""
+    if RunStatus(state.status).is_terminal or state.config is None:
+        return []
+    me = state.ranks.get(rank)
+    if me is None:
+        return [Join()]
+    out: list[RankAction] = []
+    if local.staged_version is not None and not _keeps_staged(state, rank, local.staged_version):
+        out.append(Discard(local.staged_version))
+    if me.status == EngineStatus.QUARANTINED:
+        v = rejoin_version(state)
+        if local.failed_load == v:
+            return out
+        asleep = tuple(t for t in _TAGS if t not in me.woke) if me.sleep_level else ()
+        return [*out, Rejoin(source(state, v), asleep)]
+    if me.status == EngineStatus.ASLEEP:
+        return out + _asleep(state, rank, me, local)
+    u = _my_update(state, rank)
+    if u is not None:
+        acts = _in_update(state, rank, me, u, local)
+        if acts is not None:
+            return out + acts
+    if _sleep_due(state, me):
+        if local.running:
+            return out  # the current group finishes first
+        cfg = state.config
+        return [*out, Sleep(cfg.sleep_level, cfg.update.drain_mode)]
+    behind = local.live_version is not None and local.live_version != me.committed_version
+    if behind and local.failed_load != me.committed_version:
+        return [*out, Reload(source(state, me.committed_version))]
+    if (me.status == EngineStatus.PAUSED or local.engine_paused) and not _held(state, rank):
+        out.append(Resume())
+    return out
+
+
+def _in_update(state: RunState, rank: int, me: RankState, u: UpdateState, local: RankLocal) -> list[RankAction] | None:
+    """An awake (or paused) rank's part in the open update; None when it has nothing to do in it right now."""
+    cfg = state.config
+    assert cfg is not None
+    status = UpdateStatus(u.status)
+    if status == UpdateStatus.PREPARING:
+        if rank not in u.prepared and rank not in u.failed:
+            return [Prepare(u.version, u.uri, u.manifest_digest, u.weights_digest)]
+        if "update" in state.admission.paused and me.drained_for != u.version:
+            interruptible = cfg.interruptible and local.interruptible
+            if local.running and not interruptible:
+                if cfg.update.drain_mode == "abort" and not local.engine_paused:
+                    return [Pause("abort")]
+                return []  # wait for the running group to end
+            return [ReportDrained(u.version, "keep" if interruptible else cfg.update.drain_mode)]
+        return None if not _held(state, rank) else []
+    if status.is_decided_commit:
+        if rank in u.failed:
+            return []  # the coordinator quarantines it
+        if rank not in u.committed:
+            if rank not in u.prepared:
+                return []  # never commits what it did not prepare (the reducer flags such a commit)
+            return [
+                Commit(u.version, u.uri, u.manifest_digest, u.weights_digest, reload=local.staged_version != u.version)
+            ]
+        if rank not in u.healthy:
+            return [Probe(u.version)]
+        return []  # published soon: generation stays stopped until then
+    return None
+
+
+def _asleep(state: RunState, rank: int, me: RankState, local: RankLocal) -> list[RankAction]:
+    """A sleeping rank only wakes: its weights before an update reaches the engine, its KV cache after the commit."""
+    if me.wake_on_abort:
+        tags = tuple(t for t in _TAGS if t not in me.woke)
+        return [WakeOnPublished(me.sleep_level, tags, source(state, state.policy_version))]
+    u = _my_update(state, rank)
+    if u is None:
+        return []  # the trainer's turn
+    weights_awake = "weights" in me.woke
+    status = UpdateStatus(u.status)
+    if status == UpdateStatus.PREPARING and rank not in u.prepared and rank not in u.failed:
+        return (
+            [Prepare(u.version, u.uri, u.manifest_digest, u.weights_digest)] if weights_awake else [Wake(("weights",))]
+        )
+    if status.is_decided_commit and rank not in u.failed and rank in u.prepared:
+        if not weights_awake:
+            return [Wake(("weights",))]
+        if rank not in u.committed:
+            return [
+                Commit(u.version, u.uri, u.manifest_digest, u.weights_digest, reload=local.staged_version != u.version)
+            ]
+        return [Wake(("kv_cache",))]
+    return []
