@@ -21,7 +21,9 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_as_without_the_fault(
 ) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small(), spec)
     kind = spec.split("=")[1].split("@")[0]
-    assert {e.producer for e in events} >= {kind, f"{kind}#2"}  # it died, and its respawn carried on
+    # it died, and its respawn carried on (the first incarnation may die before it appended anything: a reward worker
+    # scores a whole read before appending)
+    assert f"{kind}#2" in {e.producer for e in events}
     assert summary.status == "completed" and summary.steps == 3  # type: ignore[attr-defined]
     aborts = [e.payload for e in events if isinstance(e.payload, ev.UpdateAborted)]
     if kind == "coordinator":
