@@ -436,7 +436,14 @@ class LogBuilder:
         )
 
     def commit_rank(
-        self, version: int, rank: int, *, weights: str | None = None, health: bool = True, invalidate: bool = True
+        self,
+        version: int,
+        rank: int,
+        *,
+        weights: str | None = None,
+        health: bool = True,
+        invalidate: bool = True,
+        probe: str = "",
     ) -> LogBuilder:
         """RankCommitted, CacheInvalidated(prefix, next generation), HealthPassed (or HealthFailed)."""
         w = weights or self._weights(version)
@@ -450,7 +457,8 @@ class LogBuilder:
                 producer=f"rank-{rank}",
             )
         if health:
-            return self.emit(HealthPassed(rank=rank, version=version, weights_digest=w), producer=f"rank-{rank}")
+            passed = HealthPassed(rank=rank, version=version, weights_digest=w, probe_digest=probe)
+            return self.emit(passed, producer=f"rank-{rank}")
         return self.emit(HealthFailed(rank=rank, version=version, reason="nan"), producer=f"rank-{rank}")
 
     def publish(self, version: int, ranks: tuple[int, ...] | None = None, *, weights: str | None = None) -> LogBuilder:

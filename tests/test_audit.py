@@ -315,6 +315,23 @@ def test_inv4_published_digest_must_match_every_rank() -> None:
     assert_clean(audit(log(False).build()))
 
 
+def test_inv4_ranks_whose_probes_disagree_do_not_all_run_the_published_weights() -> None:
+    """Stale weights on one of two ranks: it claims the manifest's digest everywhere, and the probe vote is a tie, so
+    the run publishes; the probes' disagreement is the evidence, and the audit must not say OK."""
+
+    def log(bad: bool) -> LogBuilder:
+        b = LogBuilder(ranks=2).start_run()
+        b.stage(1).request_prepare(1).prepare(1, 0).prepare(1, 1).pause().commit(1)
+        b.commit_rank(1, 0, probe="p-v1").commit_rank(1, 1, probe="p-v0" if bad else "p-v1")
+        return b.publish(1).resume().finish_run()
+
+    bad = log(True)
+    ids = only(audit(bad.build()), 4)
+    h0, h1 = (bad.find("HealthPassed", rank=r).event_id for r in (0, 1))
+    assert (h0, h1, bad.find("PolicyPublished").event_id) in ids
+    assert_clean(audit(log(False).build()))
+
+
 def test_inv4_trajectory_must_carry_the_new_cache_generation() -> None:
     def log(bad: bool) -> LogBuilder:
         b = LogBuilder().start_run()

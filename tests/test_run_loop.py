@@ -142,6 +142,15 @@ def test_stale_weights_are_caught_by_the_probe_and_the_rank_never_serves_them(
     assert summary.status == "completed"  # type: ignore[attr-defined]
 
 
+def test_a_stale_rank_among_two_is_never_audited_ok(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    """With two ranks the probe vote is a tie, so the coordinator cannot tell which rank is stale and v1 is published;
+    the stale rank claims the manifest's digest everywhere. The audit must still fail: the ranks' probes differ."""
+    events, _summary = execute(redis_url, run_id, tmp_path, small(ranks=2), "stale-weights=1")
+    report = audit(events)
+    disagree = [v for v in report.for_invariant(4) if "health probes disagree" in v.message]
+    assert disagree and disagree[0].message.startswith("v1 published"), report.render()
+
+
 def test_the_default_run_learns(redis_url: str, run_id: str, tmp_path: Path) -> None:
     """The main job's defaults (seed 0): after the warm start, RL lifts the mean reward of the last five steps over
     the first five by at least 0.05 (measured 0.534 -> 0.651 and 0.529 -> 0.640 in two runs; seed 1: 0.48 -> 0.56),

@@ -87,8 +87,9 @@ class FaultyEngine:
     corrupt-rank=R         one byte of the first tensor flips after reading: the normal verified path reports the
                            checksum mismatch naming the tensor (a remote engine arms the same fault in its workers)
     fail-rank=R@commit     commit drops the staged weights and raises (HealthFailed, then quarantine)
-    stale-weights=R        commit reports the manifest's version and digest but keeps the old weights: every stamp
-                           and digest claims the new version until the next real commit (a rejoin)
+    stale-weights=R        one commit reports the manifest's version and digest but keeps the old weights: every
+                           stamp and digest claims that version until the engine's next commit (the next version,
+                           or a rejoin); its health probe runs on the weights it really holds
     kill-worker=rollout@N  generate raises WorkerKilled at the start of the N-th group
     """
 

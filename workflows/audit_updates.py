@@ -22,7 +22,7 @@ from rolledger.schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
-from rolledger.workflows.audit_attempts import UpdateTracker
+from rolledger.workflows.audit_attempts import UpdateAttempt, UpdateTracker
 from rolledger.workflows.audit_context import Auditor, RankFacts, Window
 from rolledger.workflows.audit_report import WarningKind
 from rolledger.workflows.dispatch import Handlers
@@ -200,6 +200,7 @@ def _policy_published(ctx: Auditor, e: Event, p: PolicyPublished) -> None:
                 )
         if not a.invalidated.get(r):
             ctx.violate(4, f"v{p.version} published but rank {r} never invalidated its cache for it", rc, e)
+    _probes_agree(ctx, e, p, a)
     if a.committed is not None and isinstance(a.committed.payload, UpdateCommitted):
         for r in sorted(set(a.committed.payload.ranks) - set(p.ranks)):
             st = ctx.ranks.get(r)
@@ -225,6 +226,25 @@ def _policy_published(ctx: Auditor, e: Event, p: PolicyPublished) -> None:
     ctx.version_digest[p.version] = p.weights_digest
     ctx.current_version = max(ctx.current_version, p.version)
     ctx.close_window(p.version)
+
+
+def _probes_agree(ctx: Auditor, e: Event, p: PolicyPublished, a: UpdateAttempt) -> None:
+    """The health probe is a greedy decode whose digest covers the exact logits: ranks that run the same weights give
+    the same digest. Published ranks whose probes differ cannot all run v's weights, whatever digests they claim (a
+    rank that kept its old weights still reports the manifest's digest; with two ranks the vote is a tie)."""
+    probes: dict[int, tuple[str, Event]] = {}
+    for r in p.ranks:
+        hp = a.health_passed.get(r)
+        if hp is not None and isinstance(hp.payload, HealthPassed) and hp.payload.probe_digest:
+            probes[r] = (hp.payload.probe_digest, hp)
+    if len({digest for digest, _ in probes.values()}) > 1:
+        seen = ", ".join(f"rank {r}: {d[:12]}" for r, (d, _) in sorted(probes.items()))
+        ctx.violate(
+            4,
+            f"v{p.version} published while the ranks' health probes disagree ({seen}): they do not all run its weights",
+            *(hp for _, hp in probes.values()),
+            e,
+        )
 
 
 @handlers.on(EnginePaused)
