@@ -100,8 +100,8 @@ class VllmCluster:
         model = build_model(ModelConfig(dtype="bfloat16"), vocab, seed=seed)
         return {k: v.clone() for k, v in policy_state(model).items()}
 
-    def stage(self, version: int, tensors: Mapping[str, torch.Tensor]):  # -> workers.staging.StagedUpdate
-        from rolledger.workers.staging import DirectoryStagingStore
+    def stage(self, version: int, tensors: Mapping[str, torch.Tensor]):  # -> workers.staging_store.StagedUpdate
+        from rolledger.workers.staging_store import DirectoryStagingStore
 
         base = max(e.policy_version for e in self.engines)
         return DirectoryStagingStore(self.staging_root).stage(version, min(base, version - 1), tensors)

@@ -63,7 +63,7 @@ from rolledger.workers.engine import (
     WeightValidationError,
 )
 from rolledger.workers.policy_model import policy_state
-from rolledger.workers.staging import load_verified
+from rolledger.workers.staging_loader import load_verified
 from rolledger.workers.weights import dtype_name, state_digest
 
 FinishReason = Literal["stop", "length", "abort"]
