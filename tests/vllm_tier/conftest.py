@@ -125,7 +125,8 @@ def _build_checkpoint(directory: Path) -> Path:
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
     if vllm_import_error():
         pytest.skip(skip_reason())
-    from rolledger.workers.engines.vllm_engine import VllmEngine, VllmServer, start_vllm_server
+    from rolledger.workers.engines.vllm_engine import VllmEngine
+    from rolledger.workers.engines.vllm_server import VllmServer, start_vllm_server
 
     root = tmp_path_factory.mktemp("vllm_tier")
     model_dir = _build_checkpoint(root / "model")
