@@ -290,7 +290,7 @@ class VllmEngine:
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Write `tensors` to a private temporary staging directory, then prepare_from_uri (local servers only)."""
-        from rolledger.workers.staging import DirectoryStagingStore
+        from rolledger.workers.staging_store import DirectoryStagingStore
 
         if self._st.asleep_level:
             raise IllegalEngineOrder(f"rank {self.rank}: weights must not be sent while asleep; wake weights first")
