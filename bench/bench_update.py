@@ -40,7 +40,8 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rolledger.schemas.weights import WeightManifest
-from rolledger.workers.staging import DirectoryStagingStore, load_verified
+from rolledger.workers.staging_loader import load_verified
+from rolledger.workers.staging_store import DirectoryStagingStore
 from rolledger.workers.weights import state_digest
 
 RANK_DEADLINE_S = 600.0

@@ -26,7 +26,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engines.vllm_engine import VllmEngine, start_vllm_server
+from rolledger.workers.engines.vllm_engine import VllmEngine
+from rolledger.workers.engines.vllm_server import start_vllm_server
 
 PROMPT = [1, 4, 5, 14, 6, 15]
 

@@ -1,6 +1,6 @@
 """The weight manifest: what a staged update contains, tensor by tensor, and the digests that identify it.
 
-A `WeightManifest` is written next to the staged safetensors file (workers/staging.py) and its `digest` travels in
+A `WeightManifest` is written next to the staged safetensors file (workers/staging_store.py) and its `digest` travels in
 UpdateStaged / RankPrepared, so every rank proves it prepared exactly the manifest the trainer staged. Its
 `weights_digest` is the digest a rank reports after committing (workers.weights.state_digest of the live weights).
 `digest_entries` (the digest over tensor entries) is defined here, torch-free, so schemas never imports torch; the

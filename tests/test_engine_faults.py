@@ -17,7 +17,8 @@ from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.faults import FaultyEngine, Injector, wrap_engine
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workers.runtime import WorkerKilled
-from rolledger.workers.staging import DirectoryStagingStore, StagedUpdate, StagingError, read_manifest
+from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate, read_manifest
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=4, seed=3)
 

@@ -1,4 +1,4 @@
-"""Tests for weight staging (workers/staging.py) and the weight manifest (schemas/weights.py).
+"""Tests for weight staging (workers/staging_*.py) and the weight manifest (schemas/weights.py).
 
 Corruptions are made on disk by editing the real safetensors file (its header is parsed here independently of the
 code under test), and a crash mid-write is a real killed process.
@@ -24,12 +24,13 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from rolledger.schemas.weights import TensorEntry, WeightManifest, digest_entries
-from rolledger.workers import staging
-from rolledger.workers.staging import (
+from rolledger.workers import staging_loader, staging_store
+from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_loader import load_verified
+from rolledger.workers.staging_store import (
     DirectoryStagingStore,
-    StagingError,
+    StagedUpdate,
     StagingStore,
-    load_verified,
     open_store,
     open_version,
     read_manifest,
@@ -74,12 +75,12 @@ def store(tmp_path: Path) -> DirectoryStagingStore:
     return DirectoryStagingStore(tmp_path / "staging")
 
 
-def staged(store: DirectoryStagingStore, version: int = 1) -> tuple[staging.StagedUpdate, Path]:
+def staged(store: DirectoryStagingStore, version: int = 1) -> tuple[StagedUpdate, Path]:
     upd = store.stage(version, version - 1, small_state())
     return upd, store.version_dir(version) / upd.manifest.file
 
 
-def error_of(store: DirectoryStagingStore, upd: staging.StagedUpdate, **kw: Any) -> StagingError:
+def error_of(store: DirectoryStagingStore, upd: StagedUpdate, **kw: Any) -> StagingError:
     with pytest.raises(StagingError) as info:
         store.load_verified(upd.manifest.version, upd.manifest, **kw)
     return info.value
@@ -137,7 +138,7 @@ def test_load_into_preallocated_buffers(store: DirectoryStagingStore) -> None:
 @pytest.mark.parametrize("algo", ["xxh3_128", "blake3"])
 def test_chunked_read_and_hash(store: DirectoryStagingStore, monkeypatch: pytest.MonkeyPatch, algo: Any) -> None:
     """Tensors span many read chunks (7 bytes here): the streamed checksum matches and still catches one flip."""
-    monkeypatch.setattr(staging, "READ_CHUNK_BYTES", 7)
+    monkeypatch.setattr(staging_loader, "READ_CHUNK_BYTES", 7)
     upd = store.stage(1, 0, small_state(), checksum_algo=algo)
     loaded = store.load_verified(1, upd.manifest)
     assert state_digest(loaded) == state_digest(small_state())
@@ -334,7 +335,7 @@ def test_failed_write_leaves_no_version(store: DirectoryStagingStore, monkeypatc
         Path(filename).write_bytes(b"\x00" * 1000)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(staging, "save_file", half_write)
+    monkeypatch.setattr(staging_store, "save_file", half_write)
     with pytest.raises(OSError, match="No space"):
         store.stage(1, 0, small_state())
     assert store.versions() == []
@@ -349,12 +350,12 @@ def test_killed_writer_leaves_no_version(store: DirectoryStagingStore) -> None:
     script = f"""
 import os, sys, torch
 from pathlib import Path
-from rolledger.workers import staging
+from rolledger.workers import staging_store
 def die(tensors, filename, metadata=None):
     Path(filename).write_bytes(b"\\x00" * 1000)
     os._exit(3)
-staging.save_file = die
-staging.DirectoryStagingStore({str(store.root)!r}).stage(4, 3, {{"w": torch.zeros(4)}})
+staging_store.save_file = die
+staging_store.DirectoryStagingStore({str(store.root)!r}).stage(4, 3, {{"w": torch.zeros(4)}})
 """
     proc = subprocess.run([sys.executable, "-c", script], check=False, cwd=REPO, timeout=120, capture_output=True)
     assert proc.returncode == 3, proc.stderr.decode()

@@ -26,7 +26,7 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.workers.coordinator import finish_as_coordinator
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-from rolledger.workers.staging import DirectoryStagingStore
+from rolledger.workers.staging_store import DirectoryStagingStore
 from rolledger.workers.trainer import TrainerWorker
 from rolledger.workers.weights import state_digest
 from rolledger.workflows.admission import AdmissionInputs

@@ -4,7 +4,7 @@ An engine is one inference rank. It generates groups (one prompt, N samples shar
 paused and resumed, put to sleep and woken by tags, and takes new weights in two steps: `stage_weights` validates
 into an inactive buffer (the live weights keep serving), `commit_weights` swaps them in and invalidates what the old
 weights produced. `prepare` is the one way a rank stages a staged update: read from its URI, every checksum verified
-(an in-process engine through workers.staging.load_verified, a remote one in its own workers). Everything it
+(an in-process engine through workers.staging_loader.load_verified, a remote one in its own workers). Everything it
 reports is plain data the workers stamp into events.
 """
 
@@ -173,7 +173,7 @@ class Engine(Protocol):
     def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
         """Read the update staged at `uri`, verify every checksum against `manifest`, and stage it (as
         `stage_weights`); return the staged digest. The one prepare path of every engine: an in-process engine
-        loads through `workers.staging.load_verified`, a remote one makes its own workers read the files.
+        loads through `workers.staging_loader.load_verified`, a remote one makes its own workers read the files.
 
         Raises StagingError (unreadable, truncated, checksum mismatch naming the tensor), WeightValidationError
         or IllegalEngineOrder (asleep); the live weights keep serving either way.

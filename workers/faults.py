@@ -33,7 +33,8 @@ from rolledger.workers.engine import (
     WakeTag,
 )
 from rolledger.workers.runtime import WorkerKilled
-from rolledger.workers.staging import StagingError, load_verified
+from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_loader import load_verified
 
 P = ParamSpec("P")
 R = TypeVar("R")

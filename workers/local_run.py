@@ -45,7 +45,7 @@ from rolledger.workers.policy_model import build_model, build_tokenizer, load_po
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
 from rolledger.workers.runtime import Follower, Worker
-from rolledger.workers.staging import DirectoryStagingStore
+from rolledger.workers.staging_store import DirectoryStagingStore
 from rolledger.workers.tasks import make_prompts, supervised_examples
 from rolledger.workers.trainer import TrainerWorker
 from rolledger.workers.weights import state_digest

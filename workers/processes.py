@@ -84,7 +84,7 @@ def run_worker(
 
         worker = RewardWorker(client, run_id, name or "reward", tokenizer, claim_idle_ms=claim_idle_ms)
     elif kind == "trainer":
-        from rolledger.workers.staging import DirectoryStagingStore
+        from rolledger.workers.staging_store import DirectoryStagingStore
         from rolledger.workers.trainer import TrainerWorker
 
         staging = DirectoryStagingStore(cfg.update.staging_dir or Path(started.model_dir).parent / "staging")

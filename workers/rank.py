@@ -26,7 +26,8 @@ from rolledger.schemas.statuses import RunStatus
 from rolledger.workers.engine import CommitReport, Engine, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.rollout import Rollout
 from rolledger.workers.runtime import Follower, Worker
-from rolledger.workers.staging import StagingError, read_manifest
+from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_store import read_manifest
 from rolledger.workflows import rank as rd
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState

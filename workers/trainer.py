@@ -27,7 +27,8 @@ from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Follower, Worker
-from rolledger.workers.staging import StagingStore, load_verified, read_manifest
+from rolledger.workers.staging_loader import load_verified
+from rolledger.workers.staging_store import StagingStore, read_manifest
 from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, weights_version
 
 TAIL_PAGE = 500  # events one Follower.poll returns at most (EventLog.tail's count)

@@ -6,7 +6,7 @@ returning one result per worker. Every method answers with a plain dict (`ok`, `
 so each worker reports for itself and one failing worker does not hide what the others did.
 
 What it owns:
-- `rolledger_prepare(version, uri, manifest_json)`: read the staged tensors (workers.staging.load_verified, which
+- `rolledger_prepare(version, uri, manifest_json)`: read the staged tensors (workers.staging_loader.load_verified, which
   checks every checksum against the manifest) into a host buffer held here, and check the names/shapes/dtypes against the
   tensors vLLM loaded at start-up and against the live model's parameters (names mapped through the model's
   `packed_modules_mapping`, e.g. q_proj -> qkv_proj). The live weights keep serving.
@@ -247,7 +247,8 @@ class RolledgerWorkerExtension:
 
     def _rolledger_prepare(self, st: _State, version: int, uri: str, manifest_json: str) -> _Buffer:
         from rolledger.schemas.weights import WeightManifest
-        from rolledger.workers.staging import StagingError, load_verified
+        from rolledger.workers.staging_format import StagingError
+        from rolledger.workers.staging_loader import load_verified
 
         if st.live is None:
             raise _PrepareError("*", st.init_error or "no live weights known")

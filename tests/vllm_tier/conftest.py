@@ -100,8 +100,8 @@ class VllmCluster:
         model = build_model(ModelConfig(dtype="bfloat16"), vocab, seed=seed)
         return {k: v.clone() for k, v in policy_state(model).items()}
 
-    def stage(self, version: int, tensors: Mapping[str, torch.Tensor]):  # -> workers.staging.StagedUpdate
-        from rolledger.workers.staging import DirectoryStagingStore
+    def stage(self, version: int, tensors: Mapping[str, torch.Tensor]):  # -> workers.staging_store.StagedUpdate
+        from rolledger.workers.staging_store import DirectoryStagingStore
 
         base = max(e.policy_version for e in self.engines)
         return DirectoryStagingStore(self.staging_root).stage(version, min(base, version - 1), tensors)
@@ -125,7 +125,8 @@ def _build_checkpoint(directory: Path) -> Path:
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
     if vllm_import_error():
         pytest.skip(skip_reason())
-    from rolledger.workers.engines.vllm_engine import VllmEngine, VllmServer, start_vllm_server
+    from rolledger.workers.engines.vllm_engine import VllmEngine
+    from rolledger.workers.engines.vllm_server import VllmServer, start_vllm_server
 
     root = tmp_path_factory.mktemp("vllm_tier")
     model_dir = _build_checkpoint(root / "model")

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.vllm
 def _snapshot(cluster: VllmCluster) -> list[tuple[object, ...]]:
     """What each rank serves: greedy output, weights digest, live digest, version label."""
     return [
-        (cluster.greedy(r), e.weights_digest(), e.live_digest(), e._get("/weight_info")["weight_version"])
+        (cluster.greedy(r), e.weights_digest(), e.live_digest(), e.http.get("/weight_info")["weight_version"])
         for r, e in enumerate(cluster.engines)
     ]
 
@@ -212,6 +212,6 @@ def test_stage_weights_through_temp_store(vllm_cluster: VllmCluster) -> None:
 def test_error_shapes_are_parsed(vllm_cluster: VllmCluster) -> None:
     e = vllm_cluster.engines[0]
     with pytest.raises(EngineError, match="HTTP 4\\d\\d: .*"):
-        e._post("/pause", params={"mode": "bogus"})  # RL route shape or validation shape
+        e.http.post("/pause", params={"mode": "bogus"})  # RL route shape or validation shape
     with pytest.raises(EngineError, match="HTTP 404"):
-        e._post("/v1/completions", json={"model": "no-such-model", "prompt": [1], "max_tokens": 1})
+        e.http.post("/v1/completions", json={"model": "no-such-model", "prompt": [1], "max_tokens": 1})

@@ -67,7 +67,7 @@ def served(servers: LoopServers) -> list[tuple[object, ...]]:
         e = VllmEngine(url, rank=r, model_name=str(servers.model_dir))
         try:
             greedy = [(s.token_ids, s.logprobs) for p in GREEDY_PROMPTS for s in e.generate(p, 1, GREEDY).samples]
-            out.append((e.weights_digest(), e.live_digest(), e._get("/weight_info")["weight_version"], greedy))
+            out.append((e.weights_digest(), e.live_digest(), e.http.get("/weight_info")["weight_version"], greedy))
         finally:
             e.close()
     return out

@@ -90,7 +90,7 @@ def served_model_name(base_url: str, timeout_s: float = 30.0) -> str:
 
 def server_dtype(engine: Any) -> str:
     """The dtype the server computes in (its vllm_config.model_config.dtype, e.g. 'torch.float32' -> 'float32')."""
-    cfg = engine._get("/server_info", params={"config_format": "json"}).get("vllm_config") or {}
+    cfg = engine.http.get("/server_info", params={"config_format": "json"}).get("vllm_config") or {}
     return str((cfg.get("model_config") or {}).get("dtype", "unknown")).removeprefix("torch.")
 
 
@@ -135,7 +135,7 @@ def _free_port() -> int:
 
 def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[Any]:
     """Start `cfg.ranks` vLLM servers from `model_dir` in parallel; on any failure stop the others and raise."""
-    from rolledger.workers.engines.vllm_engine import VllmServer, start_vllm_server
+    from rolledger.workers.engines.vllm_server import VllmServer, start_vllm_server
 
     dtype = checkpoint_dtype(model_dir)
     extra = ["--logprobs-mode", f"{cfg.sampling.logprob_mode}_logprobs"]

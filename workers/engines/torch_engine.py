@@ -1,8 +1,11 @@
 """The built-in torch engine: one inference rank running a Hugging Face causal LM in-process.
 
-Owns KV-cache decoding of groups with a real prefix cache, sampling (temperature / top-k / top-p / seed / stop ids)
-with raw or processed logprobs, pause/resume, sleep/wake with measured (accounted) memory, and the two-step weight
-update (stage into an inactive buffer, commit by copying into the live parameters).
+`TorchEngine` composes, from the modules beside it in workers/engines/: KV-cache generation of groups and sampling
+(torch_decode) with a real prefix cache (torch_prefix_cache), sleep/wake with measured (accounted) memory
+(torch_memory), and the two-step weight update: stage into an inactive buffer, commit by copying into the live
+parameters (torch_weights). What this module owns is the order those may happen in: pause/resume and parking, and
+the rules below, over two locks (the model lock around every use of the model, its parameters and the prefix cache;
+a condition over the flags).
 
 Rules this engine enforces (IllegalEngineOrder otherwise):
 - generate: refused while paused, while any sleep tag is still asleep, and while the live weights are not valid
@@ -22,27 +25,20 @@ Rules this engine enforces (IllegalEngineOrder otherwise):
   "kv_cache" still sleeps — that is how new weights arrive after a level-2 sleep. sleep() is refused while a
   staged buffer is pending; commit needs the staged version.
 
-Prefix accounting: for a group of n samples over a prompt of L tokens, prefill_tokens_computed is what actually ran
-through the model and prefill_tokens_saved = n*L - computed (what a per-sample prefill would have cost beyond it).
-With the prefix cache the prompt is prefilled once at batch 1 and its KV expanded to n; the prefix cache (an LRU of
-prompt token tuple -> batch-1 KV + last logits) serves the longest common prefix with any cached prompt (its KV
-sliced), so only the tail is computed, and nothing at all on an exact hit; without it (prefix_cache=False) the
-prompt runs at batch n.
+Over 400 lines (about 490) for a reason: the rules above are one state machine over those two locks. Every public
+method checks and changes the same flags under them (a parked generation releases the model lock, sleep and commit
+take both), so cutting it further would spread one locking invariant over several modules; the work each rule
+guards already lives in the modules named above.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
-import xxhash
-from transformers import DynamicCache
 
 from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.weights import WeightManifest
@@ -60,43 +56,15 @@ from rolledger.workers.engine import (
     TensorSpec,
     WakeReport,
     WakeTag,
-    WeightValidationError,
 )
+from rolledger.workers.engines import torch_memory, torch_weights
+from rolledger.workers.engines.torch_decode import KVDecoder, validate_request
+from rolledger.workers.engines.torch_prefix_cache import PrefixCache
 from rolledger.workers.policy_model import policy_state
-from rolledger.workers.staging import load_verified
+from rolledger.workers.staging_loader import load_verified
 from rolledger.workers.weights import dtype_name, state_digest
 
-FinishReason = Literal["stop", "length", "abort"]
 _WAKE_ORDER: tuple[WakeTag, ...] = ("weights", "kv_cache")
-
-
-_KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values)
-
-
-@dataclass
-class _PrefixEntry:
-    kv: _KV  # per layer (keys, values), batch 1, never mutated
-    last_logits: torch.Tensor  # [vocab] float32, the logits after the prompt's last token
-    nbytes: int
-
-
-@dataclass
-class _Staged:
-    version: int
-    tensors: dict[str, torch.Tensor]
-    digest: str
-
-
-def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
 
 
 class TorchEngine:
@@ -134,11 +102,15 @@ class TorchEngine:
         self._max_positions = int(getattr(self._model.config, "max_position_embeddings", 1 << 30))
         self._probe_ids: list[int] = list(tokenizer(probe_text)["input_ids"])
 
-        forward_params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
         self._use_prefix_cache = prefix_cache
-        self._prefix_capacity = prefix_cache_entries
-        self._prefix: OrderedDict[tuple[int, ...], _PrefixEntry] = OrderedDict()
+        self._prefix = PrefixCache(prefix_cache_entries)
+        self._decoder = KVDecoder(
+            self._model,
+            device=self.device,
+            eos_id=self._eos_id,
+            pad_id=self._pad_id,
+            prefix=self._prefix if prefix_cache else None,
+        )
 
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self._specs: dict[str, TensorSpec] = {
@@ -156,7 +128,7 @@ class TorchEngine:
         self._sleep_level = 0
         self._weights_valid = True
         self._host_copy: dict[str, torch.Tensor] | None = None
-        self._staged: _Staged | None = None
+        self._staged: torch_weights.StagedWeights | None = None
         self._closed = False
         self._pause_timeout_s = pause_timeout_s
         self._keep_timeout_s = keep_timeout_s
@@ -214,7 +186,7 @@ class TorchEngine:
         on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> GroupOutput:
         prompt = [int(t) for t in prompt_token_ids]
-        self._validate_request(prompt, n, sampling)
+        validate_request(prompt, n, sampling, self._vocab_size, self._max_positions)
         with self._state:
             self._check_open()
             if self._paused is not None:
@@ -240,20 +212,6 @@ class TorchEngine:
             self.stats.extra["generate_s"] = self.stats.extra.get("generate_s", 0.0) + time.perf_counter() - started
         return out
 
-    def _validate_request(self, prompt: list[int], n: int, sampling: SamplingParams) -> None:
-        if n < 1:
-            raise ValueError(f"n must be >= 1 (got {n})")
-        if not prompt:
-            raise ValueError("prompt_token_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < self._vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {self._vocab_size}): {bad[:5]}")
-        if len(prompt) + sampling.max_tokens > self._max_positions:
-            raise ValueError(
-                f"sampling.max_tokens={sampling.max_tokens} with a {len(prompt)}-token prompt exceeds the model's "
-                f"max_position_embeddings={self._max_positions}"
-            )
-
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError(f"rank {self.rank}: engine is closed")
@@ -270,7 +228,6 @@ class TorchEngine:
                 f"rank {self.rank}: {what} before new weights were committed after a level-2 sleep"
             )
 
-    @torch.inference_mode()
     def _generate_locked(
         self,
         prompt: list[int],
@@ -279,82 +236,23 @@ class TorchEngine:
         should_cancel: Callable[[int], bool] | None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> GroupOutput:
-        version = self._policy_version
-        cache, logits, computed, saved = self._prefill(prompt, n)
-        gen = torch.Generator(device=self.device)
-        if sampling.seed is not None:
-            gen.manual_seed(sampling.seed)
-        else:
-            gen.seed()
-        stops = set(sampling.stop_token_ids) | {self._eos_id}
-        spans: list[list[tuple[int, int, str]]] = [[(0, version, self._digest)] for _ in range(n)]
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        finish: list[FinishReason | None] = [None] * n
-
-        for step in range(sampling.max_tokens):
-            if not self._poll_control(version):
-                finish = [f if f is not None else "abort" for f in finish]
-                break
-            if self._policy_version != version:  # interruptible: new weights were committed while parked
-                version = self._policy_version
-                for i in range(n):
-                    if finish[i] is None:
-                        spans[i].append((len(tokens[i]), version, self._digest))
-            if should_cancel is not None:
-                for i in range(n):
-                    if finish[i] is None and should_cancel(i):
-                        finish[i] = "abort"
-            if all(f is not None for f in finish):
-                break
-            next_ids, raw_lp, proc_lp = self._sample(logits, sampling, gen)
-            chosen = raw_lp if sampling.logprob_mode == "raw" else proc_lp
-            for i in range(n):
-                if finish[i] is not None:
-                    continue
-                tok = int(next_ids[i])
-                tokens[i].append(tok)
-                logprobs[i].append(float(chosen[i]))
-                if tok in stops:
-                    finish[i] = "stop"
-                elif step == sampling.max_tokens - 1:
-                    finish[i] = "length"
-                if finish[i] is not None and on_sample is not None:  # stream each sample as soon as it ends
-                    on_sample(
-                        i,
-                        SampleOutput(
-                            token_ids=list(tokens[i]),
-                            logprobs=list(logprobs[i]),
-                            finish_reason=finish[i],  # type: ignore[arg-type]
-                            spans=tuple(spans[i]) if len(spans[i]) > 1 else (),
-                        ),
-                    )
-            if all(f is not None for f in finish):
-                break
-            feed = torch.tensor(
-                [[int(next_ids[i]) if finish[i] is None else self._pad_id] for i in range(n)], device=self.device
-            )
-            out = self._forward(feed, cache)
-            cache = self._out_cache(out)
-            logits = out.logits[:, -1, :].float()
-
-        samples = [
-            SampleOutput(
-                token_ids=tokens[i],
-                logprobs=logprobs[i],
-                finish_reason=finish[i] or "length",
-                spans=tuple(spans[i]) if len(spans[i]) > 1 else (),
-            )
-            for i in range(n)
-        ]
+        out = self._decoder.decode(
+            prompt,
+            n,
+            sampling,
+            serving=lambda: (self._policy_version, self._digest),
+            poll=self._poll_control,
+            should_cancel=should_cancel,
+            on_sample=on_sample,
+        )
         return GroupOutput(
-            samples=samples,
-            policy_version=version,
+            samples=out.samples,
+            policy_version=out.policy_version,
             weights_digest=self._digest,
             cache_generation=self._cache_generation,
             graph_generation=self._graph_generation,
-            prefill_tokens_computed=computed,
-            prefill_tokens_saved=saved,
+            prefill_tokens_computed=out.prefill_tokens_computed,
+            prefill_tokens_saved=out.prefill_tokens_saved,
         )
 
     def _poll_control(self, version: int) -> bool:
@@ -389,104 +287,6 @@ class TorchEngine:
             return False
         with self._state:
             return not self._asleep_tags and self._weights_valid
-
-    def _forward(self, input_ids: torch.Tensor, cache: DynamicCache | None) -> Any:
-        """One forward with a KV cache; transformers 5.x names it `cache`, older releases `past_key_values`."""
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": True}
-        if cache is not None:
-            kwargs[self._cache_kw] = cache
-        return self._model(**kwargs)
-
-    @staticmethod
-    def _out_cache(out: Any) -> DynamicCache:
-        cache = out.get("cache") if hasattr(out, "get") else None
-        return cache if cache is not None else out.past_key_values
-
-    def _prefill(self, prompt: list[int], n: int) -> tuple[DynamicCache, torch.Tensor, int, int]:
-        """KV cache of the prompt expanded to batch n, the next-token logits [n, vocab], computed and saved counts."""
-        length = len(prompt)
-        config = self._model.config
-        if not self._use_prefix_cache:
-            ids = torch.tensor([prompt] * n, device=self.device)
-            out = self._forward(ids, None)
-            return self._out_cache(out), out.logits[:, -1, :].float(), n * length, 0
-
-        key = tuple(prompt)
-        cached_kv, matched, cached_last = self._lookup_prefix(key)
-        if cached_kv is not None and cached_last is not None:
-            computed = 0
-            kv, last = cached_kv, cached_last
-        else:
-            base = DynamicCache(ddp_cache_data=cached_kv, config=config) if cached_kv is not None else None
-            ids = torch.tensor([prompt[matched:]], device=self.device)
-            out = self._forward(ids, base)
-            kv = [
-                (cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
-                for layer in cast(Any, self._out_cache(out)).layers
-            ]
-            last = out.logits[0, -1, :].float()
-            computed = length - matched
-            self._store_prefix(key, _PrefixEntry(kv=kv, last_logits=last, nbytes=self._entry_bytes(kv, last)))
-        expanded = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv]
-        cache = DynamicCache(ddp_cache_data=expanded, config=config)  # copies: the stored entry is never touched
-        return cache, last.unsqueeze(0).expand(n, -1), computed, n * length - computed
-
-    def _lookup_prefix(self, key: tuple[int, ...]) -> tuple[_KV | None, int, torch.Tensor | None]:
-        """The cached KV sharing the longest common prefix with `key`: (kv sliced to it, its length, last logits).
-
-        The last logits come back only on an exact hit; otherwise at least the prompt's last token is recomputed.
-        """
-        hit = self._prefix.get(key)
-        if hit is not None:
-            self._prefix.move_to_end(key)
-            return hit.kv, len(key), hit.last_logits
-        best_key: tuple[int, ...] | None = None
-        best = 0
-        for cached in self._prefix:
-            m = _common_prefix_len(cached, key)
-            if m > best:
-                best_key, best = cached, m
-        best = min(best, len(key) - 1)  # the logits after the last prompt token must be computed
-        if best_key is None or best < 1:
-            return None, 0, None
-        self._prefix.move_to_end(best_key)
-        kv = [(k[:, :, :best], v[:, :, :best]) for k, v in self._prefix[best_key].kv]
-        return kv, best, None
-
-    def _store_prefix(self, key: tuple[int, ...], entry: _PrefixEntry) -> None:
-        self._prefix[key] = entry
-        self._prefix.move_to_end(key)
-        while len(self._prefix) > self._prefix_capacity:
-            self._prefix.popitem(last=False)
-
-    @staticmethod
-    def _entry_bytes(kv: _KV, last: torch.Tensor) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv) + (
-            last.numel() * last.element_size()
-        )
-
-    @staticmethod
-    def _sample(
-        logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Next tokens [n], their raw logprobs (unmodified logits) and processed logprobs (after T/top-k/top-p)."""
-        raw = torch.log_softmax(logits, dim=-1)
-        if sampling.temperature == 0.0:
-            chosen = logits.argmax(dim=-1)
-            return chosen, raw.gather(-1, chosen[:, None])[:, 0], torch.zeros_like(chosen, dtype=raw.dtype)
-        x = logits / sampling.temperature
-        if sampling.top_k > 0 and sampling.top_k < x.shape[-1]:
-            kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if sampling.top_p < 1.0:
-            sorted_x, order = torch.sort(x, dim=-1, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-            sorted_x = sorted_x.masked_fill(before >= sampling.top_p, float("-inf"))  # the top token always stays
-            x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
-        processed = torch.log_softmax(x, dim=-1)
-        chosen = torch.multinomial(processed.exp(), 1, generator=gen)[:, 0]
-        return chosen, raw.gather(-1, chosen[:, None])[:, 0], processed.gather(-1, chosen[:, None])[:, 0]
 
     # ------------------------------------------------------------------ pause / resume
 
@@ -523,18 +323,10 @@ class TorchEngine:
     # ------------------------------------------------------------------ sleep / wake
 
     def _param_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        for p in self._params.values():
-            storage = p.data.untyped_storage()
-            if storage.data_ptr() in seen and storage.nbytes() > 0:
-                continue
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return total
+        return torch_memory.param_bytes(self._params)
 
     def _cache_bytes(self) -> int:
-        return sum(e.nbytes for e in self._prefix.values())
+        return self._prefix.nbytes()
 
     def accounted_bytes(self) -> int:
         """What this rank holds in (device) memory: live parameter storage + prefix-cache KV."""
@@ -544,7 +336,7 @@ class TorchEngine:
     def host_bytes(self) -> int:
         """Bytes of the level-1 host copy (0 when there is none)."""
         with self._model_lock:
-            return sum(_nbytes(t) for t in self._host_copy.values()) if self._host_copy else 0
+            return torch_memory.host_bytes(self._host_copy)
 
     def sleep(self, level: int) -> SleepReport:
         if level not in (1, 2):
@@ -564,20 +356,11 @@ class TorchEngine:
                 )
             before = self._param_bytes() + self._cache_bytes()
             weight_bytes = self._param_bytes()
-            if level == 1:
-                on_cpu = self.device.type == "cpu"
-                pin = torch.cuda.is_available() and not on_cpu
-                self._host_copy = {
-                    n: (p.data if on_cpu else p.data.to("cpu", copy=True).pin_memory() if pin else p.data.cpu())
-                    for n, p in self._params.items()
-                }
-            else:
-                self._host_copy = None
-            for p in self._params.values():
-                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            self._host_copy = torch_memory.host_copy_of(self._params, self.device) if level == 1 else None
+            torch_memory.release(self._params, self.device)
             self._drop_prefix_cache()
             after = self._param_bytes() + self._cache_bytes()
-            host = sum(_nbytes(t) for t in self._host_copy.values()) if self._host_copy else 0
+            host = torch_memory.host_bytes(self._host_copy)
             if self.device.type != "cpu":
                 torch.cuda.empty_cache()
             verified = after == 0 and (host >= weight_bytes if level == 1 else self._host_copy is None)
@@ -610,11 +393,9 @@ class TorchEngine:
 
     def _restore_weights(self) -> int:
         """Caller holds both locks. Level 1: bring the host copy back; level 2: reallocate, invalid until commit."""
-        for name, p in self._params.items():
-            if self._sleep_level == 1 and self._host_copy is not None:
-                p.data = self._host_copy[name].to(self.device)
-            else:
-                p.data = torch.empty(self._specs[name].shape, dtype=self._torch_dtypes[name], device=self.device)
+        host_copy = self._host_copy if self._sleep_level == 1 else None
+        shapes = {name: spec.shape for name, spec in self._specs.items()}
+        torch_memory.restore(self._params, host_copy, shapes, self._torch_dtypes, self.device)
         if self._sleep_level == 2:
             self._weights_valid = False
         self._host_copy = None
@@ -630,26 +411,11 @@ class TorchEngine:
             self._check_open()
             if "weights" in self._asleep_tags:
                 raise IllegalEngineOrder(f"rank {self.rank}: never update weights while asleep (stage v{version})")
-        for name, t in tensors.items():
-            spec = self._specs.get(name)
-            if spec is None:
-                raise WeightValidationError(name, "not a tensor of the live model")
-            if not isinstance(t, torch.Tensor):
-                raise WeightValidationError(name, f"expected a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != spec.shape:
-                raise WeightValidationError(name, f"shape {tuple(t.shape)} != live {spec.shape}")
-            if dtype_name(t.dtype) != spec.dtype:
-                raise WeightValidationError(name, f"dtype {dtype_name(t.dtype)} != live {spec.dtype}")
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise WeightValidationError(name, "holds NaN or inf")
-        missing = sorted(set(self._specs) - set(tensors))
-        if missing:
-            raise WeightValidationError(missing[0], f"missing from the staged weights ({len(missing)} missing)")
-        buffer = {name: t.detach().to(self.device, copy=True) for name, t in tensors.items()}
-        digest = state_digest(buffer)
+        torch_weights.validate_update(self._specs, tensors)
+        staged = torch_weights.stage_buffer(version, tensors, self.device)
         with self._state:
-            self._staged = _Staged(version=version, tensors=buffer, digest=digest)
-        return digest
+            self._staged = staged
+        return staged.digest
 
     def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
         """Load the update at `uri` through the verified path (every checksum), then stage it."""
@@ -665,12 +431,7 @@ class TorchEngine:
                 raise IllegalEngineOrder(f"rank {self.rank}: commit v{version} with nothing staged")
             if staged.version != version:
                 raise IllegalEngineOrder(f"rank {self.rank}: commit v{version} but v{staged.version} is staged")
-            same_shapes = all(tuple(p.shape) == tuple(staged.tensors[n].shape) for n, p in self._params.items())
-            for name, p in self._params.items():
-                if same_shapes:
-                    p.data.copy_(staged.tensors[name])
-                else:  # never reached after validation; kept so a shape change is handled honestly
-                    p.data = staged.tensors[name]
+            same_shapes = torch_weights.copy_into(self._params, staged)
             self._staged = None
             self._weights_valid = True
             self._policy_version = version
@@ -712,7 +473,6 @@ class TorchEngine:
             self._check_serving("weights_digest")
             return state_digest(policy_state(self._model))
 
-    @torch.inference_mode()
     def health(self) -> HealthReport:
         """Greedy 4-token decode of a fixed probe (full forward each step); fails on NaN/inf or an engine error."""
         with self._model_lock, self._state:
@@ -720,21 +480,7 @@ class TorchEngine:
                 return HealthReport(ok=False, detail="engine is closed")
             if self._asleep_tags or not self._weights_valid:
                 return HealthReport(ok=False, detail="weights are asleep or not committed")
-            h = xxhash.xxh3_128()
-            try:
-                ids = list(self._probe_ids)
-                for _ in range(4):
-                    logits = self._model(input_ids=torch.tensor([ids], device=self.device)).logits[0, -1].float()
-                    if not bool(torch.isfinite(logits).all()):
-                        return HealthReport(ok=False, detail=f"non-finite logits at probe position {len(ids)}")
-                    h.update(logits.cpu().numpy().tobytes())  # the exact logits: ranks on other weights cannot match
-                    ids.append(int(logits.argmax()))
-            except Exception as exc:  # noqa: BLE001 - an engine error is a failed probe, not a crash of the caller
-                return HealthReport(ok=False, detail=f"probe forward failed: {exc!r}")
-        generated = ids[len(self._probe_ids) :]
-        h.update(",".join(map(str, ids)).encode())
-        digest = h.hexdigest()
-        return HealthReport(ok=True, detail=f"probe greedy tokens {generated}", probe_digest=digest)
+            return self._decoder.probe(self._probe_ids)
 
     def close(self) -> None:
         with self._state:

@@ -1,10 +1,12 @@
-"""The vLLM engine: one inference rank driven over HTTP, plus a launcher for a local vLLM server.
+"""The vLLM engine: one inference rank, a vLLM server driven over HTTP (workers.engines.vllm_http).
 
 `VllmEngine` implements workers.engine.Engine against a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and
-`--worker-extension-cls workers.vllm_extension.RolledgerWorkerExtension`:
+`--worker-extension-cls rolledger.workers.vllm_extension.RolledgerWorkerExtension` (workers.engines.vllm_server
+launches one):
 
-- generate: `POST /v1/completions` with the prompt as token ids, `n`, `logprobs=0`, `return_token_ids=true`; the
-  logprob mode (raw or processed) is read from the server's config and reported in `capabilities`.
+- generate: `POST /v1/completions` with the prompt as token ids, `n`, `logprobs=0`, `return_token_ids=true`
+  (workers.engines.vllm_completions); the logprob mode (raw or processed) is read from the server's config and
+  reported in `capabilities`.
 - pause/resume: `/pause?mode=`, `/resume`, `/is_paused`. While paused (by this engine) `generate` is refused.
 - weights: the HTTP engine cannot hand tensors over in memory, so the update goes through the staging store:
   `prepare_from_uri(version, uri, manifest)` makes every vLLM worker read and validate the staged update into its
@@ -16,30 +18,20 @@
 - sleep/wake only when the server runs with sleep mode (detected from its config); on CPU vLLM refuses sleep mode,
   so `sleep`/`wake` raise EngineError saying so and `capabilities.sleep_levels == ()`. Weights are never sent while
   asleep.
-- errors: vLLM answers in two shapes (`{"error": "..."}` from the RL routes, `{"error": {"message": ...}}` from the
-  rest) and sometimes with HTTP 200 and `success: false` (`/reset_prefix_cache`); all become EngineErrors naming the
-  route and the server.
-
-`start_vllm_server(model_dir, port, ...)` launches `python -m vllm.entrypoints.openai.api_server` bound to
-127.0.0.1, waits for `/health` with a deadline, logs to a file, and terminates the process group on close.
+- errors: every failed route is an EngineError naming the route and the server (workers.engines.vllm_http), and so
+  is an HTTP 200 with `success: false` (`/reset_prefix_cache`) or a worker answering `ok: false`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-import httpx
 import torch
 import xxhash
 
@@ -61,50 +53,10 @@ from rolledger.workers.engine import (
     WakeTag,
     WeightValidationError,
 )
+from rolledger.workers.engines.vllm_completions import completion_request, parse_choice, probe_request
+from rolledger.workers.engines.vllm_facts import parse_version, server_facts
+from rolledger.workers.engines.vllm_http import VllmHttp
 from rolledger.workers.netguard import check_engine_address
-
-DEFAULT_EXTENSION = "rolledger.workers.vllm_extension.RolledgerWorkerExtension"
-PROBE_PROMPT: tuple[int, ...] = (1, 4, 5, 6, 7)  # a fixed token sequence; any ids inside a tiny vocab
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-class VllmHttpError(EngineError):
-    """A vLLM route answered with an error; carries the HTTP status and the server's message."""
-
-    def __init__(self, route: str, base_url: str, status: int, message: str) -> None:
-        super().__init__(f"vLLM {route} at {base_url} failed: HTTP {status}: {message}")
-        self.route = route
-        self.status = status
-        self.message = message
-
-
-def error_message(resp: httpx.Response) -> str:
-    """The server's message from either of vLLM's error shapes (or the raw body)."""
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip()[:500] or resp.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail"))
-        if isinstance(err, str):
-            return err
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, list):  # FastAPI validation details
-            return json.dumps(err)[:500]
-    return json.dumps(body)[:500]
-
-
-@dataclass(frozen=True)
-class ServerFacts:
-    """What the engine learned about the server when it connected."""
-
-    version: str
-    logprob_mode: str  # "raw" | "processed"
-    logprobs_mode_raw: str  # vLLM's own name, e.g. "raw_logprobs"
-    sleep_mode: bool
-    prefix_caching: bool
-    workers: int
 
 
 @dataclass
@@ -138,82 +90,15 @@ class VllmEngine:
         self.model_name = model_name
         self.timeout_s = timeout_s
         self.reset_deadline_s = reset_deadline_s
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self.http = VllmHttp(self.base_url, timeout_s)
         self._st = _RankState()
         self._tmp_staging: tempfile.TemporaryDirectory[str] | None = None
-        self.facts = self._probe_server()
-        label = str(self._get("/weight_info").get("weight_version", "default"))
-        self._st.policy_version = _parse_version(label)
+        self.facts = server_facts(self.http)
+        label = str(self.http.get("/weight_info").get("weight_version", "default"))
+        self._st.policy_version = parse_version(label)
         if label == "default":  # a fresh server serves its start-up checkpoint: policy version 0, say so
-            self._post("/update_weight_version", json={"new_version": "0"})
+            self.http.post("/update_weight_version", json={"new_version": "0"})
         self._st.weights_digest = self.weights_digest()
-
-    # -- HTTP plumbing ------------------------------------------------------------------------------------------
-
-    def _request(self, method: str, route: str, **kw: Any) -> httpx.Response:
-        try:
-            resp = self._http.request(method, route, **kw)
-        except httpx.TimeoutException as e:
-            raise EngineError(f"vLLM {route} at {self.base_url}: no answer within {self.timeout_s}s") from e
-        except httpx.HTTPError as e:
-            raise EngineError(f"vLLM {route} at {self.base_url}: {type(e).__name__}: {e}") from e
-        if resp.status_code != 200:
-            raise VllmHttpError(route, self.base_url, resp.status_code, error_message(resp))
-        return resp
-
-    def _json(self, method: str, route: str, **kw: Any) -> dict[str, Any]:
-        resp = self._request(method, route, **kw)
-        if not resp.content:
-            return {}
-        body = resp.json()
-        if not isinstance(body, dict):
-            raise EngineError(f"vLLM {route} at {self.base_url}: expected a JSON object, got {body!r:.200}")
-        return body
-
-    def _get(self, route: str, **kw: Any) -> dict[str, Any]:
-        return self._json("GET", route, **kw)
-
-    def _post(self, route: str, **kw: Any) -> dict[str, Any]:
-        return self._json("POST", route, **kw)
-
-    def _rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[dict[str, Any]]:
-        """collective_rpc on every worker; one dict per worker (the extension never raises, it answers ok:false)."""
-        body: dict[str, Any] = {"method": method, "args": list(args)}
-        if timeout_s is not None:
-            body["timeout"] = timeout_s
-        results = self._post("/collective_rpc", json=body, timeout=timeout_s or self.timeout_s).get("results")
-        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
-            raise EngineError(
-                f"vLLM collective_rpc {method} at {self.base_url}: expected one dict per worker, got {results!r:.300}; "
-                f"is the server started with --worker-extension-cls {DEFAULT_EXTENSION}?"
-            )
-        return results
-
-    def _probe_server(self) -> ServerFacts:
-        version = str(self._get("/version").get("version", "unknown"))
-        info = self._get("/server_info", params={"config_format": "json"})
-        cfg = info.get("vllm_config")
-        if not isinstance(cfg, dict):
-            raise EngineError(
-                f"vLLM /server_info at {self.base_url} returned no JSON config; is VLLM_SERVER_DEV_MODE=1 set?"
-            )
-        model_cfg = cfg.get("model_config") or {}
-        cache_cfg = cfg.get("cache_config") or {}
-        mode = str(model_cfg.get("logprobs_mode", "raw_logprobs"))
-        if mode not in ("raw_logprobs", "processed_logprobs"):
-            raise EngineError(
-                f"vLLM at {self.base_url} runs --logprobs-mode {mode}: rolledger needs logprobs "
-                "(raw_logprobs or processed_logprobs), not logits"
-            )
-        workers = len(self._rpc("rolledger_digest"))
-        return ServerFacts(
-            version=version,
-            logprob_mode="processed" if mode.startswith("processed") else "raw",
-            logprobs_mode_raw=mode,
-            sleep_mode=bool(model_cfg.get("enable_sleep_mode", False)),
-            prefix_caching=bool(cache_cfg.get("enable_prefix_caching", False)),
-            workers=workers,
-        )
 
     # -- Engine protocol: identity ------------------------------------------------------------------------------
 
@@ -239,23 +124,7 @@ class VllmEngine:
 
     def completion_request(self, prompt_token_ids: Sequence[int], n: int, sampling: SamplingParams) -> dict[str, Any]:
         """The /v1/completions body generate sends (public so benchmarks can send the same request directly)."""
-        body: dict[str, Any] = {
-            "model": self.model_name,
-            "prompt": [int(t) for t in prompt_token_ids],
-            "n": n,
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if sampling.stop_token_ids:
-            body["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        return body
+        return completion_request(self.model_name, prompt_token_ids, n, sampling)
 
     def generate(
         self,
@@ -286,9 +155,9 @@ class VllmEngine:
         samples: list[SampleOutput] = []
         usage: dict[str, Any] = {}
         if live_n:
-            body = self._post("/v1/completions", json=self.completion_request(prompt_token_ids, live_n, sampling))
+            body = self.http.post("/v1/completions", json=self.completion_request(prompt_token_ids, live_n, sampling))
             usage = body.get("usage") or {}
-            samples = [self._parse_choice(c) for c in sorted(body.get("choices", []), key=lambda c: c["index"])]
+            samples = [parse_choice(c, self.rank) for c in sorted(body.get("choices", []), key=lambda c: c["index"])]
             if len(samples) != live_n:
                 raise EngineError(f"rank {self.rank}: asked vLLM for {live_n} samples, got {len(samples)}")
         samples += [SampleOutput(token_ids=[], logprobs=[], finish_reason="abort") for _ in cancelled]
@@ -308,36 +177,18 @@ class VllmEngine:
             prefill_tokens_saved=cached,
         )
 
-    def _parse_choice(self, choice: Mapping[str, Any]) -> SampleOutput:
-        token_ids = choice.get("token_ids")
-        lp = (choice.get("logprobs") or {}).get("token_logprobs")
-        if token_ids is None or lp is None:
-            raise EngineError(
-                f"rank {self.rank}: vLLM completion lacks token_ids/logprobs (server too old for return_token_ids?)"
-            )
-        if len(lp) != len(token_ids):
-            raise EngineError(f"rank {self.rank}: {len(token_ids)} tokens but {len(lp)} logprobs from vLLM")
-        reason = choice.get("finish_reason")
-        if reason not in _FINISH:
-            raise EngineError(f"rank {self.rank}: unknown finish_reason {reason!r} from vLLM")
-        return SampleOutput(
-            token_ids=[int(t) for t in token_ids],
-            logprobs=[float(x) if x is not None else -math.inf for x in lp],
-            finish_reason=_FINISH[reason],  # type: ignore[arg-type]
-        )
-
     # -- pause / sleep ------------------------------------------------------------------------------------------
 
     def pause(self, mode: PauseMode) -> None:
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be abort|wait|keep, got {mode!r}")
-        body = self._post("/pause", params={"mode": mode})
+        body = self.http.post("/pause", params={"mode": mode})
         if body.get("status") != "paused":
             raise EngineError(f"rank {self.rank}: vLLM /pause answered {body!r}")
         self._st.paused = True
 
     def resume(self) -> None:
-        body = self._post("/resume")
+        body = self.http.post("/resume")
         if body.get("status") != "resumed":
             raise EngineError(f"rank {self.rank}: vLLM /resume answered {body!r}")
         self._st.paused = False
@@ -345,7 +196,7 @@ class VllmEngine:
     @property
     def is_paused(self) -> bool:
         """The server's own answer (GET /is_paused), not just what this engine asked for."""
-        paused = bool(self._get("/is_paused").get("is_paused"))
+        paused = bool(self.http.get("/is_paused").get("is_paused"))
         self._st.paused = paused
         return paused
 
@@ -360,7 +211,7 @@ class VllmEngine:
             raise self._sleep_unavailable("sleep")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        self._post("/sleep", params={"level": level, "mode": "wait"})
+        self.http.post("/sleep", params={"level": level, "mode": "wait"})
         self._st.asleep_level = level
         # vLLM does not report freed bytes over HTTP; unverified here (a GPU rank agent measures nvidia-smi)
         return SleepReport(level=level, bytes_before=0, bytes_after=0, verified=False)
@@ -371,7 +222,7 @@ class VllmEngine:
         bad = [t for t in tags if t not in ("weights", "kv_cache")]
         if bad:
             raise ValueError(f"wake tags must be weights|kv_cache, got {bad}")
-        self._post("/wake_up", params=[("tags", t) for t in tags])
+        self.http.post("/wake_up", params=[("tags", t) for t in tags])
         if not tags or set(tags) >= {"weights", "kv_cache"}:
             self._st.asleep_level = 0
             self._st.paused = False  # a full wake resumes the scheduler in vLLM
@@ -403,7 +254,7 @@ class VllmEngine:
         return digests.pop()
 
     def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
-        specs = self._answers(self._rpc("rolledger_specs"), "specs")[0]["specs"]
+        specs = self._answers(self.http.rpc("rolledger_specs"), "specs")[0]["specs"]
         return {name: TensorSpec(shape=tuple(shape), dtype=str(dtype)) for name, (shape, dtype) in specs.items()}
 
     @property
@@ -433,13 +284,13 @@ class VllmEngine:
         else:
             manifest_json = json.dumps(manifest)
         self._st.staged_version = None
-        results = self._answers(self._rpc("rolledger_prepare", version, uri, manifest_json), "prepare")
+        results = self._answers(self.http.rpc("rolledger_prepare", version, uri, manifest_json), "prepare")
         self._st.staged_version = version
         return self._one_digest(results, "staged_digest")
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Write `tensors` to a private temporary staging directory, then prepare_from_uri (local servers only)."""
-        from rolledger.workers.staging import DirectoryStagingStore
+        from rolledger.workers.staging_store import DirectoryStagingStore
 
         if self._st.asleep_level:
             raise IllegalEngineOrder(f"rank {self.rank}: weights must not be sent while asleep; wake weights first")
@@ -461,7 +312,7 @@ class VllmEngine:
                 f"rank {self.rank}: commit of version {version} but staged is {self._st.staged_version}"
             )
         self._st.staged_version = None
-        results = self._answers(self._rpc("rolledger_commit", version), "commit")
+        results = self._answers(self.http.rpc("rolledger_commit", version), "commit")
         digest = self._one_digest(results, "digest")
         self._publish(version, digest)
         return CommitReport(
@@ -476,7 +327,7 @@ class VllmEngine:
         """Back to the version before the last commit, on every worker; version label and prefix cache follow."""
         if self._st.asleep_level:
             raise IllegalEngineOrder(f"rank {self.rank}: rollback refused while asleep; wake weights first")
-        results = self._answers(self._rpc("rolledger_rollback"), "rollback")
+        results = self._answers(self.http.rpc("rolledger_rollback"), "rollback")
         digest = self._one_digest(results, "digest")
         version = int(results[0]["version"])
         self._publish(version, digest)
@@ -486,26 +337,26 @@ class VllmEngine:
         """After the weights changed: version label (checked), prefix cache reset, local state."""
         self._st.weights_digest = digest
         self._st.policy_version = version
-        self._post("/update_weight_version", json={"new_version": str(version)})
-        got = self._get("/weight_info").get("weight_version")
+        self.http.post("/update_weight_version", json={"new_version": str(version)})
+        got = self.http.get("/weight_info").get("weight_version")
         if got != str(version):
             raise EngineError(f"rank {self.rank}: /weight_info says {got!r} after setting version {version}")
         self.reset_prefix_cache()
 
     def discard_weights(self) -> None:
-        self._answers(self._rpc("rolledger_discard"), "discard")
+        self._answers(self.http.rpc("rolledger_discard"), "discard")
         self._st.staged_version = None
 
     def inject(self, spec: str) -> None:
         """Arm a one-shot fault in every worker (tests/demos): see workers.vllm_extension.FAULTS."""
-        self._answers(self._rpc("rolledger_inject", spec), "inject")
+        self._answers(self.http.rpc("rolledger_inject", spec), "inject")
 
     def reset_prefix_cache(self) -> int:
         """POST /reset_prefix_cache until it says success (it answers 200 success:false while blocks are held)."""
         deadline = time.monotonic() + self.reset_deadline_s
         delay = 0.01
         while True:
-            body = self._post("/reset_prefix_cache")
+            body = self.http.post("/reset_prefix_cache")
             if body.get("success") is True:
                 break
             if time.monotonic() + delay > deadline:
@@ -519,11 +370,11 @@ class VllmEngine:
         return self._st.cache_generation
 
     def weights_digest(self) -> str:
-        return self._one_digest(self._answers(self._rpc("rolledger_digest"), "digest"), "digest")
+        return self._one_digest(self._answers(self.http.rpc("rolledger_digest"), "digest"), "digest")
 
     def live_digest(self) -> str:
         """Digest of what actually serves (live parameters and repacked kernels); comparable within one server."""
-        return self._one_digest(self._answers(self._rpc("rolledger_live_digest"), "live digest"), "live_digest")
+        return self._one_digest(self._answers(self.http.rpc("rolledger_live_digest"), "live digest"), "live_digest")
 
     def health(self) -> HealthReport:
         """Greedy probe through /v1/completions. A rank probes right after its commit, while it is still paused for
@@ -540,21 +391,9 @@ class VllmEngine:
 
     def _probe(self) -> HealthReport:
         try:
-            self._request("GET", "/health")
-            body = self._post(
-                "/v1/completions",
-                json={
-                    "model": self.model_name,
-                    "prompt": list(PROBE_PROMPT),
-                    "max_tokens": 4,
-                    "temperature": 0.0,
-                    "logprobs": 0,
-                    "return_token_ids": True,
-                    "ignore_eos": True,
-                    "skip_special_tokens": False,
-                },
-            )
-            sample = self._parse_choice(body["choices"][0])
+            self.http.request("GET", "/health")
+            body = self.http.post("/v1/completions", json=probe_request(self.model_name))
+            sample = parse_choice(body["choices"][0], self.rank)
         except (EngineError, KeyError, IndexError) as e:
             return HealthReport(ok=False, detail=f"rank {self.rank}: {e}")
         if not all(math.isfinite(x) for x in sample.logprobs):
@@ -564,129 +403,7 @@ class VllmEngine:
         return HealthReport(ok=True, detail=f"rank {self.rank}: probe ok", probe_digest=h.hexdigest())
 
     def close(self) -> None:
-        self._http.close()
+        self.http.close()
         if self._tmp_staging is not None:
             self._tmp_staging.cleanup()
             self._tmp_staging = None
-
-
-def _parse_version(label: str) -> int:
-    """vLLM's weight version label as a policy version: 'default' (never set) is version 0."""
-    if label == "default":
-        return 0
-    try:
-        return int(label)
-    except ValueError as e:
-        raise EngineError(f"vLLM weight_version {label!r} is not a rolledger policy version") from e
-
-
-# --------------------------------------------------------------------------------------------------- launcher
-
-
-@dataclass
-class VllmServer:
-    """A vLLM server process this code started; `close()` terminates its whole process group."""
-
-    url: str
-    port: int
-    model_dir: Path
-    log_path: Path
-    process: subprocess.Popen[bytes]
-    start_s: float  # seconds from launch to /health 200
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def close(self, deadline_s: float = 20.0) -> None:
-        if self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(timeout=deadline_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=deadline_s)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def start_vllm_server(
-    model_dir: str | Path,
-    port: int,
-    *,
-    extension: str = DEFAULT_EXTENSION,
-    env: Mapping[str, str] | None = None,
-    log_path: str | Path | None = None,
-    max_model_len: int | None = None,
-    dtype: str = "bfloat16",
-    extra_args: Sequence[str] = (),
-    python: str = sys.executable,
-    startup_deadline_s: float = 240.0,
-) -> VllmServer:
-    """Start a vLLM OpenAI server on 127.0.0.1:`port` and wait for GET /health == 200 (or raise EngineError).
-
-    The RL/dev routes are enabled (VLLM_SERVER_DEV_MODE=1) and the KV cache kept at 1 GiB on CPU
-    (VLLM_CPU_KVCACHE_SPACE=1); `env` adds or overrides variables. The child runs in its own process group.
-    """
-    model_dir = Path(model_dir).absolute()
-    log = Path(log_path) if log_path is not None else model_dir.parent / f"vllm-{port}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    child_env = dict(os.environ)
-    child_env.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    child_env.update(env or {})
-    cmd = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        dtype,
-        "--worker-extension-cls",
-        extension,
-        *extra_args,
-    ]
-    if max_model_len is not None:  # default: the model's max_position_embeddings
-        cmd += ["--max-model-len", str(max_model_len)]
-    t0 = time.monotonic()
-    with open(log, "ab") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-    server = VllmServer(
-        url=f"http://127.0.0.1:{port}", port=port, model_dir=model_dir, log_path=log, process=proc, start_s=0.0
-    )
-    deadline = t0 + startup_deadline_s
-    with httpx.Client(timeout=2.0) as client:
-        while True:
-            if proc.poll() is not None:
-                raise EngineError(
-                    f"vLLM server on port {port} exited with code {proc.returncode} during start-up; log {log}:\n"
-                    f"{server.log_tail()}"
-                )
-            try:
-                if client.get(f"{server.url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                server.close()
-                raise EngineError(
-                    f"vLLM server on port {port} not healthy within {startup_deadline_s}s; log {log}:\n"
-                    f"{server.log_tail()}"
-                )
-            time.sleep(0.5)  # readiness poll interval, bounded by the deadline above
-    server.start_s = time.monotonic() - t0
-    return server

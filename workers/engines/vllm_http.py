@@ -1,0 +1,97 @@
+"""The HTTP connection to one vLLM OpenAI server, and the parsing of its errors.
+
+vLLM answers errors in two shapes (`{"error": "..."}` from the RL routes, `{"error": {"message": ...}}` from the
+rest, a list of details from FastAPI validation); `VllmHttp` turns every failure (no answer, a transport error, a
+non-200 status, a body that is not a JSON object) into an EngineError naming the route and the server, and
+`VllmHttp.rpc` calls `/collective_rpc` on every worker of the server (the routes of
+`rolledger.workers.vllm_extension.RolledgerWorkerExtension`, which answer one dict per worker and never raise).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from rolledger.workers.engine import EngineError
+
+DEFAULT_EXTENSION = "rolledger.workers.vllm_extension.RolledgerWorkerExtension"
+
+
+class VllmHttpError(EngineError):
+    """A vLLM route answered with an error; carries the HTTP status and the server's message."""
+
+    def __init__(self, route: str, base_url: str, status: int, message: str) -> None:
+        super().__init__(f"vLLM {route} at {base_url} failed: HTTP {status}: {message}")
+        self.route = route
+        self.status = status
+        self.message = message
+
+
+def error_message(resp: httpx.Response) -> str:
+    """The server's message from either of vLLM's error shapes (or the raw body)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()[:500] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail"))
+        if isinstance(err, str):
+            return err
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, list):  # FastAPI validation details
+            return json.dumps(err)[:500]
+    return json.dumps(body)[:500]
+
+
+class VllmHttp:
+    """JSON requests to the vLLM server at `base_url`; every failure is an EngineError (VllmHttpError for a status)."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+
+    def request(self, method: str, route: str, **kw: Any) -> httpx.Response:
+        try:
+            resp = self._client.request(method, route, **kw)
+        except httpx.TimeoutException as e:
+            raise EngineError(f"vLLM {route} at {self.base_url}: no answer within {self.timeout_s}s") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"vLLM {route} at {self.base_url}: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise VllmHttpError(route, self.base_url, resp.status_code, error_message(resp))
+        return resp
+
+    def request_json(self, method: str, route: str, **kw: Any) -> dict[str, Any]:
+        resp = self.request(method, route, **kw)
+        if not resp.content:
+            return {}
+        body = resp.json()
+        if not isinstance(body, dict):
+            raise EngineError(f"vLLM {route} at {self.base_url}: expected a JSON object, got {body!r:.200}")
+        return body
+
+    def get(self, route: str, **kw: Any) -> dict[str, Any]:
+        return self.request_json("GET", route, **kw)
+
+    def post(self, route: str, **kw: Any) -> dict[str, Any]:
+        return self.request_json("POST", route, **kw)
+
+    def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """collective_rpc on every worker; one dict per worker (the extension never raises, it answers ok:false)."""
+        body: dict[str, Any] = {"method": method, "args": list(args)}
+        if timeout_s is not None:
+            body["timeout"] = timeout_s
+        results = self.post("/collective_rpc", json=body, timeout=timeout_s or self.timeout_s).get("results")
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise EngineError(
+                f"vLLM collective_rpc {method} at {self.base_url}: expected one dict per worker, got {results!r:.300}; "
+                f"is the server started with --worker-extension-cls {DEFAULT_EXTENSION}?"
+            )
+        return results
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,189 @@
+"""The on-disk form of a staged version, and what can be checked of it without reading the tensor bytes.
+
+Owns the layout (version `v` lives in `root/v{v:06d}/` as `weights.safetensors` + `manifest.json`; unfinished
+writes are hidden `.tmp-v{v:06d}-<hex>` directories), version URIs (`file://` or a plain path), `StagingError` (the
+one error of staging, naming the tensor at fault and a short `kind` a RankPrepareFailed event can carry), and the
+safetensors header: parsed here rather than by `safe_open`, so that a truncated or mislabelled file still names the
+tensor at fault instead of failing as a whole, and checked against the manifest (names, dtypes, shapes, extents).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+from urllib.parse import unquote, urlparse
+
+from rolledger.schemas.weights import TensorEntry, WeightManifest
+
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+VERSION_DIR = re.compile(r"^v(\d{6,})$")
+TMP_DIR = re.compile(r"^\.tmp-v(\d{6,})-[0-9a-f]+$")
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+
+# safetensors header dtype code <-> manifest dtype name (workers.weights.dtype_name)
+_ST_TO_NAME: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+FailureKind = Literal[
+    "missing", "extra", "shape", "dtype", "checksum", "truncated", "unreadable", "manifest", "exists", "not_found"
+]
+
+
+class StagingError(RuntimeError):
+    """A staged update cannot be written or fails verification. `tensor` names the culprit when there is one."""
+
+    def __init__(self, tensor: str | None, reason: str, *, kind: FailureKind, version: int | None = None) -> None:
+        where = f"version {version}: " if version is not None else ""
+        what = f"tensor {tensor!r}: " if tensor is not None else ""
+        super().__init__(f"{where}{what}{reason}")
+        self.tensor = tensor
+        self.reason = reason
+        self.kind: FailureKind = kind
+        self.version = version
+
+
+# --------------------------------------------------------------------------------------------------- layout and URIs
+
+
+def version_dir(root: Path, version: int) -> Path:
+    """Where `version` lives under the store root `root`."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    return root / f"v{version:06d}"
+
+
+def path_from_uri(uri: str) -> Path:
+    """The local path a staging URI (`file://` or a plain path) names; ValueError naming any other scheme."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file URI {uri!r} names host {parsed.netloc!r}; only local paths are supported")
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
+        return Path(uri)
+    raise ValueError(f"unknown staging URI scheme {parsed.scheme!r} in {uri!r}; supported: file:// or a plain path")
+
+
+def split_version_uri(uri: str) -> tuple[Path, int]:
+    """A version URI (what StagedUpdate.uri / UpdateStaged carry) as its store root and version."""
+    path = path_from_uri(uri)
+    m = VERSION_DIR.match(path.name)
+    if m is None:
+        raise ValueError(f"{uri!r} does not name a version directory (expected .../v000123)")
+    return path.parent, int(m.group(1))
+
+
+# --------------------------------------------------------------------------------------------------- the file format
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    name: str
+    dtype: str  # manifest name, or the raw safetensors code when unknown
+    shape: tuple[int, ...]
+    start: int  # absolute file offsets
+    end: int
+
+
+def open_weights(path: Path, version: int | None) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise StagingError(None, f"weights file {str(path)!r} does not exist", kind="not_found", version=version)
+    except OSError as e:
+        raise StagingError(None, f"cannot open {str(path)!r}: {e}", kind="unreadable", version=version) from e
+
+
+def read_header(fd: int, version: int | None) -> tuple[list[HeaderEntry], int]:
+    """Parse the safetensors header of an open file; returns its tensor entries (in file order) and the file size."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise StagingError(None, f"file is {size} bytes, too short for a header", kind="truncated", version=version)
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER_BYTES or 8 + n > size:
+        raise StagingError(
+            None,
+            f"header claims {n} bytes but the file has {size}: corrupt or truncated",
+            kind="unreadable",
+            version=version,
+        )
+    raw = os.pread(fd, n, 8)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StagingError(None, f"unreadable safetensors header: {e}", kind="unreadable", version=version) from e
+    if not isinstance(header, dict):
+        raise StagingError(None, "unreadable safetensors header: not a JSON object", kind="unreadable", version=version)
+    base = 8 + n
+    entries: list[HeaderEntry] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code = info["dtype"]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StagingError(name, f"malformed header entry {info!r}", kind="unreadable", version=version) from e
+        if not 0 <= start <= end:
+            raise StagingError(name, f"bad data_offsets [{start}, {end})", kind="unreadable", version=version)
+        entries.append(HeaderEntry(name, _ST_TO_NAME.get(code, code), shape, base + start, base + end))
+    entries.sort(key=lambda e: e.start)
+    return entries, size
+
+
+def check_against_manifest(
+    entries: list[HeaderEntry], size: int, manifest: WeightManifest
+) -> list[tuple[HeaderEntry, TensorEntry]]:
+    """Everything checkable without reading tensor bytes; returns (header, manifest) pairs in file order."""
+    v = manifest.version
+    by_name = {e.name: e for e in entries}
+    expected = {t.name: t for t in manifest.tensors}
+    for name in sorted(expected.keys() - by_name.keys()):
+        raise StagingError(name, "missing from the staged file", kind="missing", version=v)
+    for name in sorted(by_name.keys() - expected.keys()):
+        raise StagingError(name, "in the staged file but not in the manifest", kind="extra", version=v)
+    pairs = []
+    for h in entries:
+        want = expected[h.name]
+        if h.dtype != want.dtype:
+            raise StagingError(
+                h.name, f"dtype mismatch: file has {h.dtype}, manifest says {want.dtype}", kind="dtype", version=v
+            )
+        if h.shape != want.shape:
+            raise StagingError(
+                h.name, f"shape mismatch: file has {h.shape}, manifest says {want.shape}", kind="shape", version=v
+            )
+        if h.end - h.start != want.nbytes:
+            raise StagingError(
+                h.name, f"file holds {h.end - h.start} bytes, manifest says {want.nbytes}", kind="unreadable", version=v
+            )
+        if h.end > size:
+            raise StagingError(
+                h.name,
+                f"truncated: needs file bytes [{h.start}, {h.end}) but the file has {size}",
+                kind="truncated",
+                version=v,
+            )
+        pairs.append((h, want))
+    return pairs
