@@ -209,7 +209,7 @@ def test_out_of_range_array_value_is_refused_at_encode() -> None:
     event = _sample_finished([0.0] * 5)
     bad = event.model_copy(
         update={
-            "payload": event.payload.model_copy(  # type: ignore[union-attr]
+            "payload": event.payload.model_copy(
                 update={"trajectory": event.payload.trajectory.model_copy(update={"token_ids": [2**40] * 5})}  # type: ignore[union-attr]
             )
         }

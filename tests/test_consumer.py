@@ -15,7 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
-from _consumer_proc import complete, completions_key, started_key  # type: ignore[import-not-found]
+from _consumer_proc import complete, completions_key, started_key
 
 from rolledger.events.codec import encode
 from rolledger.events.consumer import Delivery, GroupConsumer

@@ -141,7 +141,7 @@ def decisions(events: list[ev.Event], producers: set[str]) -> list[ev.Event]:
 
 
 def fences(events: list[ev.Event]) -> set[int]:
-    return {e.payload.fence for e in events if hasattr(e.payload, "fence")}  # type: ignore[attr-defined]
+    return {e.payload.fence for e in events if hasattr(e.payload, "fence")}
 
 
 def stop(*coordinators: Coordinator) -> None:

@@ -8,7 +8,7 @@ from logbuilder import LogBuilder
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
-from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
+from rolledger.schemas.statuses import AdmissionReason, GroupStatus, PolicyKind, SampleStatus
 from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
 from rolledger.workflows.groups import decide_group
 from rolledger.workflows.reducer import replay
@@ -273,7 +273,7 @@ def committed(ranks: int = 2) -> RunState:
     b.stage(1).request_prepare(1)
     for r in range(ranks):
         b.prepare(1, r)
-    b.pause("update").commit(1)
+    b.pause(AdmissionReason.UPDATE).commit(1)
     return replay(b.build())
 
 

@@ -68,7 +68,7 @@ def test_an_interruptible_run_stamps_spans_and_audits_clean(redis_url: str, run_
         trainer={"warm_start_steps": 0, "groups_per_step": 2},
     )
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
-    assert summary.status == "completed"  # type: ignore[attr-defined]
+    assert summary.status == "completed"
     report = audit(events)
     assert report.ok, report.render()
     for t in (p.trajectory for p in of(events, ev.SampleFinished)):
