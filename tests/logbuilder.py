@@ -17,7 +17,7 @@ deterministic. Digests are readable strings: weights of version v are `w0001`, i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from rolledger.events.envelope import make_event
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig
@@ -76,6 +76,15 @@ def default_config(**overrides: Any) -> RunConfig:
     }
     base.update(overrides)
     return RunConfig(**base)
+
+
+P = TypeVar("P", bound=Payload)
+
+
+def payload_of(event: Event, cls: type[P]) -> P:
+    """The event's payload, which the test knows is a `cls` (asserted, so the payload union narrows)."""
+    assert isinstance(event.payload, cls), f"{event.type} is not a {cls.__name__}"
+    return event.payload
 
 
 class LogBuilder:

@@ -74,7 +74,7 @@ def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() ->
     fold_all(state, first)
     second = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
     assert [type(p).__name__ for p in second] == ["AdmissionPaused"]
-    assert second[0].reason == "bytes"  # type: ignore[attr-defined]
+    assert isinstance(second[0], ev.AdmissionPaused) and second[0].reason == "bytes"
     fold_all(state, second)
     # the two groups are generated, scored, completed and consumed: the queue drains and admission reopens
     for g in admitted:

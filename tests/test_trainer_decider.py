@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
+from typing import Any
 
 import redis
 from hypothesis import HealthCheck, event, given, settings
@@ -178,8 +179,8 @@ def test_a_second_staging_of_a_version_is_an_anomaly() -> None:
 
 
 # ---------------------------------------------------------------- the agreement gate and the run's end
-def ready_run(**config: object) -> LogBuilder:
-    b = LogBuilder(trainer={"groups_per_step": 1}, **config).start_run()  # type: ignore[arg-type]
+def ready_run(**config: Any) -> LogBuilder:
+    b = LogBuilder(trainer={"groups_per_step": 1}, **config).start_run()
     return b.group()
 
 

@@ -31,7 +31,10 @@ TERMINAL = (ev.SampleFinished, ev.SampleFailed, ev.SampleCancelled)
 
 
 def _sample_id(p: ev.Payload) -> str:
-    return p.trajectory.trajectory_id if isinstance(p, ev.SampleFinished) else p.sample_id  # type: ignore[attr-defined]
+    if isinstance(p, ev.SampleFinished):
+        return p.trajectory.trajectory_id
+    assert isinstance(p, ev.SampleFailed | ev.SampleCancelled), p
+    return p.sample_id
 
 
 def _worker(redis_url: str, run_id: str, rank: int, name: str, log: Path) -> subprocess.Popen[bytes]:
