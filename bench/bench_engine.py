@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -70,13 +71,13 @@ def run_engine(name: str, engine: TorchEngine, prompts: list[list[int]], n: int,
     return Row(name, computed / len(prompts), saved / len(prompts), tokens, time.perf_counter() - start)
 
 
-def run_hf(model: torch.nn.Module, eos: int, pad: int, prompts: list[list[int]], n: int, max_tokens: int) -> Row:
+def run_hf(model: Qwen2ForCausalLM, eos: int, pad: int, prompts: list[list[int]], n: int, max_tokens: int) -> Row:
     tokens = 0
     start = time.perf_counter()
     with torch.inference_mode():
         for g, ids in enumerate(prompts):
             torch.manual_seed(g)
-            out = model.generate(  # type: ignore[operator]
+            out = model.generate(
                 input_ids=torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 do_sample=True,
@@ -110,7 +111,7 @@ def main() -> None:
     cfg = ModelConfig(max_position_embeddings=max(64, max(map(len, prompts)) + args.max_tokens))
     sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
 
-    def fresh() -> torch.nn.Module:
+    def fresh() -> Qwen2ForCausalLM:
         return build_model(cfg, len(tok), args.seed)
 
     plain = TorchEngine(fresh(), tok, prefix_cache=False)

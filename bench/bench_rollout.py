@@ -28,7 +28,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
+import redis
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -82,15 +84,20 @@ def direct(name: str, engine: TorchEngine, prompts: list[list[int]], n: int, max
     return Result(name, seconds, tokens, engine.stats.prefill_tokens_computed - before, len(prompts))
 
 
-def wait_for_type(client: object, key: str, type_: bytes, count: int, deadline_s: float) -> None:
+XReadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None
+
+
+def wait_for_type(client: redis.Redis, key: str, type_: bytes, count: int, deadline_s: float) -> None:
     """Block until the stream holds `count` entries whose `t` field is `type_` (nothing decoded), or fail."""
-    seen, after = 0, "0-0"
+    seen = 0
+    after: str | bytes = "0-0"
     deadline = time.monotonic() + deadline_s
     while seen < count:
         remaining_ms = int((deadline - time.monotonic()) * 1000)
         if remaining_ms < 1:
             raise SystemExit(f"timed out: {seen} of {count} {type_.decode()} after {deadline_s:.0f} s")
-        reply = client.xread({key: after}, count=1000, block=remaining_ms)  # type: ignore[attr-defined]
+        # a sync client without decode_responses: [(stream, [(entry_id, fields)])] (redis-py types it Any | Awaitable)
+        reply = cast(XReadReply, client.xread({key: after}, count=1000, block=remaining_ms))
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 after = entry_id
@@ -148,7 +155,8 @@ def through_rolledger(
         raise SystemExit(f"rank worker failed: {worker.error!r}")
     tokens = 0
     for stored in log.read(types={"SampleFinished"}):
-        tokens += len(stored.event.payload.trajectory.token_ids)  # type: ignore[union-attr]
+        assert isinstance(stored.event.payload, ev.SampleFinished)
+        tokens += len(stored.event.payload.trajectory.token_ids)
     return Result("rolledger", seconds, tokens, engine.stats.prefill_tokens_computed - before, len(prompts))
 
 

@@ -106,7 +106,7 @@ class GroupConsumer:
             return claimed
 
         reply = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block_ms)
-        entries = reply[0][1] if reply else []  # type: ignore[index]
+        entries = reply[0][1] if reply else []
         return self._deliver(entries, {})
 
     def _autoclaim(self, count: int) -> list[Delivery]:

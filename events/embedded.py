@@ -86,7 +86,7 @@ def find_redis_server() -> Path:
 
 def _answers_ping(sock: Path) -> bool:
     """One PING on one raw connection (no client retries: a stale socket should fail fast)."""
-    conn = UnixDomainSocketConnection(path=str(sock), socket_timeout=1, socket_connect_timeout=1)  # type: ignore[abstract]
+    conn = UnixDomainSocketConnection(path=str(sock), socket_timeout=1, socket_connect_timeout=1)  # type: ignore[abstract]  # redis-py: abstract `host`, only TCP sets it
     try:
         conn.send_command("PING")
         return bool(conn.read_response())
@@ -181,7 +181,7 @@ class EmbeddedRedis:
         proc = self.process
         if proc is not None and proc.poll() is None and self.socket_path is not None:
             # One raw connection, no client retries: the server closing the socket is the expected answer.
-            conn = UnixDomainSocketConnection(path=str(self.socket_path), socket_timeout=deadline_s)  # type: ignore[abstract]
+            conn = UnixDomainSocketConnection(path=str(self.socket_path), socket_timeout=deadline_s)  # type: ignore[abstract]  # redis-py: abstract `host`, only TCP sets it
             try:
                 conn.send_command("SHUTDOWN")
                 conn.read_response()

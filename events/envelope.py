@@ -55,5 +55,5 @@ def make_event(
         correlation_id=correlation_id,
         policy_version=policy_version,
         wall_time=time.time() if wall_time is None else wall_time,
-        payload=payload,  # type: ignore[arg-type]  # AnyPayload is the union of Payload subclasses; any one is valid
+        payload=payload,
     )

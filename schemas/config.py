@@ -144,7 +144,7 @@ class RunConfig(Model):
 
             data = tomllib.loads(text)
         elif p.suffix in (".yaml", ".yml"):
-            import yaml  # type: ignore[import-untyped]
+            import yaml
 
             data = yaml.safe_load(text) or {}
         else:

@@ -68,13 +68,15 @@ def parse_injection(spec: str) -> Injection:
         if kind == "fail-rank":
             if at not in PHASES:
                 raise ValueError("the phase after @ must be prepare, transfer or commit")
-            return Injection("fail-rank", rank=int(value), phase=at)  # type: ignore[arg-type]
-        if kind in ("corrupt-rank", "stale-weights"):
-            return Injection(kind, rank=int(value))  # type: ignore[arg-type]
+            return Injection("fail-rank", rank=int(value), phase=at)
+        if kind == "corrupt-rank":
+            return Injection("corrupt-rank", rank=int(value))
+        if kind == "stale-weights":
+            return Injection("stale-weights", rank=int(value))
         if kind == "kill-worker":
             if value not in WORKER_KINDS:
                 raise ValueError("KIND must be rollout, reward, trainer or coordinator")
-            return Injection("kill-worker", worker=value, after=int(at or 1))  # type: ignore[arg-type]
+            return Injection("kill-worker", worker=value, after=int(at or 1))
         if kind == "delay-trainer":
             return Injection("delay-trainer", seconds=float(value))
     except ValueError as exc:

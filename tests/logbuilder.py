@@ -17,7 +17,7 @@ deterministic. Digests are readable strings: weights of version v are `w0001`, i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from rolledger.events.envelope import make_event
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig
@@ -76,6 +76,15 @@ def default_config(**overrides: Any) -> RunConfig:
     }
     base.update(overrides)
     return RunConfig(**base)
+
+
+P = TypeVar("P", bound=Payload)
+
+
+def payload_of(event: Event, cls: type[P]) -> P:
+    """The event's payload, which the test knows is a `cls` (asserted, so the payload union narrows)."""
+    assert isinstance(event.payload, cls), f"{event.type} is not a {cls.__name__}"
+    return event.payload
 
 
 class LogBuilder:
@@ -162,7 +171,7 @@ class LogBuilder:
         return self
 
     def finish_run(self, status: str = "completed") -> LogBuilder:
-        return self.emit(RunFinished(status=status, steps=self._step))  # type: ignore[arg-type]
+        return self.emit(RunFinished(status=status, steps=self._step))
 
     # ------------------------------------------------------------ rollout
     def admit(
@@ -268,7 +277,7 @@ class LogBuilder:
         self._group_bytes[group_id] = nbytes
         self.queued_bytes += nbytes
         st = status or ("complete" if len(accepted) == n else "partial")
-        return self.emit(GroupCompleted(group_id=group_id, accepted=accepted, status=st, bytes=nbytes))  # type: ignore[arg-type]
+        return self.emit(GroupCompleted(group_id=group_id, accepted=accepted, status=st, bytes=nbytes))
 
     def cancel_group(self, group_id: str, reason: str = "deadline") -> LogBuilder:
         return self.emit(GroupCancelled(group_id=group_id, reason=reason))
@@ -364,7 +373,7 @@ class LogBuilder:
     def drop(self, group_id: str, reason: str = "lag", lag: int = 2) -> LogBuilder:
         ids = tuple(t for t in self._trajectories if t.rsplit("/", 1)[0] == group_id)
         self.queued_bytes -= self._group_bytes.pop(group_id, 0)
-        return self.emit(TrajectoryDropped(group_id=group_id, trajectory_ids=ids, reason=reason, lag=lag))  # type: ignore[arg-type]
+        return self.emit(TrajectoryDropped(group_id=group_id, trajectory_ids=ids, reason=reason, lag=lag))
 
     # ------------------------------------------------------------ weight update, step by step
     def stage(
@@ -414,14 +423,14 @@ class LogBuilder:
 
     def prepare_fail(self, version: int, rank: int, *, phase: str = "transfer") -> LogBuilder:
         return self.emit(
-            RankPrepareFailed(version=version, rank=rank, phase=phase, tensor="lm_head.weight", reason="checksum"),  # type: ignore[arg-type]
+            RankPrepareFailed(version=version, rank=rank, phase=phase, tensor="lm_head.weight", reason="checksum"),
             producer=f"rank-{rank}",
         )
 
-    def pause(self, reason: AdmissionReason = "update") -> LogBuilder:
+    def pause(self, reason: AdmissionReason = AdmissionReason.UPDATE) -> LogBuilder:
         return self.emit(AdmissionPaused(reason=reason, queued_bytes=self.queued_bytes), producer="admission")
 
-    def resume(self, reason: AdmissionReason = "update") -> LogBuilder:
+    def resume(self, reason: AdmissionReason = AdmissionReason.UPDATE) -> LogBuilder:
         return self.emit(AdmissionResumed(reason=reason), producer="admission")
 
     def commit(self, version: int, ranks: tuple[int, ...] | None = None, *, manifest: str | None = None) -> LogBuilder:
@@ -510,12 +519,12 @@ class LogBuilder:
                 self.prepare_fail(v, r)
             else:
                 self.prepare(v, r)
-        self.pause("update")
+        self.pause(AdmissionReason.UPDATE)
         if fail_rank is not None:
             self.abort(v, failed_ranks=(fail_rank,))
-            return self.resume("update")
+            return self.resume(AdmissionReason.UPDATE)
         self.commit(v)
         for r in self.ranks:
             self.commit_rank(v, r)
         self.publish(v)
-        return self.resume("update")
+        return self.resume(AdmissionReason.UPDATE)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from logbuilder import LogBuilder, weights_digest_for
 
 from rolledger.schemas.config import PartialPolicy
-from rolledger.schemas.events import EnginePaused, Event
+from rolledger.schemas.events import EnginePaused, Event, RankCommitted
+from rolledger.schemas.statuses import AdmissionReason
 from rolledger.schemas.trajectory import VersionSpan
 from rolledger.workflows.audit import audit
 from rolledger.workflows.audit_report import AuditReport
@@ -129,7 +130,7 @@ def test_inv1_interruptible_sample_must_stamp_every_span() -> None:
 def _update_with(b: LogBuilder, during: str | None, *, abort: bool = False) -> None:
     """Update to v1 step by step; `during` = "admit" or "start" puts that event between the pause and the
     publication (or abort)."""
-    b.stage(1).request_prepare(1).prepare(1, 0).pause("update")
+    b.stage(1).request_prepare(1).prepare(1, 0).pause(AdmissionReason.UPDATE)
     g = b.last_group
     if during == "drain":  # the rank had not stopped yet: the group it is running may start (and drain)
         b.start(f"{g}/1")
@@ -142,7 +143,7 @@ def _update_with(b: LogBuilder, during: str | None, *, abort: bool = False) -> N
         b.abort(1)
     else:
         b.commit(1).commit_rank(1, 0).publish(1)
-    b.resume("update")
+    b.resume(AdmissionReason.UPDATE)
 
 
 @pytest.mark.parametrize("during", ["admit", "start"])
@@ -192,11 +193,11 @@ def test_inv2_no_start_on_any_rank_between_commit_and_publish() -> None:
     b.admit()
     g = b.last_group
     b.start(f"{g}/0")
-    b.stage(1).request_prepare(1).prepare(1, 0).pause("update").commit(1)
+    b.stage(1).request_prepare(1).prepare(1, 0).pause(AdmissionReason.UPDATE).commit(1)
     b.start(f"{g}/1")
     offender = b.last.event_id
     commit = b.find("UpdateCommitted").event_id
-    b.commit_rank(1, 0).publish(1).resume("update")
+    b.commit_rank(1, 0).publish(1).resume(AdmissionReason.UPDATE)
     b.finish(f"{g}/0").finish(f"{g}/1").complete(g)
     report = audit(b.finish_run().build())
     assert (commit, offender) in only(report, 2)
@@ -279,9 +280,7 @@ def test_inv3_aborted_version_must_leave_ranks_on_the_old_version() -> None:
     assert_clean(audit(log(False).build()))
 
 
-def b_rank_committed(version: int, rank: int):  # type: ignore[no-untyped-def]
-    from rolledger.schemas.events import RankCommitted
-
+def b_rank_committed(version: int, rank: int) -> RankCommitted:
     return RankCommitted(version=version, rank=rank, weights_digest=weights_digest_for(version))
 
 

@@ -16,12 +16,13 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from logbuilder import payload_of
 from pydantic import BaseModel, ValidationError
 
 from rolledger.events.codec import DecodeError, decode, encode
 from rolledger.events.envelope import make_event
 from rolledger.schemas.base import F32Array, I8Array, I32Array
-from rolledger.schemas.events import PAYLOAD_TYPES, Event, SampleScored
+from rolledger.schemas.events import PAYLOAD_TYPES, Event, SampleFinished, SampleScored
 from rolledger.schemas.trajectory import Trajectory
 
 _ARRAY_MARKERS = {
@@ -39,13 +40,17 @@ def _bounded(base: str, metadata: list[Any]) -> st.SearchStrategy[Any]:
     excl_lo = excl_hi = False
     for m in metadata:
         if isinstance(m, annotated_types.Ge):
-            lo = m.ge  # type: ignore[assignment]
+            assert isinstance(m.ge, int | float), m  # our schemas bound numbers only
+            lo = m.ge
         elif isinstance(m, annotated_types.Gt):
-            lo, excl_lo = m.gt, True  # type: ignore[assignment]
+            assert isinstance(m.gt, int | float), m
+            lo, excl_lo = m.gt, True
         elif isinstance(m, annotated_types.Le):
-            hi = m.le  # type: ignore[assignment]
+            assert isinstance(m.le, int | float), m
+            hi = m.le
         elif isinstance(m, annotated_types.Lt):
-            hi, excl_hi = m.lt, True  # type: ignore[assignment]
+            assert isinstance(m.lt, int | float), m
+            hi, excl_hi = m.lt, True
     if base == "int":
         return st.integers(
             min_value=None if lo is None else int(lo) + excl_lo, max_value=None if hi is None else int(hi) - excl_hi
@@ -191,8 +196,8 @@ def _sample_finished(logprobs: list[float], n: int = 5) -> Event:
 def test_logprobs_come_back_at_float32_precision(values: list[float]) -> None:
     back = decode(encode(_sample_finished(values)))
     expected = array.array("f", values).tolist()  # what float32 storage keeps
-    assert back.payload.trajectory.logprobs == expected  # type: ignore[union-attr]
-    for got, original in zip(back.payload.trajectory.logprobs, values):  # type: ignore[union-attr]
+    assert payload_of(back, SampleFinished).trajectory.logprobs == expected
+    for got, original in zip(payload_of(back, SampleFinished).trajectory.logprobs, values):
         assert math.isclose(got, original, rel_tol=1e-6, abs_tol=1e-37)
 
 
@@ -209,8 +214,12 @@ def test_out_of_range_array_value_is_refused_at_encode() -> None:
     event = _sample_finished([0.0] * 5)
     bad = event.model_copy(
         update={
-            "payload": event.payload.model_copy(  # type: ignore[union-attr]
-                update={"trajectory": event.payload.trajectory.model_copy(update={"token_ids": [2**40] * 5})}  # type: ignore[union-attr]
+            "payload": event.payload.model_copy(
+                update={
+                    "trajectory": payload_of(event, SampleFinished).trajectory.model_copy(
+                        update={"token_ids": [2**40] * 5}
+                    )
+                }
             )
         }
     )
@@ -229,9 +238,9 @@ def test_older_schema_is_upcast() -> None:
     raw["v"] = 1
     del raw["p"]["correct"]
     back = decode(msgpack.packb(raw, use_bin_type=True))
-    assert back.payload.correct is True  # type: ignore[union-attr]
+    assert payload_of(back, SampleScored).correct is True
     raw["p"]["reward"] = 0.25
-    assert decode(msgpack.packb(raw, use_bin_type=True)).payload.correct is False  # type: ignore[union-attr]
+    assert payload_of(decode(msgpack.packb(raw, use_bin_type=True)), SampleScored).correct is False
 
 
 @pytest.mark.parametrize(
@@ -279,7 +288,7 @@ def _with_array(raw: dict[str, Any], name: str, ext: msgpack.ExtType) -> bytes:
 
 def test_decoded_arrays_are_plain_lists_of_python_numbers() -> None:
     back = decode(encode(_sample_finished([-0.5] * 5)))
-    traj = back.payload.trajectory  # type: ignore[union-attr]
+    traj = payload_of(back, SampleFinished).trajectory
     for name in ("prompt_token_ids", "token_ids", "loss_mask", "positions", "logprobs"):
         assert type(getattr(traj, name)) is list, name
     assert traj.token_ids == [100_000, 100_001, 100_002, 100_003, 100_004]
@@ -323,7 +332,7 @@ def test_integral_floats_in_an_int_array_are_accepted_as_ints() -> None:
     """A foreign typecode is not trusted, but values that are valid ints are not refused either."""
     raw = _raw_sample_finished()
     back = decode(_with_array(raw, "token_ids", msgpack.ExtType(1, b"f" + array.array("f", [7.0] * 5).tobytes())))
-    assert back.payload.trajectory.token_ids == [7] * 5  # type: ignore[union-attr]
+    assert payload_of(back, SampleFinished).trajectory.token_ids == [7] * 5
 
 
 @pytest.mark.parametrize(
@@ -353,7 +362,7 @@ def test_malformed_envelopes_raise_decode_error(mutate: Any, reason: str) -> Non
 def test_array_fields_accept_arrays_bytes_tensors_and_refuse_out_of_range_values() -> None:
     import torch
 
-    base = _sample_finished([0.0] * 5).payload.trajectory  # type: ignore[union-attr]
+    base = payload_of(_sample_finished([0.0] * 5), SampleFinished).trajectory
     fields = base.model_dump()
     ok = Trajectory(
         **{

@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -156,9 +157,9 @@ def test_unix_socket_url(auth_server: Server) -> None:
         ("redis://127.0.0.1:1", {"username": "alice"}, "username 'alice' given without a password"),
     ],
 )
-def test_bad_input_named(url: str, kwargs: dict[str, object], message: str) -> None:
+def test_bad_input_named(url: str, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        connect(url, **kwargs)  # type: ignore[arg-type]
+        connect(url, **kwargs)
 
 
 def test_client_settings() -> None:

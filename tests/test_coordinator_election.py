@@ -141,7 +141,7 @@ def decisions(events: list[ev.Event], producers: set[str]) -> list[ev.Event]:
 
 
 def fences(events: list[ev.Event]) -> set[int]:
-    return {e.payload.fence for e in events if hasattr(e.payload, "fence")}  # type: ignore[attr-defined]
+    return {e.payload.fence for e in events if hasattr(e.payload, "fence")}
 
 
 def stop(*coordinators: Coordinator) -> None:
@@ -153,7 +153,7 @@ def stop(*coordinators: Coordinator) -> None:
 
 def crash(c: Coordinator) -> None:
     """Stop the thread the way a killed process stops: the lease is left to expire, not released."""
-    c.lease.release = lambda: None  # type: ignore[method-assign]
+    c.lease.release = lambda: None  # type: ignore[method-assign]  # disarmed, as a crash never releases
     c.stop()
     c.join(timeout=30)
     assert not c.alive

@@ -8,7 +8,7 @@ from logbuilder import LogBuilder
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
-from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
+from rolledger.schemas.statuses import AdmissionReason, GroupStatus, PolicyKind, SampleStatus
 from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
 from rolledger.workflows.groups import decide_group
 from rolledger.workflows.reducer import replay
@@ -74,7 +74,7 @@ def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() ->
     fold_all(state, first)
     second = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
     assert [type(p).__name__ for p in second] == ["AdmissionPaused"]
-    assert second[0].reason == "bytes"  # type: ignore[attr-defined]
+    assert isinstance(second[0], ev.AdmissionPaused) and second[0].reason == "bytes"
     fold_all(state, second)
     # the two groups are generated, scored, completed and consumed: the queue drains and admission reopens
     for g in admitted:
@@ -273,7 +273,7 @@ def committed(ranks: int = 2) -> RunState:
     b.stage(1).request_prepare(1)
     for r in range(ranks):
         b.prepare(1, r)
-    b.pause("update").commit(1)
+    b.pause(AdmissionReason.UPDATE).commit(1)
     return replay(b.build())
 
 

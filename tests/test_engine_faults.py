@@ -117,7 +117,7 @@ def test_a_rollout_killed_mid_group_is_replaced_and_its_orphans_are_closed(
     redis_url: str, run_id: str, tmp_path: Path
 ) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small(), "kill-worker=rollout@2")
-    assert summary.status == "completed"  # type: ignore[attr-defined]
+    assert summary.status == "completed"
     lost = [p for p in of(events, ev.SampleFailed) if "worker lost" in p.error]
     assert lost  # the reclaiming consumer closed what the killed one had started
     ends = [

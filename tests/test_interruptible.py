@@ -12,6 +12,7 @@ from test_run_loop import execute, of, small
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import ModelConfig, SamplingParams
+from rolledger.workers.engine import GroupOutput
 from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.grpo import sequence_logprobs
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
@@ -27,7 +28,7 @@ def test_a_parked_sample_continues_on_the_new_weights_with_stamped_spans() -> No
     prompt = list(tok("12+34=")["input_ids"])
     sampling = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=())
     steps = threading.Semaphore(0)
-    result: dict[str, object] = {}
+    result: dict[str, GroupOutput] = {}
 
     def cancel_hook(_: int) -> bool:
         steps.release()  # one release per sample per decode step: lets the test pause mid-generation
@@ -46,7 +47,7 @@ def test_a_parked_sample_continues_on_the_new_weights_with_stamped_spans() -> No
     engine.resume()
     t.join(timeout=60)
     out = result["out"]
-    sample = out.samples[0]  # type: ignore[attr-defined]
+    sample = out.samples[0]
     assert len(sample.spans) == 2
     (b0, v0, d0), (b1, v1, d1) = sample.spans
     assert (b0, v0) == (0, 0) and v1 == 1 and 0 < b1 < len(sample.token_ids) and d0 != d1
@@ -57,7 +58,7 @@ def test_a_parked_sample_continues_on_the_new_weights_with_stamped_spans() -> No
     # after it the new weights score the tokens (on top of the old weights' KV for the earlier ones, kept as in-flight
     # weight updates do): they no longer match the old model's logprobs
     assert not torch.allclose(got[b1:], lp_old[0, b1 : len(sample.token_ids)], atol=1e-4)
-    assert out.policy_version == 1  # type: ignore[attr-defined]
+    assert out.policy_version == 1
 
 
 @pytest.mark.slow
@@ -68,7 +69,7 @@ def test_an_interruptible_run_stamps_spans_and_audits_clean(redis_url: str, run_
         trainer={"warm_start_steps": 0, "groups_per_step": 2},
     )
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
-    assert summary.status == "completed"  # type: ignore[attr-defined]
+    assert summary.status == "completed"
     report = audit(events)
     assert report.ok, report.render()
     for t in (p.trajectory for p in of(events, ev.SampleFinished)):

@@ -13,9 +13,11 @@ from __future__ import annotations
 import copy
 import statistics
 import tempfile
+from collections.abc import Sequence
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from rolledger.schemas.config import ModelConfig, SamplingParams, TaskConfig, TrainerConfig
 from rolledger.workers.engines.torch_engine import TorchEngine
@@ -34,7 +36,7 @@ from rolledger.workers.policy_model import (
     policy_state,
     save_policy,
 )
-from rolledger.workers.tasks import make_prompts, parse_answer, score, supervised_examples
+from rolledger.workers.tasks import Prompt, make_prompts, parse_answer, score, supervised_examples
 from rolledger.workers.weights import state_digest
 
 SEED = 0
@@ -117,7 +119,7 @@ def test_grpo_step_reports_agreement_and_clipping() -> None:
         grpo_step(model, opt, [RolloutSample(ids, [3, 4], [0.0], "g")], [1.0], TrainerConfig())
 
 
-def _greedy_exact(engine: TorchEngine, tok, prompts) -> float:  # type: ignore[no-untyped-def]
+def _greedy_exact(engine: TorchEngine, tok: PreTrainedTokenizerFast, prompts: Sequence[Prompt]) -> float:
     hits = 0
     for p in prompts:
         out = engine.generate(tok(p.text)["input_ids"], 1, SamplingParams(temperature=0.0, max_tokens=4))

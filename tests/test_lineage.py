@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from logbuilder import LogBuilder
+from logbuilder import LogBuilder, payload_of
 
-from rolledger.schemas.events import Event
+from rolledger.schemas.events import Event, UpdateStaged
 from rolledger.workflows.audit import audit
 from rolledger.workflows.lineage import lineage
 
@@ -50,7 +50,7 @@ def test_lineage_names_every_link_of_the_chain() -> None:
     stage = b.find("UpdateStaged", version=2)
     assert pol.source == "update" and pol.version == 2
     assert pol.manifest_digest == "m0002" and pol.weights_digest == "w0002"
-    assert pol.staged_event_id == stage.event_id and pol.uri == stage.payload.uri  # type: ignore[union-attr]
+    assert pol.staged_event_id == stage.event_id and pol.uri == payload_of(stage, UpdateStaged).uri
     assert [p.event_id for p in pol.prepared] == [e.event_id for e in b.find_all("RankPrepared", version=2)]
     assert [p.rank for p in pol.prepared] == [0, 1]
     assert pol.committed_event_id == b.find("UpdateCommitted").event_id and pol.committed_ranks == (0, 1)

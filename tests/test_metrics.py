@@ -5,6 +5,7 @@ from __future__ import annotations
 from logbuilder import LogBuilder
 from prometheus_client import generate_latest
 
+from rolledger.schemas.statuses import AdmissionReason
 from rolledger.workers.metrics import RunMetrics
 from rolledger.workflows.reducer import replay
 
@@ -16,7 +17,7 @@ def test_metrics_reflect_the_state_and_the_events() -> None:
     b.consume([done])
     b.update(1)
     b.admit(n=2)
-    b.pause("bytes")
+    b.pause(AdmissionReason.BYTES)
     events = b.build()
     m = RunMetrics()
     m.observe(replay(events), events)

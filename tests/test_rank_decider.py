@@ -455,7 +455,8 @@ def test_old_v1_commands_decode_with_empty_fields_and_the_rank_decides_from_the_
                 raw["p"].pop(name, None)
         back = decode(msgpack.packb(raw, use_bin_type=True))
         if e.type in ("PrepareRequested", "UpdateCommitted"):
-            assert back.payload.weights_digest == "" and back.schema_version == 2  # type: ignore[union-attr]
+            assert isinstance(back.payload, ev.PrepareRequested | ev.UpdateCommitted)
+            assert back.payload.weights_digest == "" and back.schema_version == 2
         old_log.append(back)
     state = replay(old_log)
     assert not state.anomalies and state.policy_version == sim.state.policy_version == 1

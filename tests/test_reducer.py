@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason
 from rolledger.workflows.reducer import evolve, fold, replay
 from rolledger.workflows.state import RunState
 
@@ -95,7 +96,7 @@ def test_out_of_order_events_are_anomalies_not_crashes() -> None:
 
 def test_commit_without_every_rank_prepared_is_an_anomaly() -> None:
     b = LogBuilder(ranks=2).start_run()
-    b.stage(1).request_prepare(1).prepare(1, 0).pause("update").commit(1)
+    b.stage(1).request_prepare(1).prepare(1, 0).pause(AdmissionReason.UPDATE).commit(1)
     state = replay(b.build())
     assert any("without RankPrepared from ranks [1]" in a.message for a in state.anomalies)
 

@@ -7,6 +7,7 @@ for each injected fault the state of every rank afterwards.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis
@@ -19,6 +20,7 @@ from rolledger.schemas.injection import parse_injection
 from rolledger.workers.local_run import LocalRun, RunOptions
 from rolledger.workflows.audit import audit
 from rolledger.workflows.replay import check_replay
+from rolledger.workflows.summary import Summary
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +40,7 @@ def small(**kw: object) -> RunConfig:
 
 def execute(
     redis_url: str, run_id: str, tmp_path: Path, cfg: RunConfig, *injections: str, deadline_s: float = 240
-) -> tuple[list[ev.Event], object]:
+) -> tuple[list[ev.Event], Summary]:
     """Run the loop to the end, then check replay (deterministic, snapshots match, no anomalies); the log and summary."""
     run = LocalRun(
         RunOptions(
@@ -60,7 +62,10 @@ def execute(
     return events, summary
 
 
-def of(events: list[ev.Event], cls: type) -> list:  # type: ignore[type-arg]
+P = TypeVar("P", bound=ev.Payload)
+
+
+def of(events: list[ev.Event], cls: type[P]) -> list[P]:
     return [e.payload for e in events if isinstance(e.payload, cls)]
 
 
@@ -68,7 +73,7 @@ def test_loop_finishes_audits_clean_and_every_trajectory_carries_its_provenance(
     redis_url: str, run_id: str, tmp_path: Path
 ) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small())
-    assert summary.status == "completed" and summary.steps == 3  # type: ignore[attr-defined]
+    assert summary.status == "completed" and summary.steps == 3
     report = audit(events)
     assert report.ok, report.render()
     published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
@@ -100,8 +105,8 @@ def test_a_rank_failing_before_commit_aborts_the_update_and_every_rank_keeps_the
     failed = [p for p in of(events, ev.RankPrepareFailed) if p.version == v]
     assert failed[0].rank == 1 and failed[0].phase == phase
     # three steps staged three versions; the aborted one is never retried under its number
-    assert summary.updates_aborted == 1 and summary.updates_committed == 2 and summary.policy_version == 3  # type: ignore[attr-defined]
-    assert summary.status == "completed"  # type: ignore[attr-defined]
+    assert summary.updates_aborted == 1 and summary.updates_committed == 2 and summary.policy_version == 3
+    assert summary.status == "completed"
     assert audit(events).ok
 
 
@@ -127,7 +132,7 @@ def test_a_rank_failing_its_commit_is_quarantined_and_rejoins_on_the_published_v
     assert rejoin.policy_version == q[0].version and rejoin.weights_digest == first_publish.weights_digest
     last = of(events, ev.PolicyPublished)[-1]
     assert last.ranks == (0, 1)  # back in service for the later updates
-    assert summary.status == "completed" and audit(events).ok  # type: ignore[attr-defined]
+    assert summary.status == "completed" and audit(events).ok
 
 
 def test_stale_weights_are_caught_by_the_probe_and_the_rank_never_serves_them(
@@ -139,7 +144,7 @@ def test_stale_weights_are_caught_by_the_probe_and_the_rank_never_serves_them(
     v = q[0].version
     published = next(p for p in of(events, ev.PolicyPublished) if p.version == v)
     assert 2 not in published.ranks
-    assert summary.status == "completed"  # type: ignore[attr-defined]
+    assert summary.status == "completed"
 
 
 def test_a_stale_rank_among_two_is_never_audited_ok(redis_url: str, run_id: str, tmp_path: Path) -> None:
@@ -156,9 +161,9 @@ def test_the_default_run_learns(redis_url: str, run_id: str, tmp_path: Path) -> 
     the first five by at least 0.05 (measured 0.534 -> 0.651 and 0.529 -> 0.640 in two runs; seed 1: 0.48 -> 0.56),
     with exact logprob agreement on on-policy tokens."""
     events, summary = execute(redis_url, run_id, tmp_path, RunConfig())
-    assert summary.status == "completed" and summary.steps == 40  # type: ignore[attr-defined]
-    assert summary.reward_last - summary.reward_first >= 0.05, (summary.reward_first, summary.reward_last)  # type: ignore[attr-defined]
-    assert summary.agreement_steps > 0 and summary.logprob_agreement < 1e-4  # type: ignore[attr-defined]
+    assert summary.status == "completed" and summary.steps == 40
+    assert summary.reward_last - summary.reward_first >= 0.05, (summary.reward_first, summary.reward_last)
+    assert summary.agreement_steps > 0 and summary.logprob_agreement < 1e-4
     assert audit(events).ok
 
 
@@ -167,7 +172,7 @@ def test_first_k_groups_train_on_exactly_k_and_every_sample_still_ends(
 ) -> None:
     cfg = small(group_size=4, partial_policy={"kind": "first_k", "k": 2})
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
-    assert summary.status == "completed" and audit(events).ok  # type: ignore[attr-defined]
+    assert summary.status == "completed" and audit(events).ok
     completed = {p.group_id: p for p in of(events, ev.GroupCompleted)}
     assert completed and all(len(p.accepted) == 2 for p in completed.values())
     accepted = {sid for p in completed.values() for sid in p.accepted}
@@ -188,7 +193,7 @@ def test_a_single_stale_rank_is_caught_by_logprob_agreement_and_the_run_halts(
     recomputes the logprobs of the tokens stamped v1, sees the gap, and halts instead of training on them."""
     cfg = small(ranks=1, steps=4, admission={"max_lag": 0}, trainer={"warm_start_steps": 20, "groups_per_step": 2})
     events, summary = execute(redis_url, run_id, tmp_path, cfg, "stale-weights=0")
-    assert summary.status == "failed"  # type: ignore[attr-defined]
+    assert summary.status == "failed"
     end = of(events, ev.RunFinished)[-1]
     assert "logprob agreement lost on v1" in end.reason
     halt = [p for p in of(events, ev.AdmissionPaused) if p.reason == "manual"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import redis
+from logbuilder import payload_of
 
 from rolledger.events.codec import encode
 from rolledger.events.connection import connect
@@ -37,7 +38,7 @@ def test_append_and_read_back_in_order(redis_client: redis.Redis, run_id: str) -
     assert log.length() == 7 and log.last_id() == ids[-1]
     assert list(log.read(batch=3)) == [StoredEvent(i, e) for i, e in zip(ids, events)]  # pages of 3, 3, 1
     assert [s.event for s in log.read(ids[2], ids[4])] == events[2:5]
-    fields = redis_client.xrange(log.key, ids[0], ids[0])[0][1]  # type: ignore[index]
+    fields = redis_client.xrange(log.key, ids[0], ids[0])[0][1]  # type: ignore[index]  # redis-py types replies Any | Awaitable
     assert fields == {b"e": encode(events[0]), b"t": b"SampleScored"}
     assert log.append_many([]) == []
 
@@ -74,7 +75,7 @@ def test_conditional_append_conflict(redis_client: redis.Redis, run_id: str) -> 
     # Deduped by event id: an already recorded event inside a new batch keeps its id, the new one is appended.
     mixed = log.append_if([winner[0], scored(5)], won[0])
     assert mixed[0] == won[0] and log.length() == 4
-    assert [s.event.payload.sample_id for s in log.read()] == ["g1/0", "g2/0", "g3/0", "g5/0"]  # type: ignore[union-attr]
+    assert [payload_of(s.event, SampleScored).sample_id for s in log.read()] == ["g1/0", "g2/0", "g3/0", "g5/0"]
 
 
 def test_append_if_and_idempotent_share_dedupe(redis_client: redis.Redis, run_id: str) -> None:

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 from logbuilder import LogBuilder
 
+from rolledger.schemas.events import Event
 from rolledger.workers.timeline_render import write_timeline
 from rolledger.workflows.timeline import build_timeline
 
 
-def run_log() -> list:  # type: ignore[type-arg]
+def run_log() -> list[Event]:
     b = LogBuilder(group_size=2).start_run()
     b.group()
     first = b.last_group

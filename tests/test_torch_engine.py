@@ -6,12 +6,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import Engine, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.engine import Engine, GroupOutput, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.grpo import sequence_logprobs
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
@@ -26,15 +28,15 @@ def _one_thread() -> None:
 
 
 @pytest.fixture(scope="module")
-def tok():  # type: ignore[no-untyped-def]
+def tok() -> PreTrainedTokenizerFast:
     return build_tokenizer()
 
 
-def make_engine(tok, seed: int = 0, **kw) -> TorchEngine:  # type: ignore[no-untyped-def]
+def make_engine(tok: PreTrainedTokenizerFast, seed: int = 0, **kw: Any) -> TorchEngine:
     return TorchEngine(build_model(ModelConfig(), len(tok), seed), tok, **kw)
 
 
-def prompt(tok, text: str = "23+19=") -> list[int]:  # type: ignore[no-untyped-def]
+def prompt(tok: PreTrainedTokenizerFast, text: str = "23+19=") -> list[int]:
     return list(tok(text)["input_ids"])
 
 
@@ -50,14 +52,14 @@ def wait_until(cond: Callable[[], bool], what: str) -> None:
 SEEDED = SamplingParams(temperature=1.0, max_tokens=6, seed=7)
 
 
-def test_is_an_engine(tok) -> None:  # type: ignore[no-untyped-def]
+def test_is_an_engine(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     assert isinstance(eng, Engine)
     caps = eng.capabilities
     assert caps.name == "torch" and caps.sleep_levels == (1, 2) and caps.prefix_cache and caps.logprob_mode == "raw"
 
 
-def test_prefix_cache_saves_prefill_and_matches_no_cache(tok) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_cache_saves_prefill_and_matches_no_cache(tok: PreTrainedTokenizerFast) -> None:
     cached, plain = make_engine(tok), make_engine(tok, prefix_cache=False)
     ids, n = prompt(tok), 8
     first = cached.generate(ids, n, SEEDED)
@@ -78,7 +80,7 @@ def test_prefix_cache_saves_prefill_and_matches_no_cache(tok) -> None:  # type: 
     assert tail.prefill_tokens_computed == 1
 
 
-def test_shared_prefix_is_reused_across_different_prompts(tok) -> None:  # type: ignore[no-untyped-def]
+def test_shared_prefix_is_reused_across_different_prompts(tok: PreTrainedTokenizerFast) -> None:
     cached, plain = make_engine(tok), make_engine(tok, prefix_cache=False)
     shared = "12+30=42 7+8=15 "
     first, second = prompt(tok, shared + "23+19="), prompt(tok, shared + "23+5=")
@@ -94,7 +96,7 @@ def test_shared_prefix_is_reused_across_different_prompts(tok) -> None:  # type:
     assert cached.generate(second[:-1], 1, SEEDED).prefill_tokens_computed == 1
 
 
-def test_raw_logprobs_match_a_full_forward(tok) -> None:  # type: ignore[no-untyped-def]
+def test_raw_logprobs_match_a_full_forward(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     ids = prompt(tok)
     out = eng.generate(ids, 4, SEEDED)
@@ -105,7 +107,7 @@ def test_raw_logprobs_match_a_full_forward(tok) -> None:  # type: ignore[no-unty
         assert lp[row, : len(s.token_ids)].tolist() == pytest.approx(s.logprobs, abs=1e-5)
 
 
-def test_processed_logprobs_are_renormalised(tok) -> None:  # type: ignore[no-untyped-def]
+def test_processed_logprobs_are_renormalised(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     ids = prompt(tok)
     raw = eng.generate(ids, 4, SEEDED.model_copy(update={"top_k": 3, "temperature": 0.7}))
@@ -116,7 +118,7 @@ def test_processed_logprobs_are_renormalised(tok) -> None:  # type: ignore[no-un
         assert all(pl > rl for pl, rl in zip(p.logprobs, r.logprobs))
 
 
-def test_greedy_and_top_k_one_agree_and_stop_tokens_stop(tok) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_and_top_k_one_agree_and_stop_tokens_stop(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     ids = prompt(tok)
     greedy = eng.generate(ids, 2, SamplingParams(temperature=0.0, max_tokens=6))
@@ -132,7 +134,7 @@ def test_greedy_and_top_k_one_agree_and_stop_tokens_stop(tok) -> None:  # type: 
     assert stopped.samples[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_is_reproducible(tok) -> None:  # type: ignore[no-untyped-def]
+def test_seeded_sampling_is_reproducible(tok: PreTrainedTokenizerFast) -> None:
     a, b = make_engine(tok), make_engine(tok)
     ids = prompt(tok)
     x, y = a.generate(ids, 8, SEEDED), b.generate(ids, 8, SEEDED)
@@ -141,7 +143,7 @@ def test_seeded_sampling_is_reproducible(tok) -> None:  # type: ignore[no-untype
     assert [s.token_ids for s in z.samples] != [s.token_ids for s in x.samples]
 
 
-def test_bad_requests_name_the_field(tok) -> None:  # type: ignore[no-untyped-def]
+def test_bad_requests_name_the_field(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     with pytest.raises(ValueError, match="max_tokens"):
         eng.generate(prompt(tok), 1, SamplingParams(max_tokens=64))
@@ -151,7 +153,7 @@ def test_bad_requests_name_the_field(tok) -> None:  # type: ignore[no-untyped-de
         eng.generate(prompt(tok), 0, SEEDED)
 
 
-def test_stage_rejects_bad_tensors_and_leaves_live_weights(tok) -> None:  # type: ignore[no-untyped-def]
+def test_stage_rejects_bad_tensors_and_leaves_live_weights(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     before = eng.weights_digest()
     good = policy_state(build_model(ModelConfig(), len(tok), 1))
@@ -175,7 +177,7 @@ def test_stage_rejects_bad_tensors_and_leaves_live_weights(tok) -> None:  # type
         eng.commit_weights(1)
 
 
-def test_commit_swaps_weights_and_invalidates_the_cache(tok) -> None:  # type: ignore[no-untyped-def]
+def test_commit_swaps_weights_and_invalidates_the_cache(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     ids = prompt(tok)
     old = eng.generate(ids, 4, SEEDED)
@@ -201,7 +203,7 @@ def test_commit_swaps_weights_and_invalidates_the_cache(tok) -> None:  # type: i
         eng.commit_weights(2)
 
 
-def test_sleep_level_1_releases_and_wake_restores(tok) -> None:  # type: ignore[no-untyped-def]
+def test_sleep_level_1_releases_and_wake_restores(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     ids = prompt(tok)
     before_out = eng.generate(ids, 4, SEEDED)
@@ -233,7 +235,7 @@ def test_sleep_level_1_releases_and_wake_restores(tok) -> None:  # type: ignore[
     assert [s.token_ids for s in after_out.samples] == [s.token_ids for s in before_out.samples]
 
 
-def test_sleep_level_2_needs_new_weights(tok) -> None:  # type: ignore[no-untyped-def]
+def test_sleep_level_2_needs_new_weights(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     ids = prompt(tok)
     report = eng.sleep(2)
@@ -250,7 +252,7 @@ def test_sleep_level_2_needs_new_weights(tok) -> None:  # type: ignore[no-untype
     assert eng.generate(ids, 2, SEEDED).policy_version == 5
 
 
-def test_sleep_refused_with_staged_weights(tok) -> None:  # type: ignore[no-untyped-def]
+def test_sleep_refused_with_staged_weights(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     eng.stage_weights(1, policy_state(build_model(ModelConfig(), len(tok), 1)))
     with pytest.raises(IllegalEngineOrder, match="staged"):
@@ -259,7 +261,7 @@ def test_sleep_refused_with_staged_weights(tok) -> None:  # type: ignore[no-unty
         eng.sleep(3)
 
 
-def test_health_probe(tok) -> None:  # type: ignore[no-untyped-def]
+def test_health_probe(tok: PreTrainedTokenizerFast) -> None:
     model = build_model(ModelConfig(), len(tok), 0)
     eng = TorchEngine(model, tok)
     other = make_engine(tok)
@@ -270,7 +272,7 @@ def test_health_probe(tok) -> None:  # type: ignore[no-untyped-def]
     assert not bad.ok and "non-finite" in bad.detail
 
 
-def test_pause_refuses_generate_until_resume(tok) -> None:  # type: ignore[no-untyped-def]
+def test_pause_refuses_generate_until_resume(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     eng.pause("wait")
     assert eng.is_paused
@@ -281,11 +283,13 @@ def test_pause_refuses_generate_until_resume(tok) -> None:  # type: ignore[no-un
     assert len(eng.generate(prompt(tok), 1, SEEDED).samples) == 1
 
 
-def _run_blocked_generate(eng: TorchEngine, tok, block_at_call: int):  # type: ignore[no-untyped-def]
+def _run_blocked_generate(
+    eng: TorchEngine, tok: PreTrainedTokenizerFast, block_at_call: int
+) -> tuple[threading.Thread, threading.Event, dict[str, GroupOutput | BaseException]]:
     """Start generate on a worker thread whose should_cancel blocks at its Nth poll until `proceed` is set."""
     reached, proceed = threading.Event(), threading.Event()
     calls = [0]
-    result: dict[str, object] = {}
+    result: dict[str, GroupOutput | BaseException] = {}
 
     def should_cancel(i: int) -> bool:
         if i == 0:
@@ -309,7 +313,7 @@ def _run_blocked_generate(eng: TorchEngine, tok, block_at_call: int):  # type: i
     return worker, proceed, result
 
 
-def test_pause_abort_ends_a_running_generate(tok) -> None:  # type: ignore[no-untyped-def]
+def test_pause_abort_ends_a_running_generate(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     worker, proceed, result = _run_blocked_generate(eng, tok, block_at_call=3)
     pauser = threading.Thread(target=eng.pause, args=("abort",))
@@ -320,14 +324,15 @@ def test_pause_abort_ends_a_running_generate(tok) -> None:  # type: ignore[no-un
     pauser.join(DEADLINE_S)
     assert not worker.is_alive() and not pauser.is_alive()
     out = result["out"]
-    reasons = [s.finish_reason for s in out.samples]  # type: ignore[attr-defined]
+    assert isinstance(out, GroupOutput)
+    reasons = [s.finish_reason for s in out.samples]
     assert "abort" in reasons and "length" not in reasons
-    assert all(len(s.token_ids) <= 3 for s in out.samples)  # type: ignore[attr-defined]
+    assert all(len(s.token_ids) <= 3 for s in out.samples)
     eng.resume()
     assert eng.generate(prompt(tok), 1, SEEDED).samples
 
 
-def test_pause_keep_then_commit_aborts_the_parked_generate(tok) -> None:  # type: ignore[no-untyped-def]
+def test_pause_keep_then_commit_aborts_the_parked_generate(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     worker, proceed, result = _run_blocked_generate(eng, tok, block_at_call=2)
     pauser = threading.Thread(target=eng.pause, args=("keep",))
@@ -344,18 +349,19 @@ def test_pause_keep_then_commit_aborts_the_parked_generate(tok) -> None:  # type
     worker.join(DEADLINE_S)
     assert not worker.is_alive()
     out = result["out"]
-    assert out.policy_version == 0  # type: ignore[attr-defined]
-    assert "abort" in [s.finish_reason for s in out.samples]  # type: ignore[attr-defined]
+    assert isinstance(out, GroupOutput)
+    assert out.policy_version == 0
+    assert "abort" in [s.finish_reason for s in out.samples]
 
 
-def test_should_cancel_aborts_one_sample(tok) -> None:  # type: ignore[no-untyped-def]
+def test_should_cancel_aborts_one_sample(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     out = eng.generate(prompt(tok), 4, SamplingParams(max_tokens=6, seed=2), should_cancel=lambda i: i == 1)
     assert out.samples[1].finish_reason == "abort" and out.samples[1].token_ids == []
     assert all(s.finish_reason in ("stop", "length") for k, s in enumerate(out.samples) if k != 1)
 
 
-def test_closed_engine_refuses(tok) -> None:  # type: ignore[no-untyped-def]
+def test_closed_engine_refuses(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     eng.close()
     with pytest.raises(Exception, match="closed"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
+from typing import Any
 
 import redis
 from hypothesis import HealthCheck, event, given, settings
@@ -24,6 +25,7 @@ from rolledger.events.envelope import make_event
 from rolledger.events.lease import LeaderLease
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason
 from rolledger.workers.coordinator import finish_as_coordinator
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workers.staging_store import DirectoryStagingStore
@@ -135,7 +137,7 @@ def test_the_trainer_plans_only_what_its_state_allows_and_never_twice(
             b.request_prepare(v)
             for r in b.ranks:
                 (b.prepare_fail if move == "abort" else b.prepare)(v, r)
-            b.pause("update")
+            b.pause(AdmissionReason.UPDATE)
             if move == "abort":
                 b.abort(v)
             else:
@@ -143,16 +145,16 @@ def test_the_trainer_plans_only_what_its_state_allows_and_never_twice(
                 for r in b.ranks:
                     b.commit_rank(v, r)
                 b.publish(v)
-            b.resume("update")
+            b.resume(AdmissionReason.UPDATE)
         elif move == "sleep" and colocated and v is None and not state.admission.paused:
-            b.pause("handoff")
+            b.pause(AdmissionReason.HANDOFF)
             for r in b.ranks:
                 b.emit(ev.EngineSlept(rank=r, level=1, bytes_freed=1, verified=True), producer=f"rank-{r}")
         elif move == "wake" and colocated and "handoff" in state.admission.paused:
             for r in b.ranks:
                 b.emit(ev.EngineWoke(rank=r, tags=("weights", "kv_cache")), producer=f"rank-{r}")
                 b.emit(ev.EngineResumed(rank=r), producer=f"rank-{r}")
-            b.resume("handoff")
+            b.resume(AdmissionReason.HANDOFF)
     event(
         f"steps taken: {min(len(steps_taken), 3)}+, aborted: {any(u.status == 'aborted' for u in replay(b.build()).updates.values())}"
     )
@@ -177,8 +179,8 @@ def test_a_second_staging_of_a_version_is_an_anomaly() -> None:
 
 
 # ---------------------------------------------------------------- the agreement gate and the run's end
-def ready_run(**config: object) -> LogBuilder:
-    b = LogBuilder(trainer={"groups_per_step": 1}, **config).start_run()  # type: ignore[arg-type]
+def ready_run(**config: Any) -> LogBuilder:
+    b = LogBuilder(trainer={"groups_per_step": 1}, **config).start_run()
     return b.group()
 
 

@@ -245,7 +245,7 @@ class Sim:
                 [ev.RankPrepareFailed(version=p.version, rank=r.rank, phase=phase, reason="injected")],
                 f"rank-{r.rank}",
                 r.version,
-            )  # type: ignore[arg-type]
+            )
             return
         r.staged = p.version
         self.emit(

@@ -24,7 +24,7 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_as_without_the_fault(
     # it died, and its respawn carried on (the first incarnation may die before it appended anything: a reward worker
     # scores a whole read before appending)
     assert f"{kind}#2" in {e.producer for e in events}
-    assert summary.status == "completed" and summary.steps == 3  # type: ignore[attr-defined]
+    assert summary.status == "completed" and summary.steps == 3
     aborts = [e.payload for e in events if isinstance(e.payload, ev.UpdateAborted)]
     if kind == "coordinator":
         # a coordinator killed inside a transaction leaves it undecided: its successor (a larger fence) aborts that
@@ -33,5 +33,5 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_as_without_the_fault(
         assert len(aborts) <= 1
     else:
         assert aborts == []
-    assert summary.updates_committed + summary.updates_aborted == 3  # type: ignore[attr-defined]
+    assert summary.updates_committed + summary.updates_aborted == 3
     assert audit(events).ok

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,10 @@ TERMINAL = (ev.SampleFinished, ev.SampleFailed, ev.SampleCancelled)
 
 
 def _sample_id(p: ev.Payload) -> str:
-    return p.trajectory.trajectory_id if isinstance(p, ev.SampleFinished) else p.sample_id  # type: ignore[attr-defined]
+    if isinstance(p, ev.SampleFinished):
+        return p.trajectory.trajectory_id
+    assert isinstance(p, ev.SampleFailed | ev.SampleCancelled), p
+    return p.sample_id
 
 
 def _worker(redis_url: str, run_id: str, rank: int, name: str, log: Path) -> subprocess.Popen[bytes]:
@@ -56,7 +60,7 @@ def _worker(redis_url: str, run_id: str, rank: int, name: str, log: Path) -> sub
     return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_for(predicate, deadline_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def _wait_for(predicate: Callable[[], bool], deadline_s: float, what: str) -> None:
     deadline = time.monotonic() + deadline_s
     while not predicate():
         if time.monotonic() > deadline:

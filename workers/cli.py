@@ -50,8 +50,7 @@ def configure_logging(json_logs: bool) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        # structlog types `file` as TextIO; _CurrentStderr has the write/flush it uses
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]  # wants TextIO; uses write/flush
     )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import redis
 import structlog
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
@@ -76,18 +77,18 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
-def prompt_items(cfg: RunConfig, tokenizer: object) -> list[PromptItem]:
+def prompt_items(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[PromptItem]:
     """The run's prompts, tokenised; one completion is expected to be the answer's digits plus <eos>."""
     items = []
     for i, p in enumerate(make_prompts(cfg.task, cfg.seed)):
-        ids = tuple(tokenizer(p.text)["input_ids"])  # type: ignore[operator]
+        ids = tuple(tokenizer(p.text)["input_ids"])
         items.append(PromptItem(i, p.prompt_id, ids, p.answer, len(p.answer) + 1))
     return items
 
 
 def prepare_policy(
     cfg: RunConfig, model_dir: Path, on_step: Callable[[int, float], None] | None = None
-) -> tuple[torch.nn.Module, object]:
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """Build the tiny policy and warm-start it (or reuse the one already saved in model_dir)."""
     if (model_dir / "config.json").is_file():
         return load_policy(model_dir)
@@ -171,7 +172,9 @@ class LocalRun:
             self._start_workers(client, model, tokenizer, model_dir)
         return self._follow(client, logbook, keep_events)
 
-    def _start_workers(self, client: redis.Redis, model: torch.nn.Module, tokenizer: object, model_dir: Path) -> None:
+    def _start_workers(
+        self, client: redis.Redis, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_dir: Path
+    ) -> None:
         cfg = self.cfg
         injector = self.injector
         staging = DirectoryStagingStore(cfg.update.staging_dir or self.run_dir / "staging")

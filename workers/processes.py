@@ -12,6 +12,7 @@ import signal
 import socket
 from pathlib import Path
 
+import redis
 import structlog
 
 from rolledger.events.connection import connect
@@ -24,7 +25,7 @@ from rolledger.workers.runtime import Worker
 log = structlog.get_logger("process")
 
 
-def _run_started(client, run_id: str) -> ev.RunStarted:  # type: ignore[no-untyped-def]
+def _run_started(client: redis.Redis, run_id: str) -> ev.RunStarted:
     for stored in EventLog(client, run_id).read():
         if isinstance(stored.event.payload, ev.RunStarted):
             return stored.event.payload

@@ -85,6 +85,10 @@ def _finite(t: torch.Tensor) -> bool:
 class RolledgerWorkerExtension:
     """Mixed into vLLM's worker class; every public method is reachable through /collective_rpc."""
 
+    # Provided by the vLLM worker this class is mixed into (annotations only: no class attribute shadows them).
+    model_runner: Any
+    vllm_config: Any
+
     # -- plumbing -----------------------------------------------------------------------------------------------
 
     def _rolledger_state(self) -> _State:
@@ -105,7 +109,7 @@ class RolledgerWorkerExtension:
         return int(getattr(self, "rank", 0))
 
     def _rolledger_model(self) -> torch.nn.Module:
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def _rolledger_answer(self, ok: bool, **fields: Any) -> Result:
@@ -126,7 +130,7 @@ class RolledgerWorkerExtension:
         """The HF-named tensors vLLM loaded at start-up, read from the model directory's safetensors files."""
         from safetensors.torch import load_file
 
-        model_dir = Path(str(self.vllm_config.model_config.model))  # type: ignore[attr-defined]
+        model_dir = Path(str(self.vllm_config.model_config.model))
         files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
         if not files:
             raise FileNotFoundError(f"no *.safetensors in model directory {model_dir}")
@@ -136,7 +140,7 @@ class RolledgerWorkerExtension:
         return self._rolledger_drop_tied(tensors)
 
     def _rolledger_tied(self) -> bool:
-        cfg = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+        cfg = self.vllm_config.model_config.hf_config
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         return bool(getattr(text, "tie_word_embeddings", False))
 
@@ -167,7 +171,7 @@ class RolledgerWorkerExtension:
         def items() -> Iterator[tuple[str, torch.Tensor]]:
             yield from tensors.items()
 
-        self.model_runner.reload_weights(weights_iterator=items())  # type: ignore[attr-defined]
+        self.model_runner.reload_weights(weights_iterator=items())
 
     # -- digests ------------------------------------------------------------------------------------------------
 

@@ -202,7 +202,7 @@ class RunState:
         return [g for g in self.groups.values() if g.status == GroupStatus.SCORED]
 
     def to_dict(self) -> dict[str, Any]:
-        return _ADAPTER.dump_python(self, mode="json")  # type: ignore[no-any-return]
+        return _ADAPTER.dump_python(self, mode="json")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:

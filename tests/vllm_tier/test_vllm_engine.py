@@ -13,6 +13,7 @@ import pytest
 
 from rolledger.schemas.config import SamplingParams
 from rolledger.workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.staging_store import StagedUpdate
 from rolledger.workers.weights import state_digest
 
 from .conftest import GREEDY, PROMPT, VllmCluster
@@ -28,7 +29,7 @@ def _snapshot(cluster: VllmCluster) -> list[tuple[object, ...]]:
     ]
 
 
-def _prepare_all(cluster: VllmCluster, version: int, staged) -> list[BaseException | str]:  # type: ignore[no-untyped-def]
+def _prepare_all(cluster: VllmCluster, version: int, staged: StagedUpdate) -> list[BaseException | str]:
     out: list[BaseException | str] = []
     for e in cluster.engines:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from test_run_loop import execute as run_and_check
@@ -20,6 +21,7 @@ from rolledger.schemas.config import RunConfig
 from rolledger.workers.engine import EngineError
 from rolledger.workers.engines.factory import build_engines
 from rolledger.workflows.audit import audit
+from rolledger.workflows.summary import Summary
 
 from .conftest import PROMPT, LoopServers
 
@@ -30,7 +32,7 @@ GREEDY_PROMPTS: tuple[tuple[int, ...], ...] = (PROMPT, (1, 5, 9, 14, 7, 15))
 
 def execute(
     redis_url: str, run_id: str, runs_dir: Path, cfg: RunConfig, servers: LoopServers, *injections: str
-) -> tuple[list[ev.Event], object, float]:
+) -> tuple[list[ev.Event], Summary, float]:
     """The main suite's run-and-check (tests/test_run_loop.py), on a run directory seeded with the servers' policy."""
     servers.seed_run_dir(runs_dir / run_id)
     started = time.perf_counter()
@@ -38,7 +40,10 @@ def execute(
     return events, summary, time.perf_counter() - started
 
 
-def of(events: list[ev.Event], cls: type) -> list:  # type: ignore[type-arg]
+P = TypeVar("P", bound=ev.Payload)
+
+
+def of(events: list[ev.Event], cls: type[P]) -> list[P]:
     return [e.payload for e in events if isinstance(e.payload, cls)]
 
 
@@ -150,7 +155,7 @@ def test_a_failed_update_leaves_both_servers_serving_exactly_what_they_served(
     else:
         assert failed[0].rank == 1 and failed[0].phase == "prepare"
     assert not of(events, ev.RankCommitted) and not of(events, ev.PolicyPublished)
-    assert summary.status == "completed" and summary.policy_version == 0  # type: ignore[attr-defined]
+    assert summary.status == "completed" and summary.policy_version == 0
     report = audit(events)
     assert report.ok, report.render()
     after = served(fresh_loop_servers)
@@ -164,7 +169,7 @@ def test_the_loop_trains_and_publishes_every_version_on_both_vllm_servers(
     before = served(fresh_loop_servers)
     events, summary, wall_s = execute(redis_url, run_id, tmp_path, cfg, fresh_loop_servers)
     assert_every_rank_joined_before_the_first_update(events)
-    assert summary.status == "completed" and summary.steps == 3  # type: ignore[attr-defined]
+    assert summary.status == "completed" and summary.steps == 3
     report = audit(events)
     assert report.ok, report.render()
     joined = of(events, ev.RankJoined)
