@@ -119,13 +119,14 @@ class KVDecoder:
                     finish[i] = "stop"
                 elif step == sampling.max_tokens - 1:
                     finish[i] = "length"
-                if finish[i] is not None and on_sample is not None:  # stream each sample as soon as it ends
+                ended = finish[i]
+                if ended is not None and on_sample is not None:  # stream each sample as soon as it ends
                     on_sample(
                         i,
                         SampleOutput(
                             token_ids=list(tokens[i]),
                             logprobs=list(logprobs[i]),
-                            finish_reason=finish[i],  # type: ignore[arg-type]
+                            finish_reason=ended,
                             spans=tuple(spans[i]) if len(spans[i]) > 1 else (),
                         ),
                     )

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from rolledger.schemas.config import SamplingParams
 from rolledger.workers.engine import EngineError, SampleOutput
 
 PROBE_PROMPT: tuple[int, ...] = (1, 4, 5, 6, 7)  # a fixed token sequence; any ids inside a tiny vocab
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, Literal["stop", "length", "abort"]] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def completion_request(
@@ -68,5 +68,5 @@ def parse_choice(choice: Mapping[str, Any], rank: int) -> SampleOutput:
     return SampleOutput(
         token_ids=[int(t) for t in token_ids],
         logprobs=[float(x) if x is not None else -math.inf for x in lp],
-        finish_reason=_FINISH[reason],  # type: ignore[arg-type]
+        finish_reason=_FINISH[reason],
     )
