@@ -307,7 +307,7 @@ class StagingStore(Protocol):
 
     def load_verified(
         self,
-        version_or_uri: int | str,
+        version: int,
         manifest: WeightManifest,
         *,
         corrupt: str | None = None,
@@ -429,7 +429,9 @@ class DirectoryStagingStore:
         except ValidationError as e:
             raise StagingError(None, f"invalid {MANIFEST_FILE}: {e}", kind="manifest", version=version) from e
         if manifest.version != version:
-            raise StagingError(None, f"{path} is for version {manifest.version}", kind="manifest", version=version)
+            raise StagingError(
+                None, f"{path} is for version {manifest.version}, asked for {version}", kind="manifest", version=version
+            )
         if expected_digest is not None and manifest.digest != expected_digest:
             raise StagingError(
                 None,
@@ -441,7 +443,7 @@ class DirectoryStagingStore:
 
     def load_verified(
         self,
-        version_or_uri: int | str,
+        version: int,
         manifest: WeightManifest,
         *,
         corrupt: str | None = None,
@@ -454,9 +456,13 @@ class DirectoryStagingStore:
         `corrupt`: fault injection: flip one byte of that tensor after reading, as a bad transfer would, so the
         checksum check must catch it.
         """
-        version = self._version_of(version_or_uri)
         if version != manifest.version:
-            raise StagingError(None, f"manifest is for version {manifest.version}", kind="manifest", version=version)
+            raise StagingError(
+                None,
+                f"manifest is for version {manifest.version}, asked for {version}",
+                kind="manifest",
+                version=version,
+            )
         if corrupt is not None:
             entry = manifest.entry(corrupt)
             if entry.nbytes == 0:
@@ -533,15 +539,6 @@ class DirectoryStagingStore:
                     deleted.append(v)
         return sorted(deleted)
 
-    def _version_of(self, version_or_uri: int | str) -> int:
-        if isinstance(version_or_uri, int):
-            return version_or_uri
-        path = _path_from_uri(version_or_uri)
-        m = _VERSION_DIR.match(path.name)
-        if m is None or path.parent.absolute() != self.root:
-            raise StagingError(None, f"{version_or_uri!r} is not a version directory of {self.root}", kind="not_found")
-        return int(m.group(1))
-
 
 def _prepare_for_save(state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors safetensors can write: tied weights (shared storage) are cloned, so each is saved."""
@@ -613,28 +610,33 @@ def open_store(uri: str) -> DirectoryStagingStore:
     return DirectoryStagingStore(_path_from_uri(uri))
 
 
-def open_version(uri: str) -> tuple[DirectoryStagingStore, int]:
-    """Split a version URI (what StagedUpdate.uri / UpdateStaged carry) into its store and version."""
-    path = _path_from_uri(uri)
-    m = _VERSION_DIR.match(path.name)
-    if m is None:
-        raise ValueError(f"{uri!r} does not name a version directory (expected .../v000123)")
-    return DirectoryStagingStore(path.parent), int(m.group(1))
+def open_version(uri: str, version: int) -> DirectoryStagingStore:
+    """The store holding `version` at the version URI a command names (StagedUpdate.uri / UpdateStaged carry it).
+    The version is the caller's (the command's), never read from the folder's name: a URI that is not that
+    version's directory is a StagingError naming both."""
+    path = _path_from_uri(uri).absolute()
+    store = DirectoryStagingStore(path.parent)
+    if store.version_dir(version) != path:
+        raise StagingError(
+            None, f"{uri!r} is not the directory of version {version}", kind="not_found", version=version
+        )
+    return store
 
 
-def read_manifest(uri: str, *, expected_digest: str | None = None) -> WeightManifest:
-    """The manifest stored at a version URI, checked against the announced digest when given."""
-    store, version = open_version(uri)
-    return store.read_manifest(version, expected_digest=expected_digest)
+def read_manifest(uri: str, version: int, *, expected_digest: str | None = None) -> WeightManifest:
+    """The manifest of `version` stored at its URI, checked to be for that version and, when given, the announced
+    digest."""
+    return open_version(uri, version).read_manifest(version, expected_digest=expected_digest)
 
 
 def load_verified(
     uri: str,
+    version: int,
     manifest: WeightManifest,
     *,
     corrupt: str | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
 ) -> VerifiedWeights:
-    """Read and verify the update at a version URI; see DirectoryStagingStore.load_verified."""
-    store, version = open_version(uri)
-    return store.load_verified(version, manifest, corrupt=corrupt, out=out)
+    """Read and verify `version` at its URI against `manifest` (which must be for that version); see
+    DirectoryStagingStore.load_verified."""
+    return open_version(uri, version).load_verified(version, manifest, corrupt=corrupt, out=out)
