@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rolledger.schemas import events as ev
+from rolledger.workflows.lineage import lineage
 from tests.test_run_loop import execute, small
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,21 @@ def test_every_rank_control_event_names_the_command_it_answers(
     if injections == ("fail-rank=1@commit",):
         expected |= {"HealthFailed"}
     assert expected <= set(checked), checked
+    if not injections:  # the lineage of a trajectory on updated weights shows the command its rank's swap answered
+        t = next(
+            p.trajectory
+            for p in (e.payload for e in events)
+            if isinstance(p, ev.SampleFinished) and p.trajectory.policy_version
+        )
+        lin = lineage(events, t.trajectory_id)
+        committed = next(
+            e for e in events if isinstance(e.payload, ev.UpdateCommitted) and e.payload.version == t.policy_version
+        )
+        assert (lin.rank.rank_weights_cause_type, lin.rank.rank_weights_cause_id) == (
+            "UpdateCommitted",
+            committed.event_id,
+        )
+        assert f"answering UpdateCommitted {committed.event_id}" in lin.render()
     if injections == ("fail-rank=1@commit",):  # the rejoin answers the quarantine
         assert any(
             isinstance(e.payload, ev.RankJoined)
