@@ -108,10 +108,10 @@ def rank_main(conn: multiprocessing.connection.Connection, path: str, uri: str, 
         return len(x)
 
     def ours_fresh() -> Any:
-        return load_verified(st.uri, st.manifest).timings
+        return load_verified(st.uri, st.manifest.version, st.manifest).timings
 
     def ours_buf() -> Any:
-        return load_verified(st.uri, st.manifest, out=st.buf).timings
+        return load_verified(st.uri, st.manifest.version, st.manifest, out=st.buf).timings
 
     def commit() -> Any:
         for k, v in st.buf.items():

@@ -68,9 +68,11 @@ def test_an_update_sent_to_a_sleeping_rank_is_refused_with_an_event(redis_url: s
     client = redis.Redis.from_url(redis_url)
     worker = RankWorker(client, run_id, 0, engine)
     engine.sleep(1)
-    commit = Commit(version=1, uri="", manifest_digest="m", weights_digest="w")
+    commit = Commit(version=1, uri="", manifest_digest="m", weights_digest="w", cause="01CMDUPDATECOMMITTED000001")
     worker.execute(commit)  # the weights are asleep: the engine refuses, the rank says so in the log
-    got = [s.event.payload for s in EventLog(client, run_id).read()]
+    logged = [s.event for s in EventLog(client, run_id).read()]
+    assert {e.causation_id for e in logged} == {commit.cause}  # both answer the commit command
+    got = [e.payload for e in logged]
     assert isinstance(got[0], ev.CommandRefused) and "asleep" in got[0].reason and got[0].rank == 0
     assert isinstance(got[1], ev.HealthFailed)
     assert engine.asleep_level == 1  # nothing changed

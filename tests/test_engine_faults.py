@@ -39,7 +39,7 @@ def setup(tmp_path: Path, *specs: str) -> tuple[TorchEngine, FaultyEngine, Stage
 
 
 def prepare(e: Engine, staged: StagedUpdate) -> str:
-    return e.prepare(1, staged.uri, read_manifest(staged.uri, expected_digest=staged.manifest_digest))
+    return e.prepare(1, staged.uri, read_manifest(staged.uri, 1, expected_digest=staged.manifest_digest))
 
 
 def test_wrapping_happens_only_for_this_ranks_injections(tmp_path: Path) -> None:

@@ -9,9 +9,10 @@ clock jumps past the deadlines, and rank restarts (a fresh engine at version 0, 
 After the drawn prefix every party takes fair turns until the run settles.
 
 Checked on every decision: deciding twice on one state, or on a copy of it, gives the same actions (a function of
-state alone); a rank prepares only a version addressed to it and commits only one it prepared (through the verified
-path again when its engine holds nothing staged); a rank whose weights sleep only wakes; executing the actions and
-folding their events never yields the same action again. On the whole log: a rank never starts a group between its
+state alone); every action's `cause` is the id of an event already in the log, of the command type it answers; a
+rank prepares only a version addressed to it and commits only one it prepared (through the verified path again when
+its engine holds nothing staged); a rank whose weights sleep only wakes; executing the actions and folding their
+events never yields the same action again. On the whole log: a rank never starts a group between its
 EnginePaused and the version's publish or abort. At the end: no transaction is left open and every rank serves.
 Deterministic cases pin what the random walk rarely reaches (abort drains, aborts while asleep, restarts, v1 logs).
 Over 400 lines: the simulation is kept beside the properties it checks.
@@ -41,6 +42,24 @@ from rolledger.workflows.state import RunState
 from rolledger.workflows.update import decide_update
 
 RUN = "sim"
+
+
+# What each action answers: the types of command event its `cause` may name.
+CAUSES: dict[type, set[str]] = {
+    rd.Join: {"RunStarted"},
+    rd.Prepare: {"PrepareRequested"},
+    rd.Pause: {"AdmissionPaused"},
+    rd.ReportDrained: {"AdmissionPaused"},
+    rd.Commit: {"UpdateCommitted"},
+    rd.Probe: {"UpdateCommitted"},
+    rd.Sleep: {"AdmissionPaused"},
+    rd.Wake: {"PrepareRequested", "UpdateCommitted"},
+    rd.WakeOnPublished: {"UpdateAborted"},
+    rd.Resume: {"PolicyPublished", "UpdateAborted", "RunStarted"},
+    rd.Discard: {"PolicyPublished", "UpdateAborted", "UpdateCommitted", "PrepareRequested", "RankQuarantined"},
+    rd.Rejoin: {"RankQuarantined"},
+    rd.Reload: {"UpdateCommitted", "RunStarted"},
+}
 
 
 def digest(v: int) -> str:
@@ -105,6 +124,9 @@ class Sim:
     def rank_turn(self, r: int) -> None:
         local = self.local(r)
         actions = rd.decide_rank(self.state, r, local)
+        types = {e.event_id: e.type for e in self.log}
+        for a in actions:  # each answers a command already in the log, of the type it answers
+            assert types.get(a.cause) in CAUSES[type(a)], (a, types.get(a.cause))
         assert rd.decide_rank(self.state, r, local) == actions  # idempotent
         assert rd.decide_rank(copy.deepcopy(self.state), r, local) == actions  # a function of state alone
         me = self.state.ranks.get(r)
@@ -432,7 +454,8 @@ def test_a_restarted_rank_behind_the_log_reloads_what_the_log_says_it_holds() ->
     sim.restart(0)  # a fresh engine on the initial weights, while the log says it holds v
     assert rd.may_serve(sim.state, 0) and not rd.may_serve(sim.state, 0, live_version=0)  # it starts no group on v0
     actions = rd.decide_rank(sim.state, 0, sim.local(0))
-    assert actions == [rd.Reload(rd.Source(v, f"file:///staging/v{v:06d}", f"m{v:04d}", digest(v)))]
+    decided = sim.state.updates[v].decided_event
+    assert actions == [rd.Reload(rd.Source(v, f"file:///staging/v{v:06d}", f"m{v:04d}", digest(v)), cause=decided)]
     sim.rank_turn(0)
     assert sim.engines[0].version == v and rd.decide_rank(sim.state, 0, sim.local(0)) == []
 
@@ -461,9 +484,10 @@ def test_old_v1_commands_decode_with_empty_fields_and_the_rank_decides_from_the_
     state = replay(old_log)
     assert not state.anomalies and state.policy_version == sim.state.policy_version == 1
     assert audit(old_log).ok
-    prefix = replay(old_log[: next(i for i, e in enumerate(old_log) if e.type == "PrepareRequested") + 1])
+    at = next(i for i, e in enumerate(old_log) if e.type == "PrepareRequested")
+    prefix = replay(old_log[: at + 1])
     assert rd.decide_rank(prefix, 0, rd.RankLocal(live_version=0)) == [
-        rd.Prepare(1, "file:///staging/v000001", "m0001", digest(1))
+        rd.Prepare(1, "file:///staging/v000001", "m0001", digest(1), cause=old_log[at].event_id)
     ]
 
 
@@ -487,11 +511,13 @@ def test_drain_mode_abort_cuts_the_running_group_then_reports_drained_once_it_en
     sim = Sim(1, RunConfig(ranks=1, group_size=2, update={"drain_mode": "abort"}), {})
     drive_to_drain(sim)
     assert sim.engines[0].running and not rd.may_serve(sim.state, 0)
-    assert rd.decide_rank(sim.state, 0, sim.local(0)) == [rd.Pause("abort")]
+    paused = sim.state.updates[1].paused_event
+    assert sim.log[-1].event_id == paused and sim.log[-1].type == "AdmissionPaused"
+    assert rd.decide_rank(sim.state, 0, sim.local(0)) == [rd.Pause("abort", cause=paused)]
     sim.rank_turn(0)
     assert rd.decide_rank(sim.state, 0, sim.local(0)) == []  # paused; waits for the cut group to end
     sim.finish(0)
-    assert rd.decide_rank(sim.state, 0, sim.local(0)) == [rd.ReportDrained(1, "abort")]
+    assert rd.decide_rank(sim.state, 0, sim.local(0)) == [rd.ReportDrained(1, "abort", cause=paused)]
 
 
 def test_drain_mode_wait_lets_the_group_finish_and_an_interruptible_engine_parks_it() -> None:
@@ -501,7 +527,8 @@ def test_drain_mode_wait_lets_the_group_finish_and_an_interruptible_engine_parks
     parked = rd.RankLocal(running=1, live_version=0, interruptible=True)
     assert rd.decide_rank(sim.state, 0, parked) == []  # the run is not interruptible: the engine's ability is moot
     sim.state.config = RunConfig(ranks=1, group_size=2, interruptible=True)
-    assert rd.decide_rank(sim.state, 0, parked) == [rd.ReportDrained(1, "keep")]
+    paused = sim.state.updates[1].paused_event
+    assert rd.decide_rank(sim.state, 0, parked) == [rd.ReportDrained(1, "keep", cause=paused)]
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -519,9 +546,13 @@ def test_an_update_aborted_while_a_rank_sleeps_wakes_it_on_the_published_weights
     sim.rank_turn(0)  # fails its prepare
     sim.coordinator()  # UpdateAborted
     assert sim.state.updates[1].status == UpdateStatus.ABORTED
+    aborted = sim.log[-1]
+    assert aborted.type == "UpdateAborted" and aborted.event_id == sim.state.updates[1].decided_event
     assert rd.decide_rank(sim.state, 1, sim.local(1)) == [
-        rd.WakeOnPublished(level, ("weights", "kv_cache"), rd.Source(0))
+        rd.WakeOnPublished(level, ("weights", "kv_cache"), rd.Source(0), cause=aborted.event_id)
     ]
-    assert rd.decide_rank(sim.state, 0, sim.local(0)) == [rd.WakeOnPublished(level, ("kv_cache",), rd.Source(0))]
+    assert rd.decide_rank(sim.state, 0, sim.local(0)) == [
+        rd.WakeOnPublished(level, ("kv_cache",), rd.Source(0), cause=aborted.event_id)
+    ]
     settle(sim)
     assert all(r.status == EngineStatus.AWAKE for r in sim.state.ranks.values())

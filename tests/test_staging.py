@@ -97,10 +97,10 @@ def test_round_trip(store: DirectoryStagingStore) -> None:
     assert upd.uri == (store.root / "v000001").as_uri()
     assert upd.bytes == sum(t.numel() * t.element_size() for t in sd.values()) == upd.manifest.total_bytes
     assert upd.manifest_digest == upd.manifest.digest
-    manifest = read_manifest(upd.uri, expected_digest=upd.manifest_digest)
+    manifest = read_manifest(upd.uri, 1, expected_digest=upd.manifest_digest)
     assert manifest == upd.manifest
 
-    loaded = load_verified(upd.uri, manifest)
+    loaded = load_verified(upd.uri, 1, manifest)
     assert list(loaded) == list(sd)
     for name, t in sd.items():
         assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape
@@ -298,7 +298,7 @@ def test_missing_file_and_wrong_manifest(store: DirectoryStagingStore) -> None:
     with pytest.raises(StagingError) as info:
         store.read_manifest(1, expected_digest="0" * 32)
     assert info.value.kind == "manifest"
-    with pytest.raises(StagingError) as info:
+    with pytest.raises(StagingError, match="manifest is for version 1, asked for 2") as info:
         store.load_verified(2, upd.manifest)
     assert info.value.kind == "manifest"
     path.unlink()
@@ -398,17 +398,29 @@ def test_open_store_dispatches_on_scheme(tmp_path: Path) -> None:
         open_store("s3://bucket/staging")
     with pytest.raises(ValueError, match="host"):
         open_store("file://otherhost/x")
-    store, version = open_version((tmp_path / "v000042").as_uri())
-    assert (store.root, version) == (tmp_path, 42)
-    with pytest.raises(ValueError, match="version directory"):
-        open_version(tmp_path.as_uri())
+    assert open_version((tmp_path / "v000042").as_uri(), 42).root == tmp_path
+    with pytest.raises(StagingError, match="not the directory of version 42") as info:
+        open_version(tmp_path.as_uri(), 42)
+    assert info.value.kind == "not_found"
 
 
-def test_load_by_uri_must_belong_to_the_store(store: DirectoryStagingStore, tmp_path: Path) -> None:
+def test_the_version_is_the_callers_and_the_manifest_must_be_for_it(store: DirectoryStagingStore) -> None:
+    """The version comes from the command, never from the folder's name: a URI of another version's directory, a
+    manifest of another version, or a manifest file rewritten to claim another version is a StagingError naming
+    both versions."""
     upd, _ = staged(store)
-    assert torch.equal(store.load_verified(upd.uri, upd.manifest)["model.norm.bias"], torch.zeros(8))
-    with pytest.raises(StagingError, match="not a version directory"):
-        store.load_verified((tmp_path / "elsewhere" / "v000001").as_uri(), upd.manifest)
+    other = store.stage(2, 1, small_state())
+    assert torch.equal(load_verified(upd.uri, 1, upd.manifest)["model.norm.bias"], torch.zeros(8))
+    with pytest.raises(StagingError, match="not the directory of version 2"):
+        load_verified(upd.uri, 2, other.manifest)
+    with pytest.raises(StagingError, match="manifest is for version 2, asked for 1") as info:
+        load_verified(upd.uri, 1, other.manifest)
+    assert info.value.kind == "manifest"
+    manifest_path = store.version_dir(1) / "manifest.json"
+    manifest_path.write_text(other.manifest.model_dump_json())
+    with pytest.raises(StagingError, match="is for version 2, asked for 1") as info:
+        read_manifest(upd.uri, 1)
+    assert info.value.kind == "manifest"
 
 
 # ------------------------------------------------------------------------------------------------ property
@@ -447,7 +459,7 @@ def test_stage_load_round_trips(sd: dict[str, torch.Tensor], algo: Any) -> None:
     with tempfile.TemporaryDirectory() as d:
         store = DirectoryStagingStore(d, fsync=False)
         upd = store.stage(3, 2, sd, checksum_algo=algo)
-        loaded = store.load_verified(upd.uri, read_manifest(upd.uri, expected_digest=upd.manifest_digest))
+        loaded = store.load_verified(3, read_manifest(upd.uri, 3, expected_digest=upd.manifest_digest))
         assert list(loaded) == list(sd)
         for name, t in sd.items():
             got = loaded[name]

@@ -115,7 +115,7 @@ class FaultyEngine:
             if isinstance(self.inner, ArmsFaults):  # the remote workers read the files: the fault is armed there
                 self.inner.inject("corrupt-prepare")
             else:
-                tensors = load_verified(uri, manifest, corrupt=manifest.tensors[0].name)
+                tensors = load_verified(uri, version, manifest, corrupt=manifest.tensors[0].name)
                 return self.inner.stage_weights(version, dict(tensors))
         return self.inner.prepare(version, uri, manifest)
 

@@ -106,15 +106,16 @@ class RankWorker(Worker):
             failed_load=self._failed_load,
         )
 
-    def emit(self, *payloads: ev.Payload) -> None:
-        self.emitter.emit(list(payloads), policy_version=self.engine.policy_version)
+    def emit(self, *payloads: ev.Payload, cause: str) -> None:
+        """Append the events answering the command `cause` (their causation id)."""
+        self.emitter.emit(list(payloads), policy_version=self.engine.policy_version, causation_id=cause or None)
 
     # ------------------------------------------------------------------ actions
     def execute(self, action: rd.RankAction) -> bool:
         """Carry out one action; False when it no longer applies (a group started meanwhile) and nothing was done."""
         match action:
             case rd.Join():
-                self._announce(self.engine.policy_version, self.engine.weights_digest())
+                self._announce(self.engine.policy_version, self.engine.weights_digest(), action.cause)
             case rd.Prepare():
                 self._prepare(action)
             case rd.Pause(mode=mode):
@@ -125,11 +126,11 @@ class RankWorker(Worker):
                         return False
                 if not self.engine.is_paused:
                     self.engine.pause(mode)
-                self.emit(ev.EnginePaused(rank=self.rank, mode=mode))
+                self.emit(ev.EnginePaused(rank=self.rank, mode=mode), cause=action.cause)
             case rd.Commit():
                 self._commit(action)
             case rd.Probe(version=version):
-                self._probe(version)
+                self._probe(version, action.cause)
             case rd.Sleep(level=level, drain_mode=mode):
                 with self.lock:
                     if self.running:
@@ -140,21 +141,22 @@ class RankWorker(Worker):
                 self.emit(
                     ev.EngineSlept(
                         rank=self.rank, level=level, bytes_freed=report.bytes_freed, verified=report.verified
-                    )
+                    ),
+                    cause=action.cause,
                 )
             case rd.Wake(tags=tags):
-                self._wake(tags)
+                self._wake(tags, action.cause)
             case rd.WakeOnPublished(level=level, tags=tags, source=src):
                 if "weights" in tags:
-                    self._wake(("weights",))
+                    self._wake(("weights",), action.cause)
                 if level == 2:  # the weights were dropped: the published version comes back through the verified path
                     self._load(src)
                 if "kv_cache" in tags:
-                    self._wake(("kv_cache",))
+                    self._wake(("kv_cache",), action.cause)
             case rd.Resume():
                 if self.engine.is_paused:
                     self.engine.resume()
-                self.emit(ev.EngineResumed(rank=self.rank))
+                self.emit(ev.EngineResumed(rank=self.rank), cause=action.cause)
             case rd.Discard():
                 self.engine.discard_weights()
                 self._staged = None
@@ -170,7 +172,7 @@ class RankWorker(Worker):
                     self._failed_load = src.version
                     return False
                 self._failed_load = None
-                self._announce(src.version, loaded.weights_digest)
+                self._announce(src.version, loaded.weights_digest, action.cause)
             case rd.Reload(source=src):
                 try:
                     self._load(src)
@@ -181,7 +183,7 @@ class RankWorker(Worker):
                 self._failed_load = None
         return True
 
-    def _announce(self, version: int, digest: str) -> None:
+    def _announce(self, version: int, digest: str, cause: str) -> None:
         caps = self.engine.capabilities
         self.emit(
             ev.RankJoined(
@@ -191,23 +193,32 @@ class RankWorker(Worker):
                 weights_digest=digest,
                 sleep_levels=caps.sleep_levels,
                 logprob_mode=caps.logprob_mode,
-            )
+            ),
+            cause=cause,
         )
 
     def _prepare(self, a: rd.Prepare) -> None:
         started = time.perf_counter()
         try:
-            staged = self.engine.prepare(a.version, a.uri, read_manifest(a.uri, expected_digest=a.manifest_digest))
+            staged = self.engine.prepare(
+                a.version, a.uri, read_manifest(a.uri, a.version, expected_digest=a.manifest_digest)
+            )
         except StagingError as exc:
             phase = "transfer" if exc.kind in ("unreadable", "truncated") else "prepare"
             self.emit(
-                ev.RankPrepareFailed(version=a.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc))
+                ev.RankPrepareFailed(
+                    version=a.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)
+                ),
+                cause=a.cause,
             )
             return
         except Exception as exc:  # noqa: BLE001 - the engine refused (shape/dtype) or anything else: fail closed
             tensor = exc.tensor if isinstance(exc, WeightValidationError) else None
             self.emit(
-                ev.RankPrepareFailed(version=a.version, rank=self.rank, phase="prepare", tensor=tensor, reason=str(exc))
+                ev.RankPrepareFailed(
+                    version=a.version, rank=self.rank, phase="prepare", tensor=tensor, reason=str(exc)
+                ),
+                cause=a.cause,
             )
             return
         self._staged = a.version
@@ -218,23 +229,27 @@ class RankWorker(Worker):
                 manifest_digest=a.manifest_digest,
                 staged_digest=staged,
                 prepare_ms=(time.perf_counter() - started) * 1e3,
-            )
+            ),
+            cause=a.cause,
         )
 
     def _commit(self, a: rd.Commit) -> None:
         started = time.perf_counter()
         try:
             if a.reload:  # a restarted engine holds nothing staged: prepare it again through the verified path
-                self.engine.prepare(a.version, a.uri, read_manifest(a.uri, expected_digest=a.manifest_digest))
+                self.engine.prepare(
+                    a.version, a.uri, read_manifest(a.uri, a.version, expected_digest=a.manifest_digest)
+                )
             report = self.engine.commit_weights(a.version)
         except IllegalEngineOrder as exc:
             self.emit(
                 ev.CommandRefused(command=f"commit v{a.version}", reason=str(exc), rank=self.rank),
                 ev.HealthFailed(rank=self.rank, version=a.version, reason=f"commit refused: {exc}"),
+                cause=a.cause,
             )
             return
         except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
-            self.emit(ev.HealthFailed(rank=self.rank, version=a.version, reason=f"commit failed: {exc}"))
+            self.emit(ev.HealthFailed(rank=self.rank, version=a.version, reason=f"commit failed: {exc}"), cause=a.cause)
             return
         finally:
             self._staged = None
@@ -251,13 +266,13 @@ class RankWorker(Worker):
             events.append(
                 ev.CacheInvalidated(rank=self.rank, kind="graph", generation=report.graph_generation, version=a.version)
             )
-        self.emit(*events)
+        self.emit(*events, cause=a.cause)
 
-    def _probe(self, version: int) -> None:
+    def _probe(self, version: int, cause: str) -> None:
         try:
             health = self.engine.health()
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run failed
-            self.emit(ev.HealthFailed(rank=self.rank, version=version, reason=f"probe failed: {exc}"))
+            self.emit(ev.HealthFailed(rank=self.rank, version=version, reason=f"probe failed: {exc}"), cause=cause)
             return
         if health.ok:
             self.emit(
@@ -266,19 +281,22 @@ class RankWorker(Worker):
                     version=version,
                     weights_digest=self.engine.weights_digest(),
                     probe_digest=health.probe_digest,
-                )
+                ),
+                cause=cause,
             )
         else:
-            self.emit(ev.HealthFailed(rank=self.rank, version=version, reason=health.detail))
+            self.emit(ev.HealthFailed(rank=self.rank, version=version, reason=health.detail), cause=cause)
 
-    def _wake(self, tags: tuple[rd.WakeTag, ...]) -> None:
+    def _wake(self, tags: tuple[rd.WakeTag, ...], cause: str) -> None:
         report = self.engine.wake(tags)
-        self.emit(ev.EngineWoke(rank=self.rank, tags=tags, bytes_restored=report.bytes_restored))
+        self.emit(ev.EngineWoke(rank=self.rank, tags=tags, bytes_restored=report.bytes_restored), cause=cause)
 
     def _load(self, src: rd.Source) -> CommitReport:
         """Swap in a decided version read back through the verified path (version 0: the initial weights)."""
         if src.uri:
-            self.engine.prepare(src.version, src.uri, read_manifest(src.uri, expected_digest=src.manifest_digest))
+            self.engine.prepare(
+                src.version, src.uri, read_manifest(src.uri, src.version, expected_digest=src.manifest_digest)
+            )
         else:
             if self.initial_weights is None:
                 raise RuntimeError(f"rank {self.rank} has no source for the initial weights")

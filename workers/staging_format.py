@@ -83,13 +83,16 @@ def path_from_uri(uri: str) -> Path:
     raise ValueError(f"unknown staging URI scheme {parsed.scheme!r} in {uri!r}; supported: file:// or a plain path")
 
 
-def split_version_uri(uri: str) -> tuple[Path, int]:
-    """A version URI (what StagedUpdate.uri / UpdateStaged carry) as its store root and version."""
-    path = path_from_uri(uri)
-    m = VERSION_DIR.match(path.name)
-    if m is None:
-        raise ValueError(f"{uri!r} does not name a version directory (expected .../v000123)")
-    return path.parent, int(m.group(1))
+def version_root(uri: str, version: int) -> Path:
+    """The store root holding `version` at the version URI a command names (StagedUpdate.uri / UpdateStaged carry
+    it). The version is the caller's (the command's), never read from the folder's name: a URI that is not that
+    version's directory is a StagingError naming both."""
+    path = path_from_uri(uri).absolute()
+    if version_dir(path.parent, version) != path:
+        raise StagingError(
+            None, f"{uri!r} is not the directory of version {version}", kind="not_found", version=version
+        )
+    return path.parent
 
 
 # --------------------------------------------------------------------------------------------------- the file format

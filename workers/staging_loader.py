@@ -27,8 +27,8 @@ from rolledger.workers.staging_format import (
     check_against_manifest,
     open_weights,
     read_header,
-    split_version_uri,
     version_dir,
+    version_root,
 )
 from rolledger.workers.weights import dtype_name
 
@@ -92,7 +92,9 @@ def read_verified(
     checksum check must catch it.
     """
     if version != manifest.version:
-        raise StagingError(None, f"manifest is for version {manifest.version}", kind="manifest", version=version)
+        raise StagingError(
+            None, f"manifest is for version {manifest.version}, asked for {version}", kind="manifest", version=version
+        )
     if corrupt is not None:
         entry = manifest.entry(corrupt)
         if entry.nbytes == 0:
@@ -148,14 +150,14 @@ def read_verified(
 
 def load_verified(
     uri: str,
+    version: int,
     manifest: WeightManifest,
     *,
     corrupt: str | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
 ) -> VerifiedWeights:
-    """Read and verify the update at a version URI; see read_verified."""
-    root, version = split_version_uri(uri)
-    return read_verified(version_dir(root.absolute(), version), version, manifest, corrupt=corrupt, out=out)
+    """Read and verify `version` at its URI against `manifest` (which must be for that version); see read_verified."""
+    return read_verified(version_dir(version_root(uri, version), version), version, manifest, corrupt=corrupt, out=out)
 
 
 def _destination(want: TensorEntry, out: Mapping[str, torch.Tensor] | None) -> torch.Tensor:

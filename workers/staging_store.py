@@ -32,8 +32,8 @@ from rolledger.workers.staging_format import (
     WEIGHTS_FILE,
     StagingError,
     path_from_uri,
-    split_version_uri,
     version_dir,
+    version_root,
 )
 from rolledger.workers.staging_loader import VerifiedWeights, read_verified
 from rolledger.workers.weights import dtype_name
@@ -79,7 +79,7 @@ class StagingStore(Protocol):
 
     def load_verified(
         self,
-        version_or_uri: int | str,
+        version: int,
         manifest: WeightManifest,
         *,
         corrupt: str | None = None,
@@ -199,7 +199,9 @@ class DirectoryStagingStore:
         except ValidationError as e:
             raise StagingError(None, f"invalid {MANIFEST_FILE}: {e}", kind="manifest", version=version) from e
         if manifest.version != version:
-            raise StagingError(None, f"{path} is for version {manifest.version}", kind="manifest", version=version)
+            raise StagingError(
+                None, f"{path} is for version {manifest.version}, asked for {version}", kind="manifest", version=version
+            )
         if expected_digest is not None and manifest.digest != expected_digest:
             raise StagingError(
                 None,
@@ -211,14 +213,13 @@ class DirectoryStagingStore:
 
     def load_verified(
         self,
-        version_or_uri: int | str,
+        version: int,
         manifest: WeightManifest,
         *,
         corrupt: str | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> VerifiedWeights:
         """Read the staged tensors and verify each against `manifest`; see staging_loader.read_verified."""
-        version = self._version_of(version_or_uri)
         return read_verified(self.version_dir(version), version, manifest, corrupt=corrupt, out=out)
 
     # -- housekeeping
@@ -244,15 +245,6 @@ class DirectoryStagingStore:
                 if p.name.startswith("v"):
                     deleted.append(v)
         return sorted(deleted)
-
-    def _version_of(self, version_or_uri: int | str) -> int:
-        if isinstance(version_or_uri, int):
-            return version_or_uri
-        path = path_from_uri(version_or_uri)
-        m = VERSION_DIR.match(path.name)
-        if m is None or path.parent.absolute() != self.root:
-            raise StagingError(None, f"{version_or_uri!r} is not a version directory of {self.root}", kind="not_found")
-        return int(m.group(1))
 
 
 def _prepare_for_save(state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
@@ -296,13 +288,12 @@ def open_store(uri: str) -> DirectoryStagingStore:
     return DirectoryStagingStore(path_from_uri(uri))
 
 
-def open_version(uri: str) -> tuple[DirectoryStagingStore, int]:
-    """Split a version URI (what StagedUpdate.uri / UpdateStaged carry) into its store and version."""
-    root, version = split_version_uri(uri)
-    return DirectoryStagingStore(root), version
+def open_version(uri: str, version: int) -> DirectoryStagingStore:
+    """The store holding `version` at the version URI a command names; see staging_format.version_root."""
+    return DirectoryStagingStore(version_root(uri, version))
 
 
-def read_manifest(uri: str, *, expected_digest: str | None = None) -> WeightManifest:
-    """The manifest stored at a version URI, checked against the announced digest when given."""
-    store, version = open_version(uri)
-    return store.read_manifest(version, expected_digest=expected_digest)
+def read_manifest(uri: str, version: int, *, expected_digest: str | None = None) -> WeightManifest:
+    """The manifest of `version` stored at its URI, checked to be for that version and, when given, the announced
+    digest."""
+    return open_version(uri, version).read_manifest(version, expected_digest=expected_digest)

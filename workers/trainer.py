@@ -86,7 +86,7 @@ class TrainerWorker(Worker):
         if v == 0:
             return
         u = state.updates[v]
-        staged = load_verified(u.uri, read_manifest(u.uri, expected_digest=u.manifest_digest))
+        staged = load_verified(u.uri, v, read_manifest(u.uri, v, expected_digest=u.manifest_digest))
         with torch.no_grad():
             for name, p in policy_state(self.model).items():
                 p.copy_(staged.tensors[name])

@@ -270,7 +270,7 @@ class RolledgerWorkerExtension:
             corrupt = next(e.name for e in manifest.tensors if e.nbytes > 0)
         try:
             # pread into private host memory; every tensor's presence, dtype, shape and checksum checked
-            verified = load_verified(uri, manifest, corrupt=corrupt)
+            verified = load_verified(uri, version, manifest, corrupt=corrupt)
         except StagingError as e:
             raise _PrepareError(e.tensor or "*", f"{e.kind}: {e.reason}") from e
         tensors = self._rolledger_drop_tied(dict(verified.tensors))

@@ -4,8 +4,8 @@ trajectory -> its sample (SampleStarted/SampleFinished) and group (GroupAdmitted
 settings -> the policy version of every span -> for each version, where the weights came from: version 0 is the
 initial weights (RunStarted), any other the update attempt that published it (UpdateStaged manifest digest and uri,
 the ranks that prepared that manifest, UpdateCommitted, PolicyPublished) plus the aborted attempts at the same
-version -> the rank that generated it (its committed weights digest, the CacheInvalidated events that made its cache
-and graph generations, its health check) -> the reward (SampleScored) -> the trainer step that consumed it
+version -> the rank that generated it (its committed weights digest and the command that swap answered (its causation
+id), the CacheInvalidated events that made its cache and graph generations, its health check) -> the reward (SampleScored) -> the trainer step that consumed it
 (BatchConsumed, its lag, TrainStepFinished) or the drop that refused it.
 
 No Redis, no I/O. Two folds of the log (workflows.dispatch registries): the whole log for the trajectory's facts, and
@@ -296,6 +296,8 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
     else:
         outcome_name, accepted = GroupFate.OPEN, False
     rw = rank_weights.payload if rank_weights is not None else None
+    cause_id = rank_weights.causation_id if rank_weights is not None else None
+    cause = next((e for e in log if e.event_id == cause_id), None) if cause_id else None
     cp = consumed.payload if consumed is not None else None
     lag = version = None
     if isinstance(cp, BatchConsumed) and gid in cp.group_ids:
@@ -348,6 +350,8 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
             graph_generation=t.graph_generation,
             graph_event_id=graph_event.event_id if graph_event is not None else None,
             health_event_id=health.event_id if health is not None else None,
+            rank_weights_cause_id=cause.event_id if cause is not None else None,
+            rank_weights_cause_type=cause.type if cause is not None else None,
         ),
         reward=RewardLink(reward.event_id, rp.reward, rp.correct)
         if reward is not None and isinstance(rp, SampleScored)

@@ -106,6 +106,8 @@ class RankLink:
     graph_generation: int
     graph_event_id: str | None
     health_event_id: str | None
+    rank_weights_cause_id: str | None = None  # the command those weights answered (its causation id)
+    rank_weights_cause_type: str | None = None  # UpdateCommitted; RunStarted or RankQuarantined for a RankJoined
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,8 @@ class Lineage:
                 )
         node(0, f"rank {r.rank} ({r.engine}): weights {r.weights_digest}")
         node(1, f"rank weights from {r.rank_weights_event_id or '?'} ({r.rank_weights_digest})")
+        if r.rank_weights_cause_id is not None:
+            node(2, f"answering {r.rank_weights_cause_type or '?'} {r.rank_weights_cause_id}")
         node(1, f"cache generation {r.cache_generation} from {r.cache_event_id or 'start'}")
         node(1, f"graph generation {r.graph_generation} from {r.graph_event_id or 'start'}")
         node(1, f"health {r.health_event_id or '?'}")

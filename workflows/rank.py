@@ -5,7 +5,10 @@ action and appends its events, then catches up again before the next decision. T
 folded `RunState` and of `RankLocal` - the few facts only the engine knows (groups running right now, the version it
 holds staged, the version it reports serving) - and never of "the event just seen". So a batch of events can never
 make a rank act on a state it has already left, deciding twice on one state gives the same actions, executing an
-action changes the state so that it is not decided again, and a restarted rank is the same rank.
+action changes the state so that it is not decided again, and a restarted rank is the same rank. Every action
+carries `cause`, the id of the command event it answers, as the reducer recorded it in the state (PrepareRequested,
+AdmissionPaused, UpdateCommitted, UpdateAborted, PolicyPublished, RankQuarantined, RunStarted); the interpreter
+appends its events with that causation id, so the log links each answer to its command.
 
 Also here: `may_serve(state, rank)`, whether the rank's rollout may start a group. It is false from the moment the
 log asks the rank to drain (AdmissionPaused for an update it takes part in, a colocated handoff it has not slept in
@@ -14,7 +17,7 @@ yet), so "may I start a group" and "report drained" are decided on the same stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rolledger.schemas.statuses import EngineStatus, RunStatus, UpdateStatus
@@ -51,6 +54,8 @@ class Source:
 class Join:
     """Announce the rank (RankJoined) with the engine's capabilities and live weights."""
 
+    cause: str = field(kw_only=True)  # the id of the command event this answers
+
 
 @dataclass(frozen=True, slots=True)
 class Prepare:
@@ -60,6 +65,7 @@ class Prepare:
     uri: str
     manifest_digest: str
     weights_digest: str
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,7 @@ class Pause:
     """Pause the engine without reporting (drain_mode "abort": cut the running groups short)."""
 
     mode: DrainMode
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +82,7 @@ class ReportDrained:
 
     version: int
     mode: DrainMode
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,7 @@ class Commit:
     manifest_digest: str
     weights_digest: str
     reload: bool = False
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +103,7 @@ class Probe:
     """Run the health probe on the committed weights -> HealthPassed | HealthFailed."""
 
     version: int
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +112,7 @@ class Sleep:
 
     level: int
     drain_mode: DrainMode
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +120,7 @@ class Wake:
     """Wake these tags -> EngineWoke (weights before an update reaches the engine, kv_cache after its commit)."""
 
     tags: tuple[WakeTag, ...]
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +131,14 @@ class WakeOnPublished:
     level: int
     tags: tuple[WakeTag, ...]
     source: Source
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
 class Resume:
     """Resume generation -> EngineResumed."""
+
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +146,7 @@ class Discard:
     """Drop what the engine holds staged for a version whose transaction no longer needs it."""
 
     version: int
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +156,7 @@ class Rejoin:
 
     source: Source
     wake: tuple[WakeTag, ...] = ()
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +165,7 @@ class Reload:
     one through the verified path, silently (the log already says so)."""
 
     source: Source
+    cause: str = field(kw_only=True)  # the id of the command event this answers
 
 
 RankAction = (
@@ -184,6 +202,37 @@ def rejoin_version(state: RunState) -> int:
     published one."""
     decided = [v for v, u in state.updates.items() if UpdateStatus(u.status).is_decided_commit]
     return max([*decided, state.policy_version])
+
+
+def _closing_event(u: UpdateState) -> str:
+    """The command that closed a transaction: its PolicyPublished, else its UpdateAborted (or UpdateCommitted)."""
+    return u.published_event or u.decided_event
+
+
+def _version_cause(state: RunState, version: int) -> str:
+    """The command that made `version` the one to hold: its UpdateCommitted, or RunStarted for the initial weights."""
+    u = state.updates.get(version)
+    return u.decided_event if version and u is not None and u.decided_event else state.started_event
+
+
+def _resume_cause(state: RunState, rank: int) -> str:
+    """What releases a paused rank: the close of the newest update it took part in (else the run's start)."""
+    closed = [u for v, u in sorted(state.updates.items()) if not u.open and rank in u.ranks and _closing_event(u)]
+    return _closing_event(closed[-1]) if closed else state.started_event
+
+
+def _discard_cause(state: RunState, rank: int, version: int) -> str:
+    """Why a staged version is no longer needed: its transaction closed, the rank was quarantined out of it, or it
+    was decided without this rank."""
+    u = state.updates.get(version)
+    if u is None:
+        return state.started_event
+    if not u.open:
+        return _closing_event(u)
+    me = state.ranks.get(rank)
+    if rank in u.quarantined and me is not None and me.quarantined_event:
+        return me.quarantined_event
+    return u.decided_event or u.prepare_event
 
 
 def _my_update(state: RunState, rank: int) -> UpdateState | None:
@@ -243,16 +292,16 @@ def decide_rank(state: RunState, rank: int, local: RankLocal) -> list[RankAction
         return []
     me = state.ranks.get(rank)
     if me is None:
-        return [Join()]
+        return [Join(cause=state.started_event)]
     out: list[RankAction] = []
     if local.staged_version is not None and not _keeps_staged(state, rank, local.staged_version):
-        out.append(Discard(local.staged_version))
+        out.append(Discard(local.staged_version, cause=_discard_cause(state, rank, local.staged_version)))
     if me.status == EngineStatus.QUARANTINED:
         v = rejoin_version(state)
         if local.failed_load == v:
             return out
         asleep = tuple(t for t in _TAGS if t not in me.woke) if me.sleep_level else ()
-        return [*out, Rejoin(source(state, v), asleep)]
+        return [*out, Rejoin(source(state, v), asleep, cause=me.quarantined_event)]
     if me.status == EngineStatus.ASLEEP:
         return out + _asleep(state, rank, me, local)
     u = _my_update(state, rank)
@@ -264,12 +313,12 @@ def decide_rank(state: RunState, rank: int, local: RankLocal) -> list[RankAction
         if local.running:
             return out  # the current group finishes first
         cfg = state.config
-        return [*out, Sleep(cfg.sleep_level, cfg.update.drain_mode)]
+        return [*out, Sleep(cfg.sleep_level, cfg.update.drain_mode, cause=state.admission.handoff_event)]
     behind = local.live_version is not None and local.live_version != me.committed_version
     if behind and local.failed_load != me.committed_version:
-        return [*out, Reload(source(state, me.committed_version))]
+        return [*out, Reload(source(state, me.committed_version), cause=_version_cause(state, me.committed_version))]
     if (me.status == EngineStatus.PAUSED or local.engine_paused) and not _held(state, rank):
-        out.append(Resume())
+        out.append(Resume(cause=_resume_cause(state, rank)))
     return out
 
 
@@ -280,14 +329,14 @@ def _in_update(state: RunState, rank: int, me: RankState, u: UpdateState, local:
     status = UpdateStatus(u.status)
     if status == UpdateStatus.PREPARING:
         if rank not in u.prepared and rank not in u.failed:
-            return [Prepare(u.version, u.uri, u.manifest_digest, u.weights_digest)]
+            return [_prepare(u)]
         if "update" in state.admission.paused and me.drained_for != u.version:
             interruptible = cfg.interruptible and local.interruptible
             if local.running and not interruptible:
                 if cfg.update.drain_mode == "abort" and not local.engine_paused:
-                    return [Pause("abort")]
+                    return [Pause("abort", cause=u.paused_event)]
                 return []  # wait for the running group to end
-            return [ReportDrained(u.version, "keep" if interruptible else cfg.update.drain_mode)]
+            return [ReportDrained(u.version, "keep" if interruptible else cfg.update.drain_mode, cause=u.paused_event)]
         return None if not _held(state, rank) else []
     if status.is_decided_commit:
         if rank in u.failed:
@@ -295,11 +344,9 @@ def _in_update(state: RunState, rank: int, me: RankState, u: UpdateState, local:
         if rank not in u.committed:
             if rank not in u.prepared:
                 return []  # never commits what it did not prepare (the reducer flags such a commit)
-            return [
-                Commit(u.version, u.uri, u.manifest_digest, u.weights_digest, reload=local.staged_version != u.version)
-            ]
+            return [_commit(u, local)]
         if rank not in u.healthy:
-            return [Probe(u.version)]
+            return [Probe(u.version, cause=u.decided_event)]
         return []  # published soon: generation stays stopped until then
     return None
 
@@ -308,22 +355,27 @@ def _asleep(state: RunState, rank: int, me: RankState, local: RankLocal) -> list
     """A sleeping rank only wakes: its weights before an update reaches the engine, its KV cache after the commit."""
     if me.wake_on_abort:
         tags = tuple(t for t in _TAGS if t not in me.woke)
-        return [WakeOnPublished(me.sleep_level, tags, source(state, state.policy_version))]
+        return [WakeOnPublished(me.sleep_level, tags, source(state, state.policy_version), cause=me.abort_event)]
     u = _my_update(state, rank)
     if u is None:
         return []  # the trainer's turn
     weights_awake = "weights" in me.woke
     status = UpdateStatus(u.status)
     if status == UpdateStatus.PREPARING and rank not in u.prepared and rank not in u.failed:
-        return (
-            [Prepare(u.version, u.uri, u.manifest_digest, u.weights_digest)] if weights_awake else [Wake(("weights",))]
-        )
+        return [_prepare(u)] if weights_awake else [Wake(("weights",), cause=u.prepare_event)]
     if status.is_decided_commit and rank not in u.failed and rank in u.prepared:
         if not weights_awake:
-            return [Wake(("weights",))]
+            return [Wake(("weights",), cause=u.decided_event)]
         if rank not in u.committed:
-            return [
-                Commit(u.version, u.uri, u.manifest_digest, u.weights_digest, reload=local.staged_version != u.version)
-            ]
-        return [Wake(("kv_cache",))]
+            return [_commit(u, local)]
+        return [Wake(("kv_cache",), cause=u.decided_event)]
     return []
+
+
+def _prepare(u: UpdateState) -> Prepare:
+    return Prepare(u.version, u.uri, u.manifest_digest, u.weights_digest, cause=u.prepare_event)
+
+
+def _commit(u: UpdateState, local: RankLocal) -> Commit:
+    reload = local.staged_version != u.version
+    return Commit(u.version, u.uri, u.manifest_digest, u.weights_digest, reload=reload, cause=u.decided_event)

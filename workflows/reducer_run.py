@@ -16,7 +16,7 @@ def _run_started(s: RunState, e: ev.Event, p: ev.RunStarted) -> None:
     if s.status != RunStatus.PENDING:
         anomaly(s, e, f"RunStarted while the run is {s.status}")
         return
-    s.run_id, s.config, s.status = e.run_id, p.config, RunStatus.RUNNING
+    s.run_id, s.config, s.status, s.started_event = e.run_id, p.config, RunStatus.RUNNING, e.event_id
     s.weights_digest = p.initial_weights_digest
 
 
@@ -58,9 +58,9 @@ def _admission_paused(s: RunState, e: ev.Event, p: ev.AdmissionPaused) -> None:
         return
     s.admission.paused.append(p.reason)
     if p.reason == AdmissionReason.UPDATE and (u := s.open_update) is not None:
-        u.paused_at = e.wall_time
+        u.paused_at, u.paused_event = e.wall_time, e.event_id
     if p.reason == AdmissionReason.HANDOFF:
-        s.admission.handoff_step = s.trainer.step
+        s.admission.handoff_step, s.admission.handoff_event = s.trainer.step, e.event_id
 
 
 @handlers.on(ev.AdmissionResumed)

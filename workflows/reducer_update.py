@@ -37,6 +37,7 @@ def _prepare_requested(s: RunState, e: ev.Event, p: ev.PrepareRequested) -> None
         if sent and sent != staged:  # empty: a v1 command, which names only the staged record
             anomaly(s, e, f"prepare of v{p.version} names {name} {sent!r}, but v{p.version} was staged with {staged!r}")
     u.status, u.ranks, u.fence, u.deadline = UpdateStatus.PREPARING, list(p.ranks), p.fence, p.deadline
+    u.prepare_event = e.event_id
 
 
 @handlers.on(ev.RankPrepared)
@@ -88,7 +89,7 @@ def _update_aborted(s: RunState, e: ev.Event, p: ev.UpdateAborted) -> None:
     u.status, u.abort_reason, u.decided_event = UpdateStatus.ABORTED, p.reason, e.event_id
     for r in u.ranks:
         if (rank := s.ranks.get(r)) is not None and rank.status is EngineStatus.ASLEEP:
-            rank.wake_on_abort = True
+            rank.wake_on_abort, rank.abort_event = True, e.event_id
 
 
 @handlers.on(ev.RankCommitted)
@@ -156,5 +157,5 @@ def _policy_published(s: RunState, e: ev.Event, p: ev.PolicyPublished) -> None:
     for r in p.ranks:
         if u.committed.get(r) != p.weights_digest:
             anomaly(s, e, f"v{p.version} published but rank {r} holds {u.committed.get(r)!r}")
-    u.status = UpdateStatus.PUBLISHED
+    u.status, u.published_event = UpdateStatus.PUBLISHED, e.event_id
     s.policy_version, s.weights_digest = p.version, p.weights_digest

@@ -82,6 +82,7 @@ class UpdateState:
     uri: str
     bytes: int
     staged_event: str
+    prepare_event: str = ""  # the PrepareRequested that opened the transaction (a rank's prepare answers it)
     status: UpdateStatus = UpdateStatus.STAGED
     ranks: list[int] = field(default_factory=list)
     fence: int = 0
@@ -95,6 +96,8 @@ class UpdateState:
     abort_reason: str = ""
     decided_event: str = ""
     paused_at: float = 0.0  # wall time of the AdmissionPaused(update) that started the drain
+    paused_event: str = ""  # that AdmissionPaused's id (a rank's EnginePaused answers it)
+    published_event: str = ""  # the PolicyPublished that closed it (a rank resuming answers it)
     committed_at: float = 0.0
     quarantined: list[int] = field(default_factory=list)
 
@@ -125,6 +128,8 @@ class RankState:
     drained_for: int = 0  # the update version whose drain this rank reported (EnginePaused); 0: none
     slept_in_handoff: int = -1  # admission.handoff_step of the handoff this rank last slept in; -1: never
     wake_on_abort: bool = False  # an update aborted while it slept: it wakes on the published weights
+    abort_event: str = ""  # the UpdateAborted that set wake_on_abort (its wake answers it)
+    quarantined_event: str = ""  # the last RankQuarantined of this rank (its rejoin answers it)
 
 
 @dataclass(slots=True)
@@ -135,6 +140,7 @@ class AdmissionState:
     admitted: int = 0
     inflight: int = 0  # admitted and not yet complete/cancelled
     handoff_step: int = 0  # trainer step when the current (or last) colocated handoff began
+    handoff_event: str = ""  # the AdmissionPaused(handoff) that began it (a rank's sleep answers it)
 
     @property
     def open(self) -> bool:
@@ -166,6 +172,7 @@ class RunState:
     run_id: str = ""
     config: RunConfig | None = None
     status: RunStatus = RunStatus.PENDING
+    started_event: str = ""  # the RunStarted id (a rank joining answers it)
     policy_version: int = 0  # the last published version
     weights_digest: str = ""
     groups: dict[str, GroupState] = field(default_factory=dict)

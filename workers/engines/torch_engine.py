@@ -419,7 +419,7 @@ class TorchEngine:
 
     def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
         """Load the update at `uri` through the verified path (every checksum), then stage it."""
-        return self.stage_weights(version, dict(load_verified(uri, manifest)))
+        return self.stage_weights(version, dict(load_verified(uri, version, manifest)))
 
     def commit_weights(self, version: int) -> CommitReport:
         with self._model_lock, self._state:
