@@ -7,6 +7,10 @@ Conventions: group ids `g000017`; sample/trajectory ids `g000017/3` (group id, s
 0-based ints; `fence` is the leader-lease fencing token of the coordinator that took a decision; wall times are unix
 seconds (float); `*_ms` are durations. These are the models only: an envelope is stamped with a fresh id and the wall
 clock by `rolledger.events.envelope.make_event`, at the edge that produces it.
+
+Why one module over 400 lines: it is the catalogue of the log's vocabulary (36 small models, the union and the
+upcasters of older versions); read top to bottom it is the list of events in lifecycle order, and split by family
+it would need every family imported back to build the one union the codec validates against.
 """
 
 from __future__ import annotations
