@@ -525,7 +525,13 @@ def check_properties(sim: Sim, rounds: int) -> None:
     report = audit(log)
 
     def names_stale(x: Violation, v: int, rank: int) -> bool:
-        return x.invariant == 4 and f"v{v} published but rank {rank} never invalidated" in x.message
+        """The audit names the stale publication: the rank never invalidated its cache for v, or its probe (which
+        covers the exact logits of the weights it really runs) disagrees with the other ranks'."""
+        if x.invariant != 4:
+            return False
+        never_invalidated = f"v{v} published but rank {rank} never invalidated" in x.message
+        probes_disagree = f"v{v} published while the ranks' health probes disagree" in x.message
+        return never_invalidated or (probes_disagree and f"rank {rank}: " in x.message)
 
     for v, rank in published_stale:
         assert any(names_stale(x, v, rank) for x in report.violations), report.render()
