@@ -29,7 +29,6 @@ from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_format import StagingError
 from rolledger.workers.staging_store import read_manifest
 from rolledger.workflows import rank as rd
-from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
 
 
@@ -50,8 +49,8 @@ class RankWorker(Worker):
         self.rank = rank
         self.engine = engine
         self.initial_weights = initial_weights
-        self.follower = Follower(self.log)
         self.lock = threading.Condition()  # guards follower.state and running; notified after every fold
+        self.follower = Follower(self.log, self.lock)
         self.running = 0  # groups the rollout thread is generating (written under the lock)
         self._staged: int | None = None  # the version the engine holds staged
         self._failed_load: int | None = None  # the version a rejoin/reload last failed on
@@ -66,7 +65,7 @@ class RankWorker(Worker):
     def run(self) -> None:
         acted = True
         while not self.stop_event.is_set():
-            self.catch_up(block_ms=0 if acted else 100)
+            self.follower.catch_up(block_ms=0 if acted else 100)
             with self.lock:
                 if RunStatus(self.state.status).is_terminal:
                     break
@@ -79,20 +78,6 @@ class RankWorker(Worker):
                 self.rollout.ensure_running()  # a killed rollout thread is replaced; the new one reclaims its entries
         self.stop_event.set()  # the run is over (or we were stopped): the rollout thread ends too
         self.rollout.join(timeout=30)
-
-    def catch_up(self, block_ms: int = 0) -> None:
-        """Fold everything appended so far (waiting up to block_ms for the first new entry)."""
-        f = self.follower
-        got = f.log.tail(f.last_id, block_ms=block_ms) if block_ms else []
-        after = got[-1].stream_id if got else f.last_id
-        got.extend(f.log.read("(" + after if after != "0-0" else "-"))
-        if not got:
-            return
-        with self.lock:
-            for stored in got:
-                fold(f.state, stored.event)
-                f.last_id = stored.stream_id
-            self.lock.notify_all()
 
     def local(self) -> rd.RankLocal:
         with self.lock:

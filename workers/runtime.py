@@ -7,6 +7,7 @@ policy version in force) and appends them. `Worker` is the small base class with
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 
@@ -21,12 +22,15 @@ from rolledger.workflows.state import RunState
 
 
 class Follower:
-    """Tails the log and folds it; `state` is always the fold of everything up to `last_id`."""
+    """Tails the log and folds it; `state` is always the fold of everything up to `last_id`.
 
-    def __init__(self, log: EventLog) -> None:
+    `lock`: for a state other threads read (a rank's rollout thread): `catch_up` folds under it and notifies it."""
+
+    def __init__(self, log: EventLog, lock: threading.Condition | None = None) -> None:
         self.log = log
         self.state = RunState()
         self.last_id = "0-0"
+        self.lock = lock
 
     def start_from(self, state: RunState, stream_id: str) -> None:
         """Begin at a snapshot (state as of `stream_id`) instead of the first entry: replay = snapshot + tail."""
@@ -39,11 +43,19 @@ class Follower:
             self.last_id = stored.stream_id
         return got
 
-    def catch_up(self) -> None:
-        """Fold everything appended so far without blocking."""
-        for stored in self.log.read("(" + self.last_id if self.last_id != "0-0" else "-"):
-            fold(self.state, stored.event)
-            self.last_id = stored.stream_id
+    def catch_up(self, block_ms: int = 0) -> None:
+        """Fold everything appended so far (waiting up to `block_ms` for the first new entry; 0: do not wait)."""
+        got = self.log.tail(self.last_id, block_ms=block_ms) if block_ms else []
+        after = got[-1].stream_id if got else self.last_id
+        got.extend(self.log.read("(" + after if after != "0-0" else "-"))
+        if not got:
+            return
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            for stored in got:
+                fold(self.state, stored.event)
+                self.last_id = stored.stream_id
+            if self.lock is not None:
+                self.lock.notify_all()
 
 
 class Emitter:

@@ -11,6 +11,7 @@ from rolledger.schemas.events import (
     Event,
     HealthFailed,
     HealthPassed,
+    Payload,
     PolicyPublished,
     PrepareRequested,
     RankCommitted,
@@ -30,6 +31,15 @@ from rolledger.workflows.dispatch import Handlers
 handlers: Handlers[Auditor, None] = Handlers("audit: weight updates and engines")
 
 
+def _track(ctx: Auditor, e: Event, p: Payload) -> None:
+    """Events that only move an update attempt along (the checks come at its commit, abort and publication)."""
+    ctx.updates.apply(e)
+
+
+for _tracked in (PrepareRequested, RankPrepared, RankPrepareFailed, HealthPassed, HealthFailed):
+    handlers.on(_tracked)(_track)
+
+
 @handlers.on(UpdateStaged)
 def _update_staged(ctx: Auditor, e: Event, p: UpdateStaged) -> None:
     cur = ctx.updates.current(p.version)
@@ -40,21 +50,6 @@ def _update_staged(ctx: Auditor, e: Event, p: UpdateStaged) -> None:
             cur.staged,
             e,
         )
-    ctx.updates.apply(e)
-
-
-@handlers.on(PrepareRequested)
-def _prepare_requested(ctx: Auditor, e: Event, p: PrepareRequested) -> None:
-    ctx.updates.apply(e)
-
-
-@handlers.on(RankPrepared)
-def _rank_prepared(ctx: Auditor, e: Event, p: RankPrepared) -> None:
-    ctx.updates.apply(e)
-
-
-@handlers.on(RankPrepareFailed)
-def _rank_prepare_failed(ctx: Auditor, e: Event, p: RankPrepareFailed) -> None:
     ctx.updates.apply(e)
 
 
@@ -149,16 +144,6 @@ def _cache_invalidated(ctx: Auditor, e: Event, p: CacheInvalidated) -> None:
         ctx.warn(WarningKind.ORPHAN, f"CacheInvalidated for rank {p.rank}, which never joined or committed", e)
         return
     st.invalidations.append(e)
-
-
-@handlers.on(HealthPassed)
-def _health_passed(ctx: Auditor, e: Event, p: HealthPassed) -> None:
-    ctx.updates.apply(e)
-
-
-@handlers.on(HealthFailed)
-def _health_failed(ctx: Auditor, e: Event, p: HealthFailed) -> None:
-    ctx.updates.apply(e)
 
 
 @handlers.on(PolicyPublished)
