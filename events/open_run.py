@@ -19,6 +19,10 @@ from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
 
 
+class NoSuchRun(LookupError):
+    """The reference names no run directory and no Redis was given to look the run up in."""
+
+
 @dataclass(frozen=True)
 class RunRef:
     run_id: str
@@ -49,7 +53,7 @@ def open_run(
             client.close()
         return
     if run.run_dir is None:
-        raise FileNotFoundError(f"no run directory for {ref!r} (looked in {runs_dir}/) and no --redis/REDIS_URL given")
+        raise NoSuchRun(f"no run directory for {ref!r} (looked in {runs_dir}/) and no --redis/REDIS_URL given")
     live = _live_url(run.run_dir)
     if live is not None:
         client = connect(live)
