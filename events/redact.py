@@ -50,3 +50,12 @@ def password_of(url: str) -> str | None:
         if k.lower() == "password":
             return v
     return None
+
+
+def with_password(url: str, password: str) -> str:
+    """A redacted URL with its *** replaced by `password` again (the password taken from the environment)."""
+    from urllib.parse import quote
+
+    return url.replace(f":{MASK}@", f":{quote(password, safe='')}@", 1).replace(
+        f"password={MASK}", f"password={quote(password, safe='')}", 1
+    )

@@ -15,7 +15,7 @@ from logbuilder import LogBuilder
 
 from rolledger.events.codec import encode
 from rolledger.events.keys import log_key
-from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD, EventLog, dead_letter
+from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD, EventLog, as_str, dead_letter
 from rolledger.schemas import events as ev
 from rolledger.workers.cli import main
 from rolledger.workflows.audit import audit
@@ -90,9 +90,9 @@ def test_audit_and_replay_write_nothing_and_report_an_undecodable_decision(
     replay_out = capsys.readouterr().out
 
     assert keyspace(redis_client) == before  # no dead-letter stream, no seen hash, nothing
-    assert "VIOLATED" in out and f"log entry {bad_id.decode()} is a decision (UpdateCommitted)" in out, out
-    assert f"warning undecodable: log entry {garbage_id.decode()} (SampleScored)" in out, out
-    assert bad_id.decode() in replay_out and garbage_id.decode() in replay_out
+    assert "VIOLATED" in out and f"log entry {as_str(bad_id)} is a decision (UpdateCommitted)" in out, out
+    assert f"warning undecodable: log entry {as_str(garbage_id)} (SampleScored)" in out, out
+    assert as_str(bad_id) in replay_out and as_str(garbage_id) in replay_out
 
 
 def test_existing_dead_letters_are_findings(

@@ -34,7 +34,7 @@ from rolledger.workflows.state import RunState
 
 # ---------------------------------------------------------------- wire values
 WIRE: dict[type[StrEnum], list[str]] = {
-    RunStatus: ["pending", "running", "completed", "failed", "aborted"],
+    RunStatus: ["pending", "running", "completed", "failed", "aborted", "cancelled"],
     GroupStatus: ["admitted", "generating", "complete", "partial", "cancelled", "scored", "consumed", "dropped"],
     SampleStatus: ["started", "finished", "failed", "cancelled"],
     UpdateStatus: ["staged", "preparing", "committed", "aborted", "invalidated", "healthy", "published"],
@@ -62,7 +62,7 @@ def test_predicates_are_the_sets_they_replaced() -> None:
     def having(enum: type[StrEnum], pred: str) -> set[str]:
         return {m.value for m in enum if getattr(m, pred)}
 
-    assert having(RunStatus, "is_terminal") == {"completed", "failed", "aborted"}
+    assert having(RunStatus, "is_terminal") == {"completed", "failed", "aborted", "cancelled"}
     assert having(GroupStatus, "is_open") == {"admitted", "generating"}
     assert having(GroupStatus, "is_completed") == {"complete", "partial"}
     assert having(GroupStatus, "is_queued") == {"complete", "partial", "scored"}

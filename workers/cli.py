@@ -73,16 +73,20 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from rolledger.schemas.config import one_line
     from rolledger.schemas.injection import check_injections, parse_injection
-    from rolledger.workers.local_run import LocalRun, RunOptions
+    from rolledger.workers.local_run import LocalRun, RunOptions, RunRefused
     from rolledger.workers.progress import LiveProgress
 
     try:
         cfg = _config_from_args(args)
         injections = [parse_injection(s) for s in args.inject]
         check_injections(injections, cfg, in_process=not args.external_workers)
-    except (ValidationError, ValueError) as exc:
-        print(f"rolledger run: invalid configuration: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        print(f"rolledger run: invalid configuration: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # ConfigError included: already one line naming the file and field
+        print(f"rolledger run: invalid configuration: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     progress = LiveProgress()
     opts = RunOptions(
@@ -96,12 +100,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps),
         external_workers=args.external_workers,
         model_dir=Path(args.model_dir) if args.model_dir else None,
+        resume=args.resume,
     )
-    run = LocalRun(opts)
-    with progress:
-        summary = run.execute()
+    try:
+        run = LocalRun(opts)
+        with progress:
+            summary = run.execute()
+    except RunRefused as exc:
+        print(f"rolledger run: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary.to_dict(), indent=2))
     print(f"run {run.run_id}: {run.run_dir / 'summary.json'}", file=sys.stderr)
+    if run.signalled is not None:
+        return 128 + run.signalled
     return 0 if summary.status == RunStatus.COMPLETED else 1
 
 
@@ -278,7 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=_choices("mode"))
     run.add_argument("--steps", type=int)
     run.add_argument("--seed", type=int)
-    run.add_argument("--run-id")
+    run.add_argument("--run-id", help="[A-Za-z0-9][A-Za-z0-9._-]{0,127}; an existing one is refused without --resume")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an existing run id: reopen its log and start fresh workers that carry on from it",
+    )
     run.add_argument("--runs-dir", default="runs")
     run.add_argument("--inject", action="append", default=[], metavar="SPEC", help="fault injection, see DESIGN.md")
     run.add_argument("--vllm-url", action="append", help="an already running vLLM server (one per rank)")

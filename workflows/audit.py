@@ -75,20 +75,18 @@ __all__ = ["DECISION_TYPES", "AuditReport", "AuditWarning", "Verdict", "Violatio
 
 # Every event the coordinator decides (workflows/coordinator.py and the deciders it calls: update, groups,
 # admission, handoff), the durable ones first. Losing one to an undecodable entry changes what the run decided.
-DECISION_TYPES: frozenset[str] = frozenset(
-    t.model_fields["type"].default
-    for t in (
-        *DURABLE_DECISIONS,
-        ev.RunFinished,
-        ev.PrepareRequested,
-        ev.AdmissionPaused,
-        ev.AdmissionResumed,
-        ev.GroupAdmitted,
-        ev.GroupCompleted,
-        ev.GroupCancelled,
-        ev.RankQuarantined,
-    )
+_DECISIONS: tuple[type[ev.Payload], ...] = (
+    *DURABLE_DECISIONS,
+    ev.RunFinished,
+    ev.PrepareRequested,
+    ev.AdmissionPaused,
+    ev.AdmissionResumed,
+    ev.GroupAdmitted,
+    ev.GroupCompleted,
+    ev.GroupCancelled,
+    ev.RankQuarantined,
 )
+DECISION_TYPES: frozenset[str] = frozenset(t.model_fields["type"].default for t in _DECISIONS)
 AFTER_END_NAMED = 5  # how many ids of events after RunFinished a violation names
 
 

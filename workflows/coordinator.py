@@ -9,6 +9,7 @@ run's end; the coordinator worker appends that under its lease with `append_if`,
   aborted: the run deadline `config.run_deadline_s` after RunStarted passed). A driver that must finish a run
   without a live coordinator uses this part alone, through the same fenced path.
 - `decide_run_end(state)`: the orderly end once the last step is taken: cancel what is in flight, then completed.
+- `decide_cancel(state, reason)`: the operator stopped the run (SIGTERM/SIGINT of `rolledger run`): cancelled now.
 - `decide(state, now, fence, inputs)`: every decision on this state, in priority order.
 - `DURABLE_DECISIONS`: decisions whose loss in a host crash would let a restarted coordinator decide differently.
 """
@@ -53,6 +54,17 @@ def decide_terminal(state: RunState, now: float) -> list[ev.Payload]:
     if now > state.first_wall_time + cfg.run_deadline_s:
         return [ev.RunFinished(status="aborted", reason="run deadline passed", steps=state.trainer.step)]
     return []
+
+
+def decide_cancel(state: RunState, reason: str) -> list[ev.Payload]:
+    """The run is stopped from outside (a signal to its driver): close admission, then RunFinished(cancelled)."""
+    if state.status != RunStatus.RUNNING:
+        return []
+    out: list[ev.Payload] = []
+    if AdmissionReason.MANUAL not in state.admission.paused:
+        out.append(ev.AdmissionPaused(reason="manual", detail=reason))
+    out.append(ev.RunFinished(status="cancelled", reason=reason, steps=state.trainer.step))
+    return out
 
 
 def decide_run_end(state: RunState) -> list[ev.Payload]:
