@@ -169,7 +169,7 @@ class LocalRun:
         if opts.deadline_s is not None:
             self.cfg = self.cfg.model_copy(update={"run_deadline_s": opts.deadline_s})
         self.injector = Injector(opts.injections)
-        self.run_id = opts.run_id or new_run_id()
+        self.run_id = opts.run_id if opts.run_id is not None else new_run_id()
         check_run_id(self.run_id)
         if opts.metrics_port is not None:
             check_port_free(opts.metrics_port)
