@@ -127,6 +127,6 @@ def test_sigterm_cancels_the_run_cleanly_with_a_summary_of_the_final_log(tmp_pat
     with open_run(str(run_dir)) as (client, rid):
         scan = scan_log(client, rid)
     events = [s.event for s in scan.entries]
-    ends = [e for e in events if isinstance(e.payload, ev.RunFinished)]
-    assert len(ends) == 1 and ends[0].payload.status == "cancelled" and ends[0].payload.reason == "signal SIGTERM"
+    ends = [e.payload for e in events if isinstance(e.payload, ev.RunFinished)]
+    assert len(ends) == 1 and ends[0].status == "cancelled" and ends[0].reason == "signal SIGTERM"
     assert summary["events"] == len(events), (summary["events"], len(events))
