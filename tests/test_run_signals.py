@@ -10,12 +10,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+from rolledger.events.keys import log_key
 from rolledger.events.open_run import open_run
 from rolledger.events.scan import scan_log
+from rolledger.events.store import TYPE_FIELD
 from rolledger.schemas import events as ev
 
 pytestmark = pytest.mark.slow
@@ -83,7 +86,8 @@ def log_has(run_dir: Path, run_id: str, type_: str) -> bool:
         return False
     try:
         client = redis.Redis.from_url(url_file.read_text().strip())
-        found = any(fields.get(b"t") == type_.encode() for _, fields in client.xrange(f"rolledger:{{{run_id}}}:events"))
+        entries: Any = client.xrange(log_key(run_id))
+        found = any(fields.get(TYPE_FIELD) == type_.encode() for _, fields in entries)
         client.close()
         return found
     except (redis.RedisError, OSError):
