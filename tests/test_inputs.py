@@ -44,6 +44,7 @@ def test_bad_run_ids_are_refused_before_anything_starts(
 
 def test_a_reused_run_id_is_refused_without_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text("{}")
     assert main(["run", "--runs-dir", str(tmp_path), "--run-id", "old"]) == 2
     line = one_error_line(capsys)
     assert "already exists" in line and "--resume" in line

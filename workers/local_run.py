@@ -8,7 +8,7 @@ the reward worker and the trainer (each wrapped by its injected faults, workers/
 live display until RunFinished; write summary.json.
 
 Inputs are refused before anything starts (`RunRefused`): a run id outside `RUN_ID_PATTERN` (no path separators,
-no `..`, no braces), a run id that already has a run directory or a log (unless `resume`: then the run's log is
+no `..`, no braces), a run id that already has a run (directory with a Redis URL, AOF or summary) or a log (unless `resume`: then the run's log is
 reopened and fresh workers continue it from the log; a finished run just gets its summary again), a busy metrics
 port. `runs/<id>/redis_url` holds the URL with its password redacted, mode 0600.
 
@@ -90,6 +90,14 @@ def check_run_id(run_id: str) -> None:
         raise RunRefused(f"run id {run_id!r} may not contain '/', '\\', '..' or braces")
     if RUN_ID_PATTERN.fullmatch(run_id) is None:
         raise RunRefused(f"run id {run_id!r} must match {RUN_ID_PATTERN.pattern}")
+
+
+def has_run(run_dir: Path) -> bool:
+    """Whether a directory already holds a run (its Redis URL, an AOF, a summary); a directory seeded with only a
+    policy (`model/`, as the vLLM tier prepares it) is not one."""
+    return run_dir.is_dir() and any(
+        (run_dir / name).exists() for name in ("redis_url", "summary.json", "appendonly.aof", "appendonlydir")
+    )
 
 
 def check_port_free(port: int, addr: str = "127.0.0.1") -> None:
@@ -174,7 +182,7 @@ class LocalRun:
         if opts.metrics_port is not None:
             check_port_free(opts.metrics_port)
         self.run_dir = (opts.runs_dir / self.run_id).absolute()
-        if self.run_dir.exists() and not opts.resume:
+        if has_run(self.run_dir) and not opts.resume:
             raise RunRefused(f"run {self.run_id!r} already exists ({self.run_dir}); pass --resume to continue it")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.embedded: EmbeddedRedis | None = None
