@@ -21,6 +21,7 @@ from rolledger.events.store import EventLog
 from rolledger.schemas.config import ConfigError, RunConfig
 from rolledger.workers.cli import main
 from rolledger.workers.local_run import LocalRun, RunOptions, RunRefused
+from rolledger.workers.netguard import EngineAddressError, check_engine_address
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.replay import check_replay
 
@@ -184,3 +185,12 @@ def test_only_the_first_and_the_latest_snapshots_are_kept(redis_client: redis.Re
     assert kept == [taken[0], *taken[-KEEP_LATEST:]]
     report = check_replay(log.read(), kept)
     assert report.ok and len(report.snapshot_checks) == KEEP_LATEST + 1
+
+
+@pytest.mark.parametrize(
+    "url", ["ftp://u:hunter2@127.0.0.1:80", "http://u:hunter2@", "http://u:hunter2@127.0.0.1:99999"]
+)
+def test_netguard_errors_never_echo_the_password(url: str) -> None:
+    with pytest.raises(EngineAddressError) as err:
+        check_engine_address(url, allow_remote=False)
+    assert "hunter2" not in str(err.value) and "***" in str(err.value), err.value
