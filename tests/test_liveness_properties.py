@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from logbuilder import LogBuilder
 from test_rank_decider import Sim as RankSim
 
 from rolledger.schemas import events as ev
@@ -397,3 +398,32 @@ def test_no_rank_in_service_for_the_deadline_fails_the_run() -> None:
     assert fin.reason == f"no rank in service for {NO_RANK_S:g} s (ranks [0] quarantined)"
     quarantined = next(e for e in world.log if isinstance(e.payload, ev.RankQuarantined))
     assert world.log[-1].wall_time > quarantined.wall_time + NO_RANK_S
+
+
+# ---------------------------------------------------------------- late results after a reclaim (reducer_rollout.py)
+def reclaimed_log(late_from: int) -> LogBuilder:
+    """g000001 started on rank 0, reclaimed by rank 1 (its samples failed "worker lost"), then a result from
+    `late_from` for one of them."""
+    b = LogBuilder(ranks=2).start_run().admit("g000001")
+    b.start("g000001/0", rank=0).start("g000001/1", rank=0)
+    for i in (0, 1):
+        b.emit(ev.SampleFailed(sample_id=f"g000001/{i}", group_id="g000001", index=i, rank=1, error="worker lost"))
+    b.finish("g000001/0", rank=late_from)
+    return b
+
+
+def test_a_late_result_of_the_rank_that_lost_the_group_is_counted_not_an_anomaly() -> None:
+    b = reclaimed_log(late_from=0)
+    b.score("g000001/0")  # the reward worker may have scored it before it saw the reclaim
+    b.emit(ev.SampleCancelled(sample_id="g000001/1", group_id="g000001", index=1, reason="cancelled while generating"))
+    state = replay(b.build())
+    assert state.anomalies == []
+    assert state.late_results == 3
+    assert state.reclaimed == {"g000001/0": 0, "g000001/1": 0}
+    assert state.groups["g000001"].samples[0].status == SampleStatus.FAILED  # ignored: the reclaim stands
+
+
+def test_the_same_result_from_any_other_rank_is_still_an_anomaly() -> None:
+    state = replay(reclaimed_log(late_from=1).build())
+    assert [a.message for a in state.anomalies] == ["sample g000001/0 already failed"]
+    assert state.late_results == 0
