@@ -129,7 +129,39 @@ class UpdateConfig(ConfigModel):
     prepare_deadline_s: float = Field(30.0, gt=0)
     drain_deadline_s: float = Field(30.0, gt=0)
     commit_deadline_s: float = Field(30.0, gt=0)
+    max_consecutive_aborts: int = Field(
+        3, ge=1, description="this many updates aborted in a row (none published between) fail the run, naming them"
+    )
     staging_dir: Path | None = Field(None, description="defaults to runs/<run-id>/staging")
+
+
+class RecoveryConfig(ConfigModel):
+    """Liveness of in-flight work: how often a rank refreshes its claim on the groups it generates (the heartbeat),
+    how long a claim may go unrefreshed before another consumer reclaims the work, and how long a run may go with no
+    rank in service before it fails."""
+
+    heartbeat_s: float = Field(1.0, gt=0, allow_inf_nan=False, description="a rank refreshes its claims this often")
+    lost_after_s: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="work whose claim was not refreshed for this long is reclaimed by another consumer (missed beats)",
+    )
+    no_rank_in_service_s: float = Field(
+        120.0, gt=0, allow_inf_nan=False, description="the run fails when no rank has been in service this long"
+    )
+
+    @model_validator(mode="after")
+    def _beats_fit(self) -> RecoveryConfig:
+        if self.heartbeat_s * 2 > self.lost_after_s:
+            raise ValueError(
+                f"recovery.heartbeat_s={self.heartbeat_s:g} must be at most half of lost_after_s={self.lost_after_s:g}"
+            )
+        return self
+
+    @property
+    def lost_after_ms(self) -> int:
+        return int(self.lost_after_s * 1000)
 
 
 class ModelConfig(ConfigModel):
@@ -169,6 +201,7 @@ class RunConfig(ConfigModel):
     admission: AdmissionConfig = AdmissionConfig()
     trainer: TrainerConfig = TrainerConfig()
     update: UpdateConfig = UpdateConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     join_deadline_s: float = Field(600.0, gt=0, description="every rank must have joined this long after RunStarted")

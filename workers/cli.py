@@ -355,7 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rank", type=int, default=0, help="rank of a rollout/rank worker")
     worker.add_argument("--name", help="consumer name (default: KIND-RANK or KIND)")
     worker.add_argument(
-        "--claim-idle-ms", type=int, default=5000, help="reclaim work a dead consumer left pending this long (ms)"
+        "--claim-idle-ms",
+        type=int,
+        default=None,
+        help="reclaim work whose owner missed its heartbeats this long (ms; default: the run's recovery.lost_after_s)",
     )
     worker.set_defaults(func=cmd_worker)
     return parser
