@@ -587,6 +587,9 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 @example(
     plan=Plan(2, 2, {1: (0, "commit")}, None, 0), schedule=[], jumps=set()
 )  # a rank rejoined behind, and an update staged under the previous pause
+@example(
+    plan=Plan(2, 1, {}, None, 1), schedule=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 30, 0, 0], jumps={14}
+)  # a rank starts a group before it folds its quarantine for an aborted update: on untouched weights, benign
 @given(
     plan=plans(),
     schedule=st.lists(st.integers(0, 63), max_size=MAX_DRAWN),

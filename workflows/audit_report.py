@@ -40,6 +40,7 @@ class WarningKind(StrEnum):
     UNDECODABLE = "undecodable"  # a log entry that is not an event (garbage, unknown type, newer schema)
     DEAD_LETTER = "dead_letter"  # an entry some consumer could not process and copied to the dead-letter stream
     UNFINISHED = "unfinished"  # the log has no RunFinished
+    RACED_QUARANTINE = "raced_quarantine"  # a group started on untouched weights before the rank read its quarantine
 
 
 class Verdict(StrEnum):

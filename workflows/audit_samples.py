@@ -6,6 +6,7 @@ from __future__ import annotations
 from rolledger.schemas.events import (
     CacheInvalidated,
     Event,
+    RankQuarantined,
     SampleCancelled,
     SampleFailed,
     SampleFinished,
@@ -13,7 +14,7 @@ from rolledger.schemas.events import (
 )
 from rolledger.schemas.statuses import CacheKind
 from rolledger.schemas.trajectory import Trajectory
-from rolledger.workflows.audit_context import Auditor, Unit, span_versions
+from rolledger.workflows.audit_context import Auditor, RankFacts, Unit, span_versions
 from rolledger.workflows.audit_report import WarningKind
 from rolledger.workflows.dispatch import Handlers
 
@@ -72,7 +73,17 @@ def _generation_version(ctx: Auditor, e: Event, v: int, digest: str, rank: int, 
     if st is None:
         return
     if st.quarantined is not None:
-        ctx.violate(4, f"{what} generated on quarantined rank {rank}", st.quarantined, e)
+        if _untouched_by_quarantine(ctx, st, v, digest):
+            ctx.warn(
+                WarningKind.RACED_QUARANTINE,
+                f"{what} started on rank {rank} after its quarantine for an aborted update"
+                f" (not yet read by the rank), on the published v{v} it still held untouched",
+                st.quarantined,
+                e,
+                invariant=4,
+            )
+        else:
+            ctx.violate(4, f"{what} generated on quarantined rank {rank}", st.quarantined, e)
     elif st.version != v or st.digest != digest:
         ctx.violate(
             4,
@@ -80,6 +91,18 @@ def _generation_version(ctx: Auditor, e: Event, v: int, digest: str, rank: int, 
             st.event,
             e,
         )
+
+
+def _untouched_by_quarantine(ctx: Auditor, st: RankFacts, v: int, digest: str) -> bool:
+    """Was the rank quarantined out of an update that aborted (so nothing was swapped: it still holds the published
+    weights it held before), and is the sample on exactly those weights? A rank cannot fence its rollout against the
+    coordinator's append, so a group it starts before folding that quarantine is benign then, and only then."""
+    q = st.quarantined
+    if q is None or not isinstance(q.payload, RankQuarantined):
+        return False
+    attempt = ctx.updates.current(q.payload.version)
+    aborted = attempt is not None and attempt.aborted is not None and attempt.committed is None
+    return aborted and (st.version, st.digest) == (v, digest) and ctx.version_digest.get(v) == digest
 
 
 @handlers.on(SampleFinished)
