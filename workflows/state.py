@@ -130,6 +130,7 @@ class RankState:
     wake_on_abort: bool = False  # an update aborted while it slept: it wakes on the published weights
     abort_event: str = ""  # the UpdateAborted that set wake_on_abort (its wake answers it)
     quarantined_event: str = ""  # the last RankQuarantined of this rank (its rejoin answers it)
+    incarnation: str = ""  # the rank process whose RankJoined the log holds last ("" before incarnations existed)
 
 
 @dataclass(slots=True)
