@@ -5,7 +5,10 @@ The read loop (`GroupConsumer.read`), in order:
 1. After (re)start, this consumer's own pending entries (XREADGROUP from id 0): what it read before a crash and never
    acknowledged. Read until empty, then never again (later leftovers are reclaimed by step 2).
 2. XAUTOCLAIM of entries pending longer than `claim_idle_ms` in any consumer of the group (dead or slow ones, and this
-   one's own unacknowledged failures). One scan step per read, the cursor kept between reads.
+   one's own unacknowledged failures).
+   After a Redis outage the client rode out (events.connection.outages), step 1 runs again: an XREADGROUP whose reply
+   was lost to the dropped connection left its entries in this consumer's pending list, and redis-py's retry read
+   new ones; the lost ones come back from there. One scan step per read, the cursor kept between reads.
 3. New entries (XREADGROUP `>`), blocking up to `block_ms`.
 
 Heartbeats. A consumer working on an entry for a long time (a rank generating a group) keeps its claim alive with
@@ -35,6 +38,7 @@ from typing import Any, NamedTuple
 import redis
 
 from rolledger.events.codec import DecodeError, decode
+from rolledger.events.connection import outages
 from rolledger.events.keys import log_key
 from rolledger.events.store import PAYLOAD_FIELD, PAYLOAD_LOST, as_str, dead_letter
 from rolledger.schemas.events import Event
@@ -90,6 +94,7 @@ class GroupConsumer:
         self._own_cursor: str | None = "0"  # None once the own pending list has been drained
         self._refresh = client.register_script(_REFRESH_LUA)
         self._claim_cursor = "0-0"
+        self._outages = outages(client)
 
     @property
     def name(self) -> str:
@@ -111,6 +116,8 @@ class GroupConsumer:
         """
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
+        if (seen := outages(self.client)) != self._outages:
+            self._outages, self._own_cursor = seen, "0"  # a reply lost in the outage: its entries are pending here
         while self._own_cursor is not None:
             reply: Any = self.client.xreadgroup(self.group, self.consumer, {self.key: self._own_cursor}, count=count)
             entries = reply[0][1] if reply else []

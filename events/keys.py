@@ -44,3 +44,8 @@ def lease_key(run_id: str, role: str) -> str:
 def fence_key(run_id: str, role: str) -> str:
     """Monotonic fencing-token counter of a coordinator role."""
     return _k(run_id, f"fence:{role}")
+
+
+def finished_key(run_id: str) -> str:
+    """Set (to the RunFinished's stream id) by the script that appends the run's RunFinished: appends refused after."""
+    return _k(run_id, "finished")

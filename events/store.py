@@ -5,9 +5,12 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
 - `log_key(run)`: the stream of events, the source of truth. Each entry holds `e` = codec bytes and `t` = the event
   type (for cheap peeking without decoding). Never trimmed by length: XTRIM/MAXLEN deletes entries no consumer has
   read (reference notes, section 1.4).
-- `dedupe_key(run)`: hash event id -> stream id, written by `append_idempotent` and `append_if` in the same Lua call
-  as the XADD, so a retried append returns the original stream id instead of writing a duplicate. Redis 7.0 has no
-  idempotent XADD (IDMP arrived in 8.6), hence the script. `append_once` records its batch key there as `once:<key>`.
+- `dedupe_key(run)`: hash event id -> stream id, written by every append in the same Lua call as the XADD, so a
+  retried append (a reply lost to a dropped connection, then redis-py's retry) returns the original stream id
+  instead of writing a duplicate. Redis 7.0 has no idempotent XADD (IDMP arrived in 8.6), hence the scripts.
+  `append_once` records its batch key there as `once:<key>`.
+- `finished_key(run)`: set by the script that appends the run's RunFinished (to its stream id). Any later append of
+  an event not already recorded is refused (`RunClosed`) and nothing of its batch is written.
 - `dead_letter_key(run)`: entries nobody could process, each with `source` (stream id), `raw` (the bytes), `reason`,
   `consumer`, `at` (unix seconds). `dead_letter_key(run) + ":seen"` remembers what was already dead-lettered so a
   replay or a redelivery copies an entry once.
@@ -25,7 +28,7 @@ from typing import Any, NamedTuple
 import redis
 
 from rolledger.events.codec import DecodeError, decode, encode
-from rolledger.events.keys import dead_letter_key, dead_letter_seen_key, dedupe_key, log_key
+from rolledger.events.keys import dead_letter_key, dead_letter_seen_key, dedupe_key, finished_key, log_key
 from rolledger.schemas.events import Event
 
 PAYLOAD_FIELD = b"e"
@@ -60,6 +63,15 @@ class ConcurrencyConflict(Exception):
         self.actual = actual
 
 
+class RunClosed(Exception):
+    """An append after the run's RunFinished: refused, nothing of the batch was written."""
+
+    def __init__(self, run_id: str, finished_at: str) -> None:
+        super().__init__(f"run {run_id} finished at {finished_at}: appends after RunFinished are refused")
+        self.run_id = run_id
+        self.finished_at = finished_at
+
+
 def as_str(value: Any) -> str:
     """Redis replies are bytes (decode_responses=False); ids and names as str."""
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -76,65 +88,96 @@ if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], id) end
 return id
 """
 
-# KEYS: log, dedupe. ARGV: event id, codec bytes, type. Returns the stream id (the original one on a retry).
-_APPEND_IDEMPOTENT_LUA = """
-local existing = redis.call('HGET', KEYS[2], ARGV[1])
-if existing then return existing end
-local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[2], 't', ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[1], id)
-return id
+# Every append script: KEYS = log, dedupe hash, finished marker. An event id already in the dedupe hash is not
+# written again (its original stream id comes back); the XADD of a RunFinished sets the marker in the same call; a
+# batch with any event not yet recorded is refused while the marker is set ({-1, marker}).
+_APPEND_COMMON_LUA = """
+local function recorded(n, first)
+  local ids = {}
+  local fresh = 0
+  for i = 1, n do
+    local existing = redis.call('HGET', KEYS[2], ARGV[first + 3 * (i - 1)])
+    if existing then ids[i] = existing else ids[i] = false; fresh = fresh + 1 end
+  end
+  return ids, fresh
+end
+local function write(n, first, ids)
+  for i = 1, n do
+    if not ids[i] then
+      local j = first + 3 * (i - 1)
+      local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2])
+      redis.call('HSET', KEYS[2], ARGV[j], id)
+      if ARGV[j + 2] == 'RunFinished' and redis.call('EXISTS', KEYS[3]) == 0 then
+        redis.call('SET', KEYS[3], id)
+      end
+      ids[i] = id
+    end
+  end
+  table.insert(ids, 1, 1)
+  return ids
+end
 """
 
-# KEYS: log, dedupe. ARGV: expected last id ('' = empty stream), then (event id, bytes, type) triples.
-# Returns {1, id...} on success, {0, actual last id or ''} on conflict.
+# ARGV: (event id, bytes, type) triples. Returns {1, id...}, or {-1, marker} after the run's end.
+_APPEND_MANY_LUA = (
+    _APPEND_COMMON_LUA
+    + """
+local n = #ARGV / 3
+local ids, fresh = recorded(n, 1)
+if fresh > 0 then
+  local closed = redis.call('GET', KEYS[3])
+  if closed then return {-1, closed} end
+end
+return write(n, 1, ids)
+"""
+)
+
+# ARGV: expected last id ('' = empty stream), then (event id, bytes, type) triples.
+# Returns {1, id...} on success, {0, actual last id or ''} on conflict, {-1, marker} after the run's end.
 # A batch whose every event id is already recorded is a retry of a call that succeeded: its original ids come back
 # without a version check. Otherwise the check applies, and recorded events keep their original ids.
-_APPEND_IF_LUA = """
+_APPEND_IF_LUA = (
+    _APPEND_COMMON_LUA
+    + """
 local n = (#ARGV - 1) / 3
-local ids = {}
-local fresh = 0
-for i = 1, n do
-  local existing = redis.call('HGET', KEYS[2], ARGV[3 * i - 1])
-  if existing then ids[i] = existing else ids[i] = false; fresh = fresh + 1 end
-end
+local ids, fresh = recorded(n, 2)
 if fresh == 0 then
   table.insert(ids, 1, 1)
   return ids
 end
+local closed = redis.call('GET', KEYS[3])
+if closed then return {-1, closed} end
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local last = ''
 if #top > 0 then last = top[1][1] end
 if last ~= ARGV[1] then return {0, last} end
-for i = 1, n do
-  if not ids[i] then
-    local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[3 * i], 't', ARGV[3 * i + 1])
-    redis.call('HSET', KEYS[2], ARGV[3 * i - 1], id)
-    ids[i] = id
-  end
-end
-table.insert(ids, 1, 1)
-return ids
+return write(n, 2, ids)
 """
+)
 
-
-# KEYS: log, dedupe. ARGV: k, then k once-keys, then (event id, bytes, type) triples. Returns {1, id...} when the
-# batch was appended (and every key recorded), {0, the first key already taken} when any key was taken before.
-_APPEND_ONCE_LUA = """
+# ARGV: k, then k once-keys, then (event id, bytes, type) triples. Returns {1, id...} when the batch was appended (and
+# every key recorded) or when every event of it was recorded before (a retry of a call that succeeded: the original
+# ids), {0, the first key already taken} when any key was taken before, {-1, marker} after the run's end.
+_APPEND_ONCE_LUA = (
+    _APPEND_COMMON_LUA
+    + """
 local k = tonumber(ARGV[1])
+local n = (#ARGV - 1 - k) / 3
+local ids, fresh = recorded(n, k + 2)
+if fresh == 0 then
+  table.insert(ids, 1, 1)
+  return ids
+end
 for i = 2, k + 1 do
   if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then return {0, ARGV[i]} end
 end
-local ids = {1}
-local n = (#ARGV - 1 - k) / 3
-for i = 1, n do
-  local j = 1 + k + 3 * (i - 1)
-  local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[j + 2], 't', ARGV[j + 3])
-  redis.call('HSET', KEYS[2], ARGV[j + 1], id)
-  ids[i + 1] = id
-end
+local closed = redis.call('GET', KEYS[3])
+if closed then return {-1, closed} end
+ids = write(n, k + 2, ids)
 for i = 2, k + 1 do redis.call('HSET', KEYS[2], ARGV[i], ids[2]) end
 return ids
 """
+)
 
 
 def dead_letter(
@@ -195,31 +238,46 @@ class EventLog:
         self.run_id = run_id
         self.key = log_key(run_id)
         self.dedupe = dedupe_key(run_id)
-        self._append_idempotent = client.register_script(_APPEND_IDEMPOTENT_LUA)
+        self.finished = finished_key(run_id)
+        self._append_many = client.register_script(_APPEND_MANY_LUA)
         self._append_if = client.register_script(_APPEND_IF_LUA)
         self._append_once = client.register_script(_APPEND_ONCE_LUA)
         self._server_version: tuple[int, int, int] | None = None
         self.last_scanned_id: str | None = None  # last entry read()/tail() looked at, including skipped ones
 
     # ------------------------------------------------------------------ appends
+    # Every append is idempotent by event id (a retry after a lost reply returns the original stream ids and writes
+    # nothing) and refused with RunClosed after the run's RunFinished, so redis-py may retry any of them.
+    @property
+    def _keys(self) -> list[str]:
+        return [self.key, self.dedupe, self.finished]
+
+    def _ids(self, reply: Any) -> list[str]:
+        if int(reply[0]) == -1:
+            raise RunClosed(self.run_id, as_str(reply[1]))
+        return [as_str(i) for i in reply[1:]]
+
+    @staticmethod
+    def _triples(events: Sequence[Event]) -> list[bytes | str]:
+        args: list[bytes | str] = []
+        for event in events:
+            args += [event.event_id, encode(event), event.type]
+        return args
+
     def append(self, event: Event) -> str:
-        """XADD one event; returns its stream id. A retry after a lost reply may duplicate: see append_idempotent."""
-        return as_str(self.client.xadd(self.key, {PAYLOAD_FIELD: encode(event), TYPE_FIELD: event.type}))
+        """Append one event; returns its stream id (the original one if this event id was appended before)."""
+        return self.append_many([event])[0]
 
     def append_many(self, events: Sequence[Event]) -> list[str]:
-        """XADD a batch in one MULTI/EXEC pipeline (one round trip, one AOF write); ids in order."""
+        """Append a batch atomically in one script (one round trip, one AOF write); ids in order. Events already
+        recorded keep their original ids and are not written again."""
         if not events:
             return []
-        pipe = self.client.pipeline(transaction=True)
-        for event in events:
-            pipe.xadd(self.key, {PAYLOAD_FIELD: encode(event), TYPE_FIELD: event.type})
-        return [as_str(i) for i in pipe.execute()]
+        return self._ids(self._append_many(keys=self._keys, args=self._triples(events)))
 
     def append_idempotent(self, event: Event) -> str:
-        """Append unless this event id was appended before; either way return the event's stream id."""
-        return as_str(
-            self._append_idempotent(keys=[self.key, self.dedupe], args=[event.event_id, encode(event), event.type])
-        )
+        """Append unless this event id was appended before; either way return the event's stream id (= append)."""
+        return self.append(event)
 
     def append_if(self, events: Sequence[Event], expected_last_id: str | None) -> list[str]:
         """Atomically append `events` only if the log's last entry is `expected_last_id` (None: the log is empty).
@@ -229,13 +287,10 @@ class EventLog:
         """
         if not events:
             return []
-        args: list[bytes | str] = [expected_last_id or ""]
-        for event in events:
-            args += [event.event_id, encode(event), event.type]
-        reply = self._append_if(keys=[self.key, self.dedupe], args=args)
+        reply = self._append_if(keys=self._keys, args=[expected_last_id or "", *self._triples(events)])
         if int(reply[0]) == 0:
             raise ConcurrencyConflict(expected_last_id, as_str(reply[1]) or None)
-        return [as_str(i) for i in reply[1:]]
+        return self._ids(reply)
 
     def append_once(self, events: Sequence[Event], keys: Collection[str]) -> list[str] | None:
         """Atomically append `events` and claim `keys`, unless any of the keys was claimed before (then None, and
@@ -243,17 +298,21 @@ class EventLog:
 
         The single-writer guard for facts that must exist at most once whatever the interleaving (e.g. staging
         version v: two trainers, or a restarted one, can never both stage it). Keys live in the dedupe hash under a
-        `once:` prefix, apart from event ids.
+        `once:` prefix, apart from event ids. Retrying a call that succeeded (the same events) returns the original
+        ids, not None.
         """
         if not events:
             return []
-        args: list[bytes | str] = [str(len(keys)), *("once:" + k for k in keys)]
-        for event in events:
-            args += [event.event_id, encode(event), event.type]
-        reply = self._append_once(keys=[self.key, self.dedupe], args=args)
+        args: list[bytes | str] = [str(len(keys)), *("once:" + k for k in keys), *self._triples(events)]
+        reply = self._append_once(keys=self._keys, args=args)
         if int(reply[0]) == 0:
             return None
-        return [as_str(i) for i in reply[1:]]
+        return self._ids(reply)
+
+    def finished_at(self) -> str | None:
+        """The stream id of the run's RunFinished once one was appended (appends are refused from then on)."""
+        got = self.client.get(self.finished)
+        return as_str(got) if got is not None else None
 
     # ------------------------------------------------------------------ reads
     def last_id(self) -> str | None:

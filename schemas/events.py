@@ -333,6 +333,7 @@ class RankJoined(Payload):
     weights_digest: str
     sleep_levels: tuple[int, ...] = ()
     logprob_mode: LogprobMode = LogprobMode.RAW
+    incarnation: str = ""  # the rank process (RankWorker) that announced itself; "" in older logs
 
 
 class RankQuarantined(Payload):

@@ -80,6 +80,11 @@ class RedisProcess:
                 self.proc.terminate()
             self.proc.wait(timeout=20)
 
+    def restart(self, kill: bool = False) -> None:
+        """Stop (SIGTERM, or SIGKILL with kill=True) and start again on the same port over the same AOF."""
+        self.stop(kill=kill)
+        self.start()
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:

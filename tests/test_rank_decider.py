@@ -57,7 +57,7 @@ CAUSES: dict[type, set[str]] = {
     rd.WakeOnPublished: {"UpdateAborted"},
     rd.Resume: {"PolicyPublished", "UpdateAborted", "RunStarted"},
     rd.Discard: {"PolicyPublished", "UpdateAborted", "UpdateCommitted", "PrepareRequested", "RankQuarantined"},
-    rd.Rejoin: {"RankQuarantined"},
+    rd.Rejoin: {"RankQuarantined", "UpdateCommitted", "RunStarted"},  # quarantined, or restarted (its version)
     rd.Reload: {"UpdateCommitted", "RunStarted"},
 }
 
@@ -75,6 +75,7 @@ class SimEngine:
     asleep: set[str] = field(default_factory=set)
     running: list[str] = field(default_factory=list)  # groups generating now
     failed_load: int | None = None
+    incarnation: str = ""  # the rank process; "" in a Sim without incarnations (the older callers' path)
 
 
 @dataclass
@@ -87,9 +88,15 @@ class Sim:
     engines: dict[int, SimEngine] = field(default_factory=dict)
     now: float = 1_000_000.0
     groups: int = 0
+    incarnations: bool = False  # rank processes with incarnation ids (workers/rank.py), restarts announce themselves
+    restarts: int = 0
+
+    def fresh_engine(self) -> SimEngine:
+        self.restarts += 1
+        return SimEngine(incarnation=f"inc{self.restarts}" if self.incarnations else "")
 
     def __post_init__(self) -> None:
-        self.engines = {r: SimEngine() for r in range(self.ranks)}
+        self.engines = {r: self.fresh_engine() for r in range(self.ranks)}
         self.emit(ev.RunStarted(config=self.cfg, initial_weights_digest=digest(0), model_dir="/m"))
 
     def emit(self, *payloads: ev.Payload) -> None:
@@ -119,6 +126,7 @@ class Sim:
             staged_version=e.staged,
             live_version=e.version,
             failed_load=e.failed_load,
+            incarnation=e.incarnation,
         )
 
     def rank_turn(self, r: int) -> None:
@@ -142,7 +150,15 @@ class Sim:
         e, s = self.engines[r], self.state
         match a:
             case rd.Join():
-                self.emit(ev.RankJoined(rank=r, engine="sim", policy_version=e.version, weights_digest=e.weights))
+                self.emit(
+                    ev.RankJoined(
+                        rank=r,
+                        engine="sim",
+                        policy_version=e.version,
+                        weights_digest=e.weights,
+                        incarnation=e.incarnation,
+                    )
+                )
             case rd.Prepare(version=v):
                 u = s.updates[v]
                 assert u.status == UpdateStatus.PREPARING and r in u.ranks  # only what is addressed to it
@@ -197,7 +213,15 @@ class Sim:
                 assert set(tags) == e.asleep  # it wakes exactly what still sleeps
                 e.asleep.clear()
                 e.version, e.weights, e.staged, e.failed_load = src.version, src.weights_digest or digest(0), None, None
-                self.emit(ev.RankJoined(rank=r, engine="sim", policy_version=e.version, weights_digest=e.weights))
+                self.emit(
+                    ev.RankJoined(
+                        rank=r,
+                        engine="sim",
+                        policy_version=e.version,
+                        weights_digest=e.weights,
+                        incarnation=e.incarnation,
+                    )
+                )
             case rd.Reload(source=src):
                 e.version, e.weights, e.staged = src.version, src.weights_digest or digest(0), None
 
@@ -215,7 +239,7 @@ class Sim:
                 ],
                 ev.GroupCancelled(group_id=gid, reason="lost"),
             )
-        self.engines[r] = SimEngine()
+        self.engines[r] = self.fresh_engine()
 
     def admit(self) -> None:
         if not self.state.admission.open or self.state.admission.inflight >= 4:
@@ -240,7 +264,7 @@ class Sim:
 
     def start(self, r: int) -> None:
         e = self.engines[r]
-        if not rd.may_serve(self.state, r, live_version=e.version):
+        if not rd.may_serve(self.state, r, live_version=e.version, incarnation=e.incarnation):
             return
         assert not e.paused and not e.asleep  # may_serve agrees with the engine the rank drives
         for g in self.state.groups.values():
@@ -419,6 +443,52 @@ def test_the_rank_decider_is_level_triggered_and_safe(scenario: Scenario) -> Non
         assert me.status == EngineStatus.AWAKE, (r, me)
         assert sim.engines[r].version == me.committed_version  # the engine serves what the log says it holds
         assert not sim.engines[r].paused and not sim.engines[r].asleep
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_restarted_ranks_announce_their_incarnation_and_serve_only_the_logged_version(scenario: Scenario) -> None:
+    """Rank processes with incarnations, restarted at random points (mid-update too): each restarted one loads what
+    the log says it holds and announces itself before it serves; the run settles with every rank awake, on the
+    logged version, and the log's last RankJoined of each rank naming its live incarnation."""
+    ranks, mode, level, drain, failures, moves = scenario
+    cfg = RunConfig(ranks=ranks, group_size=2, mode=mode, sleep_level=level, update={"drain_mode": drain})
+    sim = Sim(ranks, cfg, failures, incarnations=True)
+    for kind, r in moves:
+        sim.move(kind, r)
+        for rr, e in sim.engines.items():  # never serving before the log holds this incarnation
+            me = sim.state.ranks.get(rr)
+            if e.running and me is not None:
+                assert me.incarnation == e.incarnation, (rr, me.incarnation, e.incarnation)
+    settle(sim)
+    never_started_while_drained(sim.log)
+    s = sim.state
+    assert s.open_update is None, s.open_update
+    assert not s.anomalies, s.anomalies
+    for r in range(sim.ranks):
+        me = s.ranks[r]
+        assert me.status == EngineStatus.AWAKE, (r, me)
+        assert me.incarnation == sim.engines[r].incarnation
+        assert sim.engines[r].version == me.committed_version and sim.engines[r].weights == me.weights_digest
+
+
+def test_a_restarted_rank_announces_itself_with_the_published_version() -> None:
+    sim = Sim(1, RunConfig(ranks=1, group_size=2), {}, incarnations=True)
+    sim.rank_turn(0)
+    sim.trainer()
+    settle(sim)
+    v = sim.state.policy_version
+    assert v >= 1 and sim.state.ranks[0].incarnation == "inc1"
+    sim.restart(0)  # a fresh process: a new incarnation on the initial weights
+    assert not rd.may_serve(sim.state, 0, live_version=v, incarnation="inc2")  # not before it announced itself
+    actions = rd.decide_rank(sim.state, 0, sim.local(0))
+    decided = sim.state.updates[v].decided_event
+    assert actions == [rd.Rejoin(rd.Source(v, f"file:///staging/v{v:06d}", f"m{v:04d}", digest(v)), cause=decided)]
+    sim.rank_turn(0)
+    joined = sim.log[-1].payload
+    assert isinstance(joined, ev.RankJoined) and (joined.incarnation, joined.policy_version) == ("inc2", v)
+    assert joined.weights_digest == digest(v) and rd.may_serve(sim.state, 0, live_version=v, incarnation="inc2")
+    assert rd.decide_rank(sim.state, 0, sim.local(0)) == [] and not sim.state.anomalies
 
 
 def test_a_restarted_rank_on_a_committed_but_unapplied_version_commits_through_the_verified_path() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 
 from rolledger.schemas.weights import TensorEntry, WeightManifest, digest_entries
 from rolledger.workers import staging_loader, staging_store
-from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_format import StagingError, path_from_uri
 from rolledger.workers.staging_loader import load_verified
 from rolledger.workers.staging_store import (
     DirectoryStagingStore,
@@ -94,7 +95,7 @@ def test_round_trip(store: DirectoryStagingStore) -> None:
     upd = store.stage(1, 0, sd)
     assert isinstance(store, StagingStore)
     assert store.versions() == [1]
-    assert upd.uri == (store.root / "v000001").as_uri()
+    assert upd.uri == (store.root / f"v000001-{upd.manifest_digest[:12]}").as_uri()
     assert upd.bytes == sum(t.numel() * t.element_size() for t in sd.values()) == upd.manifest.total_bytes
     assert upd.manifest_digest == upd.manifest.digest
     manifest = read_manifest(upd.uri, 1, expected_digest=upd.manifest_digest)
@@ -367,16 +368,36 @@ staging_store.DirectoryStagingStore({str(store.root)!r}).stage(4, 3, {{"w": torc
     assert info.value.kind == "not_found"
     # a later writer of the same version is not blocked by the debris, and gc clears it once it is old
     store.stage(4, 3, {"w": torch.ones(4)})
-    store.stage(5, 4, {"w": torch.ones(4)})
+    v5 = store.stage(5, 4, {"w": torch.ones(4)})
     assert store.gc(keep_versions=[5]) == [4]
-    assert [p.name for p in store.root.iterdir()] == ["v000005"]
+    assert [p.name for p in store.root.iterdir()] == [path_from_uri(v5.uri).name]
 
 
-def test_staging_a_version_twice_is_refused(store: DirectoryStagingStore) -> None:
+def test_staging_is_content_addressed_and_idempotent(store: DirectoryStagingStore) -> None:
+    """A trainer killed between staging and appending UpdateStaged stages the step again on restart: the same content
+    is a no-op returning the existing record; other content goes to another directory (an unlogged orphan)."""
     upd, _ = staged(store)
-    with pytest.raises(StagingError) as info:
-        store.stage(1, 0, {"w": torch.zeros(1)})
+    again, _ = staged(store)
+    assert again.uri == upd.uri and again.manifest_digest == upd.manifest_digest
+    assert path_from_uri(upd.uri).name == f"v000001-{upd.manifest_digest[:12]}"
+    other = store.stage(1, 0, {"w": torch.zeros(1)})
+    assert other.uri != upd.uri and other.manifest_digest != upd.manifest_digest
+    assert read_manifest(upd.uri, 1, expected_digest=upd.manifest_digest) == upd.manifest
+    assert read_manifest(other.uri, 1, expected_digest=other.manifest_digest) == other.manifest
+    assert load_verified(other.uri, 1, other.manifest).tensors["w"].tolist() == [0.0]
+    assert store.versions() == [1]
+
+
+def test_staging_into_a_directory_holding_another_manifest_names_both(store: DirectoryStagingStore) -> None:
+    upd, _ = staged(store)
+    squatter = path_from_uri(store.stage(2, 1, {"w": torch.zeros(1)}).uri)
+    wanted = store.stage(2, 1, {"w": torch.ones(1)})  # what a second writer would put at its own name
+    shutil.rmtree(path_from_uri(wanted.uri))
+    shutil.copytree(squatter, path_from_uri(wanted.uri))  # that name now holds the other manifest
+    with pytest.raises(StagingError, match="holds manifest") as info:
+        store.stage(2, 1, {"w": torch.ones(1)})
     assert info.value.kind == "exists"
+    assert wanted.manifest_digest in str(info.value) and squatter.name[8:] in str(info.value)
     assert store.read_manifest(1) == upd.manifest
 
 

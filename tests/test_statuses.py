@@ -151,8 +151,9 @@ def golden_log() -> list[ev.Event]:
 # update's `prepare_event`, `paused_event` and `published_event`, admission's `handoff_event`, a rank's
 # `abort_event` and `quarantined_event`; then the builder's steps numbered from 1, as the trainer numbers them,
 # once TrainStepFinished is applied only as trainer.step + 1; then the recovery fields: a rank's `quarantined_at`, the
-# run's `reclaimed` and `late_results`, the `recovery` config).
-GOLDEN_DIGEST = "45b47673c400c43cce1524d3997ac571"
+# run's `reclaimed` and `late_results`, the `recovery` config; then a rank's
+# `incarnation`).
+GOLDEN_DIGEST = "68c0b8f822a51d85c46378c989841b03"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

@@ -3,6 +3,8 @@ tail, dead letters for malformed entries, durability check."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -11,12 +13,20 @@ import redis
 from logbuilder import payload_of
 
 from rolledger.events.codec import encode
-from rolledger.events.connection import connect
+from rolledger.events.connection import RedisUnavailable, connect
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
 from rolledger.events.keys import dead_letter_key, log_key
-from rolledger.events.store import ConcurrencyConflict, EventLog, StoredEvent, as_str, dead_letter, read_dead_letters
-from rolledger.schemas.events import AdmissionPaused, Event, SampleScored
+from rolledger.events.store import (
+    ConcurrencyConflict,
+    EventLog,
+    RunClosed,
+    StoredEvent,
+    as_str,
+    dead_letter,
+    read_dead_letters,
+)
+from rolledger.schemas.events import AdmissionPaused, Event, RunFinished, SampleScored
 
 
 def scored(i: int, run_id: str = "r") -> Event:
@@ -177,3 +187,83 @@ def test_tail_moves_past_skipped_entries_instead_of_returning_early(redis_client
     assert [d.source for d in read_dead_letters(redis_client, run_id)] == [bad]  # dead-lettered once
     with pytest.raises(ValueError, match="block_ms"):
         log.tail(first, block_ms=0)
+
+
+def finished(run_id: str = "r") -> Event:
+    return make_event(RunFinished(status="completed", steps=1), run_id=run_id, producer="test", policy_version=0)
+
+
+def test_append_many_retried_after_a_lost_reply_writes_nothing_twice(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    batch = [scored(1), scored(2)]
+    ids = log.append_many(batch)
+    log.append(scored(3))
+    assert log.append_many(batch) == ids  # the retry: the original ids, nothing written
+    assert log.append_many([batch[1], scored(4)])[0] == ids[1]  # a recorded event keeps its id in a mixed batch
+    assert log.append(batch[0]) == ids[0]
+    assert log.length() == 4  # 1, 2, 3, 4: no copy of 1 or 2
+
+
+def test_append_once_retried_after_success_returns_the_original_ids(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    batch = [scored(1), scored(2)]
+    ids = log.append_once(batch, ["step:1"])
+    assert ids is not None and len(ids) == 2
+    assert log.append_once(batch, ["step:1"]) == ids  # the same call again (its reply was lost): not None
+    assert log.append_once([scored(3)], ["step:1"]) is None  # another batch under a taken key
+    assert log.length() == 2
+
+
+def test_appends_after_run_finished_are_refused(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    log.append(scored(1))
+    end = finished(run_id)
+    [end_id] = log.append_many([end])
+    assert log.finished_at() == end_id
+    assert log.append_many([end]) == [end_id]  # a retry of the RunFinished itself is not refused
+    for attempt in (
+        lambda: log.append(scored(2)),
+        lambda: log.append_many([scored(3)]),
+        lambda: log.append_if([scored(4)], end_id),
+        lambda: log.append_once([scored(5)], ["k"]),
+    ):
+        with pytest.raises(RunClosed, match="appends after RunFinished are refused"):
+            attempt()
+    assert log.length() == 2 and log.last_id() == end_id
+
+
+def test_client_rides_out_a_redis_restart(tmp_path: Path, run_id: str) -> None:
+    from conftest import RedisProcess
+
+    server = RedisProcess(tmp_path / "redis")
+    server.start()
+    try:
+        client = connect(server.url, retry_deadline=30)
+        log = EventLog(client, run_id)
+        first = log.append(scored(1))
+        for kill in (False, True):
+            server.stop(kill=kill)
+            done: list[str] = []
+            event = scored(2 if kill else 3)
+            t = threading.Thread(target=lambda d=done, e=event: d.append(log.append(e)))
+            t.start()  # the append waits for the server, retrying with backoff
+            server.start()
+            t.join(timeout=30)
+            assert done and log.length() == (3 if kill else 2)
+        assert log.read().__next__().stream_id == first
+    finally:
+        server.stop()
+
+
+def test_outage_past_the_deadline_raises_redis_unavailable(tmp_path: Path) -> None:
+    from conftest import RedisProcess
+
+    server = RedisProcess(tmp_path / "redis")
+    server.start()
+    client = connect(server.url, retry_deadline=1.0)
+    assert client.ping()
+    server.stop(kill=True)
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable, match="redis unreachable for 1 s"):
+        client.ping()
+    assert time.monotonic() - started < 10

@@ -3,6 +3,10 @@
 Each process reads what it needs from the run's log (RunStarted: the config and the model directory), builds its
 part, and runs until the run finishes or it receives SIGTERM/SIGINT. `rollout` and `rank` are the same worker: an
 inference rank generates and takes part in updates through one engine.
+
+A Redis outage is ridden out by the client (events/connection.py: backoff up to ROLLEDGER_REDIS_DEADLINE_S, one
+warning line); when it lasts past the deadline the process exits with code 3 and one line on stderr, and if Redis
+answers again by then it first appends the fact `WorkerLost` ("redis unreachable for N s") so the log says why.
 """
 
 from __future__ import annotations
@@ -10,19 +14,23 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 import structlog
 
-from rolledger.events.connection import connect
-from rolledger.events.store import EventLog
+from rolledger.events.connection import RedisUnavailable, connect
+from rolledger.events.envelope import make_event
+from rolledger.events.store import EventLog, RunClosed
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.workers.engine import Engine
 from rolledger.workers.runtime import Worker
 
 log = structlog.get_logger("process")
+EXIT_REDIS_UNAVAILABLE = 3
 
 
 def _run_started(client: redis.Redis, run_id: str) -> ev.RunStarted:
@@ -39,10 +47,37 @@ def _serve(worker: Worker) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     worker._main()
+    if isinstance(worker.error, RedisUnavailable):
+        raise worker.error
     return 0 if worker.error is None else 1
 
 
+def gave_up(redis_url: str, run_id: str, name: str, kind: str, exc: RedisUnavailable) -> int:
+    """The end of a process whose Redis stayed away past the deadline: one line, exit 3; WorkerLost first when
+    Redis answers again by now (one attempt, a short deadline)."""
+    try:
+        client = connect(redis_url, retry_deadline=2.0)
+        payload = ev.WorkerLost(worker=name, kind=kind, error=f"redis unreachable for {exc.seconds:.0f} s")
+        EventLog(client, run_id).append(make_event(payload, run_id=run_id, producer=name, policy_version=0))
+    except (RedisUnavailable, RunClosed, redis.RedisError, ValueError):
+        pass  # still away (or the run is over): the exit line says it
+    print(f"rolledger {kind} {name}: {exc}; exiting", file=sys.stderr)
+    return EXIT_REDIS_UNAVAILABLE
+
+
+def _guarded(redis_url: str, run_id: str, name: str, kind: str, body: Callable[[], int]) -> int:
+    try:
+        return body()
+    except RedisUnavailable as exc:
+        return gave_up(redis_url, run_id, name, kind, exc)
+
+
 def run_coordinator(redis_url: str, run_id: str) -> int:
+    name = f"coordinator@{socket.gethostname()}:{os.getpid()}"
+    return _guarded(redis_url, run_id, name, "coordinator", lambda: _run_coordinator(redis_url, run_id, name))
+
+
+def _run_coordinator(redis_url: str, run_id: str, name: str) -> int:
     from rolledger.workers.coordinator import Coordinator
     from rolledger.workers.local_run import prompt_items
     from rolledger.workers.policy_model import load_policy
@@ -50,12 +85,24 @@ def run_coordinator(redis_url: str, run_id: str) -> int:
     client = connect(redis_url)
     started = _run_started(client, run_id)
     _, tokenizer = load_policy(Path(started.model_dir))
-    name = f"coordinator@{socket.gethostname()}:{os.getpid()}"
     return _serve(Coordinator(client, run_id, name, prompt_items(started.config, tokenizer)))
 
 
 def run_worker(
     kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int | None = None
+) -> int:
+    shown = name or (f"rank-{rank}" if kind in ("rollout", "rank") else kind)
+    return _guarded(
+        redis_url,
+        run_id,
+        shown,
+        kind,
+        lambda: _run_worker(kind, redis_url, run_id, rank=rank, name=name, claim_idle_ms=claim_idle_ms),
+    )
+
+
+def _run_worker(
+    kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int = 5000
 ) -> int:
     from rolledger.workers.policy_model import load_policy
 

@@ -1,5 +1,9 @@
 """The rank worker: one inference rank, a thin interpreter of `workflows.rank.decide_rank`.
 
+Each RankWorker is an incarnation (a fresh id): it announces itself in RankJoined, a restarted one first loads the
+version the log says the rank holds (workflows.rank), and its rollout thread starts only once the log holds its own
+RankJoined.
+
 The control thread loops: fold everything in the log (fully caught up), decide from the folded state and the
 engine's local facts, execute each action against the engine and append its events, then catch up again before the
 next decision, so the decider always sees its own results and never repeats an action. It keeps no copy of what the
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import redis
@@ -48,6 +53,7 @@ class RankWorker(Worker):
         super().__init__(client, run_id, f"rank-{rank}")
         self.rank = rank
         self.engine = engine
+        self.incarnation = uuid.uuid4().hex[:12]  # this rank process; announced in its RankJoined
         self.initial_weights = initial_weights
         self.lock = threading.Condition()  # guards follower.state and running; notified after every fold
         self.follower = Follower(self.log, self.lock)
@@ -69,7 +75,8 @@ class RankWorker(Worker):
             with self.lock:
                 if RunStatus(self.state.status).is_terminal:
                     break
-                joined = self.rank in self.state.ranks
+                me = self.state.ranks.get(self.rank)
+                joined = me is not None and me.incarnation == self.incarnation  # the log holds our own RankJoined
             actions = rd.decide_rank(self.state, self.rank, self.local())  # only this thread mutates the state
             acted = False
             for action in actions:
@@ -89,6 +96,7 @@ class RankWorker(Worker):
             live_version=self.engine.policy_version,
             interruptible=self.engine.capabilities.interruptible,
             failed_load=self._failed_load,
+            incarnation=self.incarnation,
         )
 
     def emit(self, *payloads: ev.Payload, cause: str) -> None:
@@ -178,6 +186,7 @@ class RankWorker(Worker):
                 weights_digest=digest,
                 sleep_levels=caps.sleep_levels,
                 logprob_mode=caps.logprob_mode,
+                incarnation=self.incarnation,
             ),
             cause=cause,
         )

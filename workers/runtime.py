@@ -2,7 +2,10 @@
 
 A `Follower` tails the run's log from its first entry and folds every event through the reducer, so a process that
 restarts rebuilds exactly the state it had. An `Emitter` wraps payloads into envelopes (id, producer, causation,
-policy version in force) and appends them. `Worker` is the small base class with the stop flag and the loop.
+policy version in force) and appends them; after the run's RunFinished the store refuses appends (RunClosed) and the
+emitter drops them with one log line, so a worker still finishing its last action when the run ends stops cleanly
+on its next fold instead of crashing. `Worker` is the small base class with the stop flag and the loop; a Redis
+outage longer than the connection's deadline ends it with `RedisUnavailable` (workers/processes.py exits 3).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from collections.abc import Sequence
 import redis
 import structlog
 
+from rolledger.events.connection import RedisUnavailable
 from rolledger.events.envelope import make_event
-from rolledger.events.store import ConcurrencyConflict, EventLog, StoredEvent
+from rolledger.events.store import ConcurrencyConflict, EventLog, RunClosed, StoredEvent
 from rolledger.schemas import events as ev
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
@@ -43,27 +47,38 @@ class Follower:
             self.last_id = stored.stream_id
         return got
 
-    def catch_up(self, block_ms: int = 0) -> None:
-        """Fold everything appended so far (waiting up to `block_ms` for the first new entry; 0: do not wait)."""
+    def catch_up(self, block_ms: int = 0) -> list[StoredEvent]:
+        """Fold everything appended so far (waiting up to `block_ms` for the first new entry; 0: do not wait): the
+        whole log up to its last entry as of this call, however long. Returns the events folded."""
         got = self.log.tail(self.last_id, block_ms=block_ms) if block_ms else []
         after = got[-1].stream_id if got else self.last_id
         got.extend(self.log.read("(" + after if after != "0-0" else "-"))
         if not got:
-            return
+            return got
         with self.lock if self.lock is not None else contextlib.nullcontext():
             for stored in got:
                 fold(self.state, stored.event)
                 self.last_id = stored.stream_id
             if self.lock is not None:
                 self.lock.notify_all()
+        return got
 
 
 class Emitter:
-    """Appends events from one producer, stamped with the policy version in force."""
+    """Appends events from one producer, stamped with the policy version in force. Appends the store refuses
+    because the run is over are dropped (logged once); `closed` says whether that happened."""
 
     def __init__(self, log: EventLog, producer: str) -> None:
         self.log = log
         self.producer = producer
+        self.closed = False
+
+    def refused(self, exc: RunClosed, payloads: Sequence[ev.Payload]) -> None:
+        if not self.closed:
+            structlog.get_logger("emitter").info(
+                "run is over, not appending", producer=self.producer, events=[p.type for p in payloads], why=str(exc)
+            )
+        self.closed = True
 
     def wrap(
         self,
@@ -96,7 +111,11 @@ class Emitter:
             self.wrap(p, policy_version=policy_version, causation_id=causation_id, correlation_id=correlation_id)
             for p in payloads
         ]
-        return self.log.append_many(events)
+        try:
+            return self.log.append_many(events)
+        except RunClosed as exc:
+            self.refused(exc, payloads)
+            return []
 
     def emit_if(
         self,
@@ -111,6 +130,9 @@ class Emitter:
         try:
             self.log.append_if(events, None if expected_last_id == "0-0" else expected_last_id)
         except ConcurrencyConflict:
+            return False
+        except RunClosed as exc:
+            self.refused(exc, payloads)
             return False
         return True
 
@@ -152,6 +174,9 @@ class Worker:
         except WorkerKilled as exc:
             self.error = exc
             self.logger.warning("worker killed by injection", reason=str(exc))
+        except RedisUnavailable as exc:  # one line, no traceback: the outage outlasted the deadline
+            self.error = exc
+            self.logger.error("giving up: redis unavailable", error=str(exc))
         except BaseException as exc:  # a crash is reported, never swallowed
             self.error = exc
             self.logger.exception("worker crashed")

@@ -22,7 +22,8 @@ from rolledger.schemas.weights import TensorEntry, WeightManifest
 
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
-VERSION_DIR = re.compile(r"^v(\d{6,})$")
+VERSION_DIR = re.compile(r"^v(\d{6,})(?:-([0-9a-f]{12}))?$")  # v000010-<manifest digest[:12]> (or v000010, older)
+DIGEST_PREFIX = 12
 TMP_DIR = re.compile(r"^\.tmp-v(\d{6,})-[0-9a-f]+$")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 
@@ -64,11 +65,24 @@ class StagingError(RuntimeError):
 # --------------------------------------------------------------------------------------------------- layout and URIs
 
 
-def version_dir(root: Path, version: int) -> Path:
-    """Where `version` lives under the store root `root`."""
+def version_dir(root: Path, version: int, digest: str = "") -> Path:
+    """Where `version` with manifest digest `digest` lives under the store root `root` (content-addressed:
+    `v000010-<digest[:12]>`; without a digest the older, plain `v000010`)."""
     if version < 0:
         raise ValueError(f"version must be >= 0, got {version}")
-    return root / f"v{version:06d}"
+    return root / (f"v{version:06d}-{digest[:DIGEST_PREFIX]}" if digest else f"v{version:06d}")
+
+
+def version_path(uri: str, version: int) -> Path:
+    """The directory a version URI names, checked to be a directory of `version` (the command's version, never
+    read from the folder's name alone): a URI that is not is a StagingError naming both."""
+    path = path_from_uri(uri).absolute()
+    m = VERSION_DIR.match(path.name)
+    if m is None or int(m.group(1)) != version:
+        raise StagingError(
+            None, f"{uri!r} is not the directory of version {version}", kind="not_found", version=version
+        )
+    return path
 
 
 def path_from_uri(uri: str) -> Path:
@@ -87,12 +101,7 @@ def version_root(uri: str, version: int) -> Path:
     """The store root holding `version` at the version URI a command names (StagedUpdate.uri / UpdateStaged carry
     it). The version is the caller's (the command's), never read from the folder's name: a URI that is not that
     version's directory is a StagingError naming both."""
-    path = path_from_uri(uri).absolute()
-    if version_dir(path.parent, version) != path:
-        raise StagingError(
-            None, f"{uri!r} is not the directory of version {version}", kind="not_found", version=version
-        )
-    return path.parent
+    return version_path(uri, version).parent
 
 
 # --------------------------------------------------------------------------------------------------- the file format

@@ -27,8 +27,7 @@ from rolledger.workers.staging_format import (
     check_against_manifest,
     open_weights,
     read_header,
-    version_dir,
-    version_root,
+    version_path,
 )
 from rolledger.workers.weights import dtype_name
 
@@ -157,7 +156,7 @@ def load_verified(
     out: Mapping[str, torch.Tensor] | None = None,
 ) -> VerifiedWeights:
     """Read and verify `version` at its URI against `manifest` (which must be for that version); see read_verified."""
-    return read_verified(version_dir(version_root(uri, version), version), version, manifest, corrupt=corrupt, out=out)
+    return read_verified(version_path(uri, version), version, manifest, corrupt=corrupt, out=out)
 
 
 def _destination(want: TensorEntry, out: Mapping[str, torch.Tensor] | None) -> torch.Tensor:

@@ -1,8 +1,14 @@
 """The directory staging store: the trainer writes a versioned update once, atomically; old versions are collected.
 
-`DirectoryStagingStore(root)` keeps version `v` in `root/v{v:06d}/` as `weights.safetensors` + `manifest.json`
-(workers.staging_format). `stage()` computes per-tensor checksums (xxh3-128 by default, blake3 optional), writes into
-a hidden temporary directory, fsyncs, and renames it into place: a crash mid-write leaves no visible version.
+`DirectoryStagingStore(root)` keeps version `v` in `root/v{v:06d}-{manifest digest[:12]}/` as `weights.safetensors` +
+`manifest.json` (workers.staging_format): content-addressed, so staging is idempotent. `stage()` computes per-tensor
+checksums (xxh3-128 by default, blake3 optional) and the manifest first; if that directory already holds the same
+manifest, staging is a no-op returning the existing record (a trainer killed after staging and before appending
+UpdateStaged restages the same step on restart); other content for the same version goes to another directory (the
+unlogged one is an orphan `gc()` collects); a directory of the same name holding another manifest is an error naming
+both digests. New content is written into a hidden temporary directory, fsynced, and renamed into place: a crash
+mid-write leaves no visible version. The URI (`StagedUpdate.uri`, UpdateStaged.uri) names the directory; readers go
+by it (`read_manifest(uri, ...)`, staging_loader.load_verified), never by the version alone.
 `read_manifest()` reads a version's manifest back, checked against the announced digest; `load_verified()` reads
 through workers.staging_loader; `gc()` deletes what no update needs any more. `open_store(uri)` picks a store by URI
 scheme (`file://` or a plain path); the `StagingStore` protocol is what an object-store backend would implement later.
@@ -33,6 +39,7 @@ from rolledger.workers.staging_format import (
     StagingError,
     path_from_uri,
     version_dir,
+    version_path,
     version_root,
 )
 from rolledger.workers.staging_loader import VerifiedWeights, read_verified
@@ -99,8 +106,21 @@ class DirectoryStagingStore:
     def __repr__(self) -> str:
         return f"DirectoryStagingStore({str(self.root)!r})"
 
+    def _dirs(self, version: int) -> list[Path]:
+        """Every staged directory of `version` here, newest first (one, unless an orphan of a crashed writer)."""
+        if not self.root.is_dir():
+            return []
+        found = [
+            p
+            for p in self.root.iterdir()
+            if (m := VERSION_DIR.match(p.name)) and int(m.group(1)) == version and (p / MANIFEST_FILE).is_file()
+        ]
+        return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
     def version_dir(self, version: int) -> Path:
-        return version_dir(self.root, version)
+        """The directory of `version` here (the newest staged one; the plain name when none is)."""
+        dirs = self._dirs(version)
+        return dirs[0] if dirs else version_dir(self.root, version)
 
     def uri_for(self, version: int) -> str:
         return self.version_dir(version).as_uri()
@@ -109,11 +129,11 @@ class DirectoryStagingStore:
         """Versions fully staged here (hidden temporary directories of unfinished writes are not versions)."""
         if not self.root.is_dir():
             return []
-        found = []
+        found = set()
         for p in self.root.iterdir():
             m = VERSION_DIR.match(p.name)
             if m and (p / MANIFEST_FILE).is_file():
-                found.append(int(m.group(1)))
+                found.add(int(m.group(1)))
         return sorted(found)
 
     # -- put
@@ -126,15 +146,14 @@ class DirectoryStagingStore:
         *,
         checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
     ) -> StagedUpdate:
-        """Checksum and write `state_dict` as `version` (replacing `base_version`), atomically.
+        """Checksum and write `state_dict` as `version` (replacing `base_version`), atomically, into the directory
+        its manifest digest names. The same content staged again is a no-op returning the existing record.
 
-        Raises StagingError(kind="exists") when the version is already staged, StagingError naming the tensor for a
-        tensor that cannot be staged, and ValidationError for an invalid version/base pair.
+        Raises StagingError(kind="exists") when that directory holds another manifest (naming both digests),
+        StagingError naming the tensor for a tensor that cannot be staged, and ValidationError for an invalid
+        version/base pair.
         """
         t0 = time.perf_counter()
-        final = self.version_dir(version)
-        if final.exists():
-            raise StagingError(None, f"already staged at {final}", kind="exists", version=version)
         tensors = _prepare_for_save(state_dict, version)
         entries = tuple(
             TensorEntry(
@@ -155,6 +174,9 @@ class DirectoryStagingStore:
             file=WEIGHTS_FILE,
         )
         t1 = time.perf_counter()
+        final = version_dir(self.root, version, manifest.digest)
+        if final.exists():
+            return self._existing(final, manifest, t0)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-v{version:06d}-{uuid.uuid4().hex}"
         tmp.mkdir()
@@ -169,8 +191,9 @@ class DirectoryStagingStore:
             fsync_s = time.perf_counter() - tf
             try:
                 os.rename(tmp, final)
-            except OSError as e:  # another writer staged the same version first
-                raise StagingError(None, f"already staged at {final} ({e})", kind="exists", version=version) from e
+            except OSError:  # another writer staged the same content first (or other content under its name)
+                shutil.rmtree(tmp, ignore_errors=True)
+                return self._existing(final, manifest, t0)
             if self.fsync:
                 tf = time.perf_counter()
                 _fsync_path(self.root)
@@ -187,29 +210,38 @@ class DirectoryStagingStore:
             timings=StageTimings(checksum_s=t1 - t0, write_s=t2 - t1, fsync_s=fsync_s, total_s=t2 - t0),
         )
 
+    def _existing(self, final: Path, manifest: WeightManifest, t0: float) -> StagedUpdate:
+        """`final` exists: the record of what it holds when that is `manifest`, else the error naming both."""
+        try:
+            there = _read_manifest_at(final, manifest.version)
+        except StagingError as e:
+            raise StagingError(
+                None,
+                f"{final} exists and is unreadable ({e.reason}); staging {manifest.digest}",
+                kind="exists",
+                version=manifest.version,
+            ) from e
+        if there.digest != manifest.digest:
+            raise StagingError(
+                None,
+                f"{final} holds manifest {there.digest}, not the one being staged {manifest.digest}",
+                kind="exists",
+                version=manifest.version,
+            )
+        took = time.perf_counter() - t0
+        return StagedUpdate(
+            manifest=there,
+            uri=final.as_uri(),
+            bytes=there.total_bytes,
+            manifest_digest=there.digest,
+            timings=StageTimings(checksum_s=took, write_s=0.0, fsync_s=0.0, total_s=took),
+        )
+
     # -- get
 
     def read_manifest(self, version: int, *, expected_digest: str | None = None) -> WeightManifest:
         """The manifest stored with `version`; StagingError when absent, invalid, or not the expected digest."""
-        path = self.version_dir(version) / MANIFEST_FILE
-        try:
-            manifest = WeightManifest.model_validate_json(path.read_bytes())
-        except FileNotFoundError:
-            raise StagingError(None, f"no staged manifest at {path}", kind="not_found", version=version)
-        except ValidationError as e:
-            raise StagingError(None, f"invalid {MANIFEST_FILE}: {e}", kind="manifest", version=version) from e
-        if manifest.version != version:
-            raise StagingError(
-                None, f"{path} is for version {manifest.version}, asked for {version}", kind="manifest", version=version
-            )
-        if expected_digest is not None and manifest.digest != expected_digest:
-            raise StagingError(
-                None,
-                f"manifest digest {manifest.digest} is not the announced {expected_digest}",
-                kind="manifest",
-                version=version,
-            )
-        return manifest
+        return _read_manifest_at(self.version_dir(version), version, expected_digest=expected_digest)
 
     def load_verified(
         self,
@@ -219,8 +251,11 @@ class DirectoryStagingStore:
         corrupt: str | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> VerifiedWeights:
-        """Read the staged tensors and verify each against `manifest`; see staging_loader.read_verified."""
-        return read_verified(self.version_dir(version), version, manifest, corrupt=corrupt, out=out)
+        """Read the staged tensors and verify each against `manifest` (from the directory its digest names); see
+        staging_loader.read_verified."""
+        named = version_dir(self.root, version, manifest.digest)
+        where = named if named.is_dir() else self.version_dir(version)
+        return read_verified(where, version, manifest, corrupt=corrupt, out=out)
 
     # -- housekeeping
 
@@ -245,6 +280,29 @@ class DirectoryStagingStore:
                 if p.name.startswith("v"):
                     deleted.append(v)
         return sorted(deleted)
+
+
+def _read_manifest_at(directory: Path, version: int, *, expected_digest: str | None = None) -> WeightManifest:
+    """The manifest in a version directory; StagingError when absent, invalid, or not the expected digest."""
+    path = directory / MANIFEST_FILE
+    try:
+        manifest = WeightManifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise StagingError(None, f"no staged manifest at {path}", kind="not_found", version=version)
+    except ValidationError as e:
+        raise StagingError(None, f"invalid {MANIFEST_FILE}: {e}", kind="manifest", version=version) from e
+    if manifest.version != version:
+        raise StagingError(
+            None, f"{path} is for version {manifest.version}, asked for {version}", kind="manifest", version=version
+        )
+    if expected_digest is not None and manifest.digest != expected_digest:
+        raise StagingError(
+            None,
+            f"manifest digest {manifest.digest} is not the announced {expected_digest}",
+            kind="manifest",
+            version=version,
+        )
+    return manifest
 
 
 def _prepare_for_save(state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
@@ -296,4 +354,4 @@ def open_version(uri: str, version: int) -> DirectoryStagingStore:
 def read_manifest(uri: str, version: int, *, expected_digest: str | None = None) -> WeightManifest:
     """The manifest of `version` stored at its URI, checked to be for that version and, when given, the announced
     digest."""
-    return open_version(uri, version).read_manifest(version, expected_digest=expected_digest)
+    return _read_manifest_at(version_path(uri, version), version, expected_digest=expected_digest)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import redis
 import torch
 
+from rolledger.events.store import RunClosed
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import TrainerConfig
 from rolledger.schemas.trajectory import Trajectory
@@ -30,8 +31,6 @@ from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_loader import load_verified
 from rolledger.workers.staging_store import StagingStore, read_manifest
 from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, weights_version
-
-TAIL_PAGE = 500  # events one Follower.poll returns at most (EventLog.tail's count)
 
 
 def _stream_order(stream_id: str) -> tuple[int, int]:
@@ -63,8 +62,7 @@ class TrainerWorker(Worker):
 
     def run(self) -> None:
         while not self.stop_event.is_set():
-            if self._follow(block_ms=100) >= TAIL_PAGE:
-                continue  # not caught up with the log yet: a plan on an old prefix would be a wasted step
+            self._follow(block_ms=100)  # the whole log as of now: never a plan on a half-caught-up prefix
             if not self._restored:
                 self._restore_weights()
             plan = plan_step(self.follower.state)
@@ -93,8 +91,9 @@ class TrainerWorker(Worker):
         self.logger.info("weights restored from the log", version=v)
 
     def _follow(self, block_ms: int) -> int:
-        """Fold what the log has after our position, keeping the trajectories; how many events came."""
-        got = self.follower.poll(block_ms=block_ms)
+        """Fold everything the log has after our position (to its last entry as of this call), keeping the
+        trajectories; how many events came."""
+        got = self.follower.catch_up(block_ms=block_ms)
         for stored in got:
             p = stored.event.payload
             if isinstance(p, ev.SampleFinished):
@@ -105,7 +104,11 @@ class TrainerWorker(Worker):
         """Append the batch under its single-writer keys, then fold the log up to it so the next plan sees it;
         False when a key was taken (another trainer, or an earlier incarnation, recorded that step or group)."""
         events = [self.emitter.wrap(p, policy_version=self.follower.state.policy_version) for p in payloads]
-        ids = self.log.append_once(events, keys)
+        try:
+            ids = self.log.append_once(events, keys)
+        except RunClosed as exc:  # the run ended while this step was being taken: nothing more to record
+            self.emitter.refused(exc, payloads)
+            return False
         if ids is None:
             self.logger.warning("step already recorded by another writer", keys=list(keys))
         target = ids[-1] if ids else self.log.last_id()

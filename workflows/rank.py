@@ -10,6 +10,12 @@ carries `cause`, the id of the command event it answers, as the reducer recorded
 AdmissionPaused, UpdateCommitted, UpdateAborted, PolicyPublished, RankQuarantined, RunStarted); the interpreter
 appends its events with that causation id, so the log links each answer to its command.
 
+A restarted rank is a new incarnation (RankLocal.incarnation, a fresh id per rank process): while the log's last
+RankJoined for the rank names another one, the rank first loads the version the log says it holds through the
+verified path and announces itself (`Rejoin` -> RankJoined with that version, its live digest and the new
+incarnation), and `may_serve` is false until the log shows the current incarnation. Its part in an open update
+continues from the log: a version it prepared before the restart is prepared again at the commit (`Commit.reload`).
+
 Also here: `may_serve(state, rank)`, whether the rank's rollout may start a group. It is false from the moment the
 log asks the rank to drain (AdmissionPaused for an update it takes part in, a colocated handoff it has not slept in
 yet), so "may I start a group" and "report drained" are decided on the same state.
@@ -37,6 +43,7 @@ class RankLocal:
     live_version: int | None = None  # the version the engine reports serving (None: not known)
     interruptible: bool = False  # the engine can park a running group and continue it on new weights
     failed_load: int | None = None  # the version a rejoin/reload last failed on: not retried until another is due
+    incarnation: str = ""  # this rank process's id; "" (tests, old callers): incarnations are not checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,11 +267,14 @@ def _sleep_due(state: RunState, me: RankState) -> bool:
     return "handoff" in a.paused and me.slept_in_handoff != a.handoff_step and state.trainer.step <= a.handoff_step
 
 
-def may_serve(state: RunState, rank: int, live_version: int | None = None) -> bool:
+def may_serve(state: RunState, rank: int, live_version: int | None = None, incarnation: str = "") -> bool:
     """May the rank's rollout start a group now? `live_version`: what its engine reports serving; a group never
-    starts on other weights than the log says the rank holds (a restarted engine reloads them first)."""
+    starts on other weights than the log says the rank holds (a restarted engine reloads them first).
+    `incarnation`: the asking rank process; it serves only once the log holds its own RankJoined."""
     me = state.ranks.get(rank)
     if me is None or not EngineStatus(me.status).may_serve or RunStatus(state.status).is_terminal:
+        return False
+    if incarnation and me.incarnation != incarnation:
         return False
     if live_version is not None and live_version != me.committed_version:
         return False
@@ -302,6 +312,13 @@ def decide_rank(state: RunState, rank: int, local: RankLocal) -> list[RankAction
             return out
         asleep = tuple(t for t in _TAGS if t not in me.woke) if me.sleep_level else ()
         return [*out, Rejoin(source(state, v), asleep, cause=me.quarantined_event)]
+    if local.incarnation and me.incarnation != local.incarnation:
+        # a restarted rank (a fresh engine, nothing staged, nothing asleep): the version the log says it holds,
+        # through the verified path, then RankJoined naming this incarnation
+        v = me.committed_version
+        if local.failed_load == v:
+            return out
+        return [*out, Rejoin(source(state, v), cause=_version_cause(state, v))]
     if me.status == EngineStatus.ASLEEP:
         return out + _asleep(state, rank, me, local)
     u = _my_update(state, rank)

@@ -68,9 +68,10 @@ def _rank_joined(s: RunState, e: ev.Event, p: ev.RankJoined) -> None:
     r = s.ranks.get(p.rank)
     if r is None:
         r = s.ranks[p.rank] = RankState(p.rank, p.engine)
-    elif r.status.in_service:
-        anomaly(s, e, f"rank {p.rank} joined twice")
+    elif r.status.in_service and p.incarnation == r.incarnation:
+        anomaly(s, e, f"rank {p.rank} joined twice")  # a new incarnation (a restarted process) joins again, rightly
     r.status, r.engine, r.sleep_level, r.woke = EngineStatus.AWAKE, p.engine, 0, []
+    r.incarnation = p.incarnation
     r.committed_version, r.weights_digest = p.policy_version, p.weights_digest
     r.sleep_levels, r.logprob_mode = list(p.sleep_levels), p.logprob_mode
 

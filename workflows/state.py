@@ -131,6 +131,7 @@ class RankState:
     abort_event: str = ""  # the UpdateAborted that set wake_on_abort (its wake answers it)
     quarantined_event: str = ""  # the last RankQuarantined of this rank (its rejoin answers it)
     quarantined_at: float = 0.0  # wall time of that RankQuarantined (the no-rank-in-service deadline runs from it)
+    incarnation: str = ""  # the rank process whose RankJoined the log holds last ("" before incarnations existed)
 
 
 @dataclass(slots=True)

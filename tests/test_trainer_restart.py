@@ -1,0 +1,48 @@
+"""A trainer killed between writing its staged files and appending UpdateStaged: its restart stages that step again
+(content-addressed staging: the same content is a no-op, other content another directory) and appends it once; the
+run completes with a clean audit. Before, every restart crashed with "version N: already staged"."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_run_loop import execute, small
+
+from rolledger.schemas import events as ev
+from rolledger.workers import local_run
+from rolledger.workers.runtime import WorkerKilled
+from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workflows.audit import audit
+
+pytestmark = pytest.mark.slow
+
+
+class DiesAfterStaging(DirectoryStagingStore):
+    """The real store; the trainer dies right after its second version is on disk, before it is in the log."""
+
+    staged: list[StagedUpdate]
+
+    def stage(self, version: int, base_version: int, state_dict: Mapping[str, torch.Tensor], **kw: Any) -> StagedUpdate:
+        upd = super().stage(version, base_version, state_dict, **kw)
+        self.staged = [*getattr(self, "staged", []), upd]
+        if len(self.staged) == 2:
+            raise WorkerKilled(f"killed after staging v{version}, before appending UpdateStaged")
+        return upd
+
+
+def test_a_trainer_killed_between_staging_and_appending_restarts_and_stages_once(
+    redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_run, "DirectoryStagingStore", DiesAfterStaging)
+    events, summary = execute(redis_url, run_id, tmp_path, small())
+    assert summary.status == "completed" and summary.steps == 3
+    assert "trainer#2" in {e.producer for e in events}  # it died and its restart carried on
+    staged = [e.payload for e in events if isinstance(e.payload, ev.UpdateStaged)]
+    assert sorted(p.version for p in staged) == [1, 2, 3]  # each version staged once in the log
+    steps = [e.payload.step for e in events if isinstance(e.payload, ev.TrainStepFinished)]
+    assert steps == [1, 2, 3]
+    assert audit(events).ok
