@@ -38,6 +38,8 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from rolledger.events.redact import redact
+
 HEALTH_CHECK_INTERVAL_S = 30
 DEADLINE_ENV = "ROLLEDGER_REDIS_DEADLINE_S"
 DEFAULT_RETRY_DEADLINE_S = 60.0
@@ -179,10 +181,10 @@ def connect(
     """
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"redis url {url!r}: scheme must be redis://, rediss:// or unix://")
+        raise ValueError(f"redis url {redact(url)!r}: scheme must be redis://, rediss:// or unix://")
     options: dict[str, Any] = parse_url(url)
     if scheme == "unix" and not options.get("path"):
-        raise ValueError(f"redis url {url!r}: unix:// needs a socket path, e.g. unix:///run/redis.sock")
+        raise ValueError(f"redis url {redact(url)!r}: unix:// needs a socket path, e.g. unix:///run/redis.sock")
     if scheme != "unix" and not options.get("host"):
         options["host"] = "localhost"
 
@@ -190,7 +192,7 @@ def connect(
     if tls_insecure:
         tls_given.append("tls_insecure")
     if scheme != "rediss" and tls_given:
-        raise ValueError(f"{', '.join(tls_given)} given but redis url {url!r} is not rediss:// (TLS)")
+        raise ValueError(f"{', '.join(tls_given)} given but redis url {redact(url)!r} is not rediss:// (TLS)")
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("tls_cert and tls_key must be given together (client certificate and its key)")
 

@@ -376,6 +376,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `rolledger audit RUN | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except Exception as exc:
+        from rolledger.events.connection import RedisUnavailable  # (imported late: `rolledger --help` stays fast)
+
+        if not isinstance(exc, RedisUnavailable):
+            raise
+        print(f"rolledger {args.command}: {exc}", file=sys.stderr)  # the outage outlasted the retry deadline
+        return 3
     return code
 
 

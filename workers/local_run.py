@@ -27,6 +27,8 @@ coordinator lease and appends the decision through the same conditional path (`f
 
 from __future__ import annotations
 
+import contextlib
+
 import errno
 import json
 import os
@@ -51,7 +53,7 @@ from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
 from rolledger.events.redact import redact
 from rolledger.events.snapshots import take_snapshot
-from rolledger.events.store import EventLog
+from rolledger.events.store import EventLog, RunClosed
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import Injection, check_injections
@@ -364,13 +366,14 @@ class LocalRun:
             elif not w.stop_event.is_set():  # a crash nothing restarts: record the fact; the coordinator fails the run
                 w.stop()
                 assert self.client is not None
-                EventLog(self.client, self.run_id).append(
-                    make_event(
-                        ev.WorkerLost(worker=w.name, kind=w.kind, error=repr(w.error)),
-                        run_id=self.run_id,
-                        producer="run",
-                        policy_version=0,
+                with contextlib.suppress(RunClosed):  # the run already ended: the loss changes nothing
+                    EventLog(self.client, self.run_id).append(
+                        make_event(
+                            ev.WorkerLost(worker=w.name, kind=w.kind, error=repr(w.error)),
+                            run_id=self.run_id,
+                            producer="run",
+                            policy_version=0,
+                        )
                     )
-                )
                 if isinstance(w, Coordinator):  # nobody else decides: the driver ends the run as the coordinator
                     finish_as_coordinator(self.client, self.run_id, "run", ttl_ms=w.lease.ttl_ms)

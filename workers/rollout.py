@@ -163,7 +163,9 @@ class Rollout:
             ]
         if not GroupStatus(g.status).is_open:  # closed before any sample started: nothing was dispatched
             return "skip", []
-        if not may_serve(self.w.state, self.w.rank, live_version=self.w.engine.policy_version):
+        if not may_serve(
+            self.w.state, self.w.rank, live_version=self.w.engine.policy_version, incarnation=self.w.incarnation
+        ):
             return "wait", []
         if about_to_be_quarantined(self.w.state, self.w.rank, time.time()):
             return "wait", []  # the open update's abort will quarantine this rank: start nothing now
