@@ -17,6 +17,7 @@ process must exit by itself within `exit_deadline_s`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -43,7 +44,7 @@ from conftest import RedisProcess
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
-CRASH_RESTARTS = 6  # StartLimitBurst: a process that keeps crashing stays down after this many restarts
+CRASH_RESTARTS = 10  # StartLimitBurst: a process that keeps crashing stays down after this many restarts
 CRASH_RESTART_S = 1.0  # RestartSec for a process that exited by itself
 POLL_S = 0.05
 
@@ -112,6 +113,22 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.verdict.ok
+
+    def to_dict(self) -> dict[str, Any]:
+        v = self.verdict
+        return {
+            "schedule": json.loads(self.schedule.to_json()),
+            "ending": str(v.ending),
+            "reason": v.reason,
+            "violations": v.violations,
+            "lost": [a.__dict__ for a in v.lost],
+            "faults_fired": self.faults_fired,
+            "faults_not_fired": self.faults_not_fired,
+            "crashes": [c.splitlines()[0] for c in self.crashes],
+            "acks": self.acks,
+            "events": self.events,
+            "wall_s": round(self.wall_s, 1),
+        }
 
 
 class Harness:
@@ -405,6 +422,7 @@ class Harness:
 def run_schedule(schedule: Schedule, workdir: Path, model_dir: Path, *, keep: bool = False, **kw: float) -> Result:
     """Run one schedule in `workdir` (removed afterwards when it passed, unless `keep`)."""
     result = Harness(schedule, workdir, model_dir, **kw).run()
+    (workdir / "result.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     if result.ok and not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return result

@@ -8,12 +8,13 @@ The last line is the summary:
     schedules N, faults injected F, runs finished A, runs failed-closed B, violations V, events lost L
 F counts faults that fired (signals sent, Redis stopped, armed injections that their process fired); V counts
 schedules with at least one violation other than lost events; L counts acknowledged event ids missing from the log.
-Before it, each failing schedule is printed with its findings, its seed and the command that replays it.
+Each failing schedule is printed as it ends, with its findings, its seed and the command that replays it; its\ndirectory (logs, ack files, the Redis AOF, result.json) is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import tempfile
@@ -75,6 +76,26 @@ def describe(r: Result, faults: str) -> str:
     return "\n".join(lines)
 
 
+_NUMBERS = re.compile(r"\b(?:[0-9a-f]{8,}|[0-9A-Z]{26}|g\d+/\d+|g\d+|v?\d+(?:\.\d+)?)\b")
+
+
+def failure_kind(violation: str) -> str:
+    """A violation with its ids, digests and numbers blanked: what groups schedules that failed the same way."""
+    return _NUMBERS.sub("#", violation.split(":\n")[0])[:110]
+
+
+def failure_kinds(results: Sequence[Result]) -> list[str]:
+    """One line per kind of violation (and of crash): how many schedules, and their seeds."""
+    kinds: dict[str, list[int]] = {}
+    for r in results:
+        seen = {failure_kind(v) for v in r.verdict.violations}
+        seen |= {"lost: acknowledged " + a.type + " missing from the log" for a in r.verdict.lost}
+        seen |= {"crash (restarted): " + failure_kind(c.splitlines()[0].split(" ", 1)[1]) for c in r.crashes}
+        for k in seen:
+            kinds.setdefault(k, []).append(r.schedule.seed)
+    return [f"  {len(seeds)} x {k}  (seeds {', '.join(map(str, seeds[:12]))})" for k, seeds in sorted(kinds.items())]
+
+
 def run_many(
     schedules: Sequence[Schedule],
     workdir: Path,
@@ -104,10 +125,14 @@ def run_many(
                 f"{len(r.faults_fired)} faults fired, {len(v.violations)} violations, {len(v.lost)} lost, "
                 f"{len(r.crashes)} crashes, {r.wall_s:.1f} s"
             )
+            if not r.ok:
+                out(describe(r, faults))
             sys.stdout.flush()
-    for r in results:
-        if not r.ok:
-            out(describe(r, faults))
+    kinds = failure_kinds(results)
+    if kinds:
+        out("failure kinds:")
+        for k in kinds:
+            out(k)
     out(totals.line())
     return totals, results
 
