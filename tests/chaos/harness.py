@@ -421,7 +421,15 @@ class Harness:
 
 def run_schedule(schedule: Schedule, workdir: Path, model_dir: Path, *, keep: bool = False, **kw: float) -> Result:
     """Run one schedule in `workdir` (removed afterwards when it passed, unless `keep`)."""
-    result = Harness(schedule, workdir, model_dir, **kw).run()
+    harness = Harness(schedule, workdir, model_dir, **kw)
+    start = time.monotonic()
+    try:
+        result = harness.run()
+    except (RuntimeError, OSError, redis.RedisError) as exc:  # the harness itself failed: never a silent pass
+        harness.redis.stop(kill=True)
+        verdict = Verdict(Ending.NOT_ENDED, violations=[f"harness: {type(exc).__name__}: {exc}"[:2000]])
+        crashes = [c for p in harness.procs.values() for c in p.crashes]
+        result = Result(schedule, verdict, harness.fired, [], crashes, 0, 0, time.monotonic() - start, workdir)
     (workdir / "result.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     if result.ok and not keep:
         shutil.rmtree(workdir, ignore_errors=True)
