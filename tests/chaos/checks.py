@@ -4,7 +4,7 @@ tests in test_chaos.py feed these hand-made logs.
 
 A schedule passes when: the run finished (`RunFinished` completed) or failed closed (`RunFinished` failed/aborted
 naming a reason), exactly once; `workflows.audit.audit` is clean; every acknowledged event id is in the log (else it
-counts as *lost*); no event id twice in the log; no trajectory or group consumed twice (`BatchConsumed`); every
+counts as *lost*); a failed run did not just stall until its run deadline; no event id twice in the log; no trajectory or group consumed twice (`BatchConsumed`); every
 in-service rank ends on the published version (by the folded state and by its own last `RankJoined`/`RankCommitted`);
 every process exited by itself within the deadline after the run ended; every process's ack hook was installed.
 """
@@ -80,6 +80,25 @@ def ending_of(events: Sequence[ev.Event]) -> tuple[Ending, str, list[str]]:
     return Ending.FAILED_CLOSED, first.reason, problems
 
 
+def stalled(events: Sequence[ev.Event]) -> list[str]:
+    """A run that ended only because its run deadline passed did not fail closed, it wedged: the schedules' runs take
+    seconds and their deadline is a minute. (The join deadline is set to the same value and counts the same.)"""
+    started = next((e for e in events if isinstance(e.payload, ev.RunStarted)), None)
+    finished = next((e for e in events if isinstance(e.payload, ev.RunFinished)), None)
+    if started is None or finished is None or not isinstance(started.payload, ev.RunStarted):
+        return []
+    assert isinstance(finished.payload, ev.RunFinished)
+    if finished.payload.status == RunStatus.COMPLETED:
+        return []
+    took = finished.wall_time - started.wall_time
+    limit = min(started.payload.config.run_deadline_s, started.payload.config.join_deadline_s)
+    if took >= limit:
+        return [
+            f"the run stalled until its deadline ({took:.0f} s >= {limit:g} s): RunFinished({finished.payload.reason})"
+        ]
+    return []
+
+
 def served_versions(events: Sequence[ev.Event]) -> list[str]:
     """Every in-service rank must end on the published version: by the folded state and by what the rank itself
     last announced (RankJoined / RankCommitted after its last RankQuarantined)."""
@@ -143,12 +162,15 @@ def judge(
     hooks_missing: Sequence[str] = (),
     hung: Sequence[str] = (),
     undecodable: int = 0,
+    deadline_is_violation: bool = True,
 ) -> Verdict:
     """Every check of a finished schedule. `hooks_missing`: process incarnations whose ack hook did not load;
     `hung`: processes that did not exit by themselves in time after the run ended; `undecodable`: log entries that
-    did not decode (dead-lettered by the reader)."""
+    did not decode; `deadline_is_violation`: a run ended by its run deadline wedged (False: it failed closed)."""
     ending, reason, violations = ending_of(events)
     verdict = Verdict(ending, reason, violations)
+    if deadline_is_violation:
+        verdict.violations += stalled(events)
     if hooks_missing:
         verdict.violations.append("harness: the ack hook did not load in " + ", ".join(hooks_missing))
     if undecodable:

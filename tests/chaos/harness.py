@@ -141,6 +141,7 @@ class Harness:
         run_deadline_s: float = 60.0,
         start_deadline_s: float = 60.0,
         exit_deadline_s: float = 30.0,
+        deadline_is_violation: bool = True,
     ) -> None:
         self.s = schedule
         self.dir = workdir
@@ -149,6 +150,7 @@ class Harness:
         self.hang_deadline_s = run_deadline_s + 45.0  # the driver itself ends the run 30 s after the run deadline
         self.start_deadline_s = start_deadline_s
         self.exit_deadline_s = exit_deadline_s
+        self.deadline_is_violation = deadline_is_violation
         self.run_id = f"chaos-{schedule.seed}"
         self.redis = RedisProcess(workdir / "redis")
         self.procs: dict[str, Proc] = {}
@@ -374,7 +376,14 @@ class Harness:
         events, undecodable = self._read_log()
         acks, missing = self._read_acks()
         self.redis.stop()
-        verdict = judge(events, acks, hooks_missing=missing, hung=hung, undecodable=undecodable)
+        verdict = judge(
+            events,
+            acks,
+            hooks_missing=missing,
+            hung=hung,
+            undecodable=undecodable,
+            deadline_is_violation=self.deadline_is_violation,
+        )
         if not self.finished and verdict.ending is not Ending.NOT_ENDED:
             verdict.violations.append("harness: RunFinished appeared only after the hang deadline")
         fired_inject = Counter(p.read_text().strip() for p in (self.dir / "arm").glob("*/*.fired"))
@@ -419,9 +428,19 @@ class Harness:
         return acks, missing
 
 
-def run_schedule(schedule: Schedule, workdir: Path, model_dir: Path, *, keep: bool = False, **kw: float) -> Result:
+def run_schedule(
+    schedule: Schedule,
+    workdir: Path,
+    model_dir: Path,
+    *,
+    keep: bool = False,
+    run_deadline_s: float = 60.0,
+    deadline_is_violation: bool = True,
+) -> Result:
     """Run one schedule in `workdir` (removed afterwards when it passed, unless `keep`)."""
-    harness = Harness(schedule, workdir, model_dir, **kw)
+    harness = Harness(
+        schedule, workdir, model_dir, run_deadline_s=run_deadline_s, deadline_is_violation=deadline_is_violation
+    )
     start = time.monotonic()
     try:
         result = harness.run()

@@ -105,6 +105,7 @@ def run_many(
     faults: str = "all",
     out: Callable[[str], None] = print,
     run_deadline_s: float = 60.0,
+    deadline_is_violation: bool = True,
 ) -> tuple[Totals, list[Result]]:
     """Run `schedules` (at most `parallel` at once); print one line per schedule, and the findings of failing ones."""
     model_dir = prepare_model(workdir / "model")
@@ -112,7 +113,14 @@ def run_many(
     results: list[Result] = []
 
     def one(s: Schedule) -> Result:
-        return run_schedule(s, workdir / f"s{s.seed}", model_dir, keep=keep, run_deadline_s=run_deadline_s)
+        return run_schedule(
+            s,
+            workdir / f"s{s.seed}",
+            model_dir,
+            keep=keep,
+            run_deadline_s=run_deadline_s,
+            deadline_is_violation=deadline_is_violation,
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         for r in pool.map(one, schedules):
@@ -150,6 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where schedules run (default: a fresh temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the directories of passing schedules too")
     ap.add_argument("--run-deadline", type=float, default=60.0, help="the runs' run_deadline_s")
+    ap.add_argument(
+        "--allow-deadline",
+        action="store_true",
+        help="count a run ended by its run deadline as failed closed (default: it stalled, a violation)",
+    )
     ap.add_argument("--print-only", action="store_true", help="print the schedules and exit")
     args = ap.parse_args(argv)
     try:
@@ -176,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep=args.keep,
         faults=args.faults,
         run_deadline_s=args.run_deadline,
+        deadline_is_violation=not args.allow_deadline,
     )
     print(f"({time.monotonic() - start:.0f} s)", file=sys.stderr)
     return 0 if totals.violations == 0 and totals.lost == 0 else 1

@@ -76,6 +76,25 @@ def test_a_failure_must_name_its_reason() -> None:
     assert not any("names no reason" in v for v in judge([*events[:i], named, *events[i + 1 :]], []).violations)
 
 
+def test_a_run_that_ends_only_at_its_run_deadline_stalled() -> None:
+    events = clean_log()
+    started = next(e for e in events if isinstance(e.payload, ev.RunStarted))
+    i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.RunFinished))
+    assert isinstance(started.payload, ev.RunStarted)
+    limit = started.payload.config.run_deadline_s
+    late = events[i].model_copy(
+        update={
+            "payload": ev.RunFinished(status=RunStatus.ABORTED, reason="run deadline passed"),
+            "wall_time": started.wall_time + limit + 1,
+        }
+    )
+    log = [*events[:i], late]
+    assert any("stalled until its deadline" in v for v in judge(log, []).violations)
+    assert not any("stalled" in v for v in judge(log, [], deadline_is_violation=False).violations)
+    early = late.model_copy(update={"wall_time": started.wall_time + 5})
+    assert not any("stalled" in v for v in judge([*events[:i], early], []).violations)
+
+
 def test_a_trajectory_trained_twice_and_a_duplicated_event_are_violations() -> None:
     events = clean_log()
     i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.BatchConsumed))
