@@ -160,6 +160,7 @@ class Harness:
         self.finished = False
         self.fired: list[str] = []  # the signal and Redis faults applied, when
         self.armed: list[str] = []  # the inject specs armed (they count once their process fires them)
+        self.freezes: list[tuple[str, float]] = []  # armed freezes: (rank process, seconds) until seen stopped
         self.pending = list(schedule.faults)
         self.timers: list[tuple[float, str, str]] = []  # (when, action, target): SIGCONT, redis restart
         self.t0 = 0.0
@@ -278,6 +279,17 @@ class Harness:
             self._client = None
             self.timers.append((now + f.seconds, "redis-start", ""))
             self.fired.append(f"{at} {f.render()}")
+        elif f.kind in ("freeze", "slow"):
+            folder = self.dir / "arm" / f.proc
+            folder.mkdir(parents=True, exist_ok=True)
+            n = len(list(folder.iterdir()))
+            tmp = folder / f"{n:03d}.tmp"
+            tmp.write_text("freeze\n" if f.kind == "freeze" else f"slow-generate={f.seconds:g}\n")
+            tmp.rename(folder / f"{n:03d}.stall")
+            if f.kind == "freeze":
+                self.freezes.append((f.proc, f.seconds))
+            else:
+                self.armed.append(f"slow-generate={f.seconds:g}")
         elif f.kind == "inject":
             folder = self.dir / "arm" / f.proc
             folder.mkdir(parents=True, exist_ok=True)
@@ -286,6 +298,22 @@ class Harness:
             tmp.write_text(f.spec + "\n")
             tmp.rename(folder / f"{n:03d}.spec")  # the hook picks it up at the process's next opportunity
             self.armed.append(f.spec)
+
+    def _frozen(self, now: float) -> None:
+        """A rank that froze itself (state T in /proc) is continued after its freeze's seconds."""
+        for item in list(self.freezes):
+            p = self.procs.get(item[0])
+            if p is None or not p.alive:
+                continue
+            assert p.popen is not None
+            try:
+                state = Path(f"/proc/{p.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state == "T":
+                self.freezes.remove(item)
+                self.timers.append((now + item[1], "cont", item[0]))
+                self.fired.append(f"t+{now - self.t0:.1f}s freeze:{item[0]}:{item[1]:g} (seen stopped)")
 
     def _timers(self, now: float, force: bool = False) -> None:
         for item in list(self.timers):
@@ -353,6 +381,7 @@ class Harness:
                 self.poll_log()
                 for f in self._due(now):
                     self._apply(f, now)
+                self._frozen(now)
                 self._timers(now)
                 self._supervise(now)
                 time.sleep(POLL_S)  # the supervisor's tick: polling processes and the log
@@ -388,10 +417,15 @@ class Harness:
         )
         if not self.finished and verdict.ending is not Ending.NOT_ENDED:
             verdict.violations.append("harness: RunFinished appeared only after the hang deadline")
-        fired_inject = Counter(p.read_text().strip() for p in (self.dir / "arm").glob("*/*.fired"))
+        fired_inject = Counter(
+            p.read_text().strip()
+            for p in (self.dir / "arm").glob("*/*.fired")
+            if p.read_text().strip() != "freeze"  # counted when the harness saw it stopped
+        )
         fired = self.fired + [f"inject {spec}" for spec in sorted(fired_inject.elements())]
         never = Counter(self.armed) - fired_inject
         not_fired = [s.render() for s in self.pending] + [f"armed, never fired: {a}" for a in sorted(never.elements())]
+        not_fired += [f"armed, never froze: freeze:{proc}:{secs:g}" for proc, secs in self.freezes]
         crashes = [c for p in self.procs.values() for c in p.crashes]
         return Result(
             self.s, verdict, fired, not_fired, crashes, len(acks), len(events), time.monotonic() - start, self.dir

@@ -11,6 +11,10 @@ Triggers: `after:<EventType>#<k>` fires once the k-th event of that type is in t
 Faults:
   kill:<proc>:<restart_after_s>   SIGKILL the process; the supervisor restarts it after the delay (like systemd)
   stop:<proc>:<seconds>           SIGSTOP, then SIGCONT after `seconds` (longer than a rank's heartbeat deadline)
+  freeze:<rank>:<seconds>         the rank SIGSTOPs itself at the start of its next group (so it holds one); the
+                                  harness SIGCONTs it `seconds` after it saw it stopped
+  slow:<rank>:<seconds>           the rank's next group takes `seconds` longer, the process alive (its other threads,
+                                  heartbeats included, go on): a live but slow rank must keep its group
   redis-term:<down_s>             SIGTERM redis-server, start it again over the same AOF after `down_s`
   redis-kill:<down_s>             SIGKILL redis-server, likewise
   inject:<proc>:<spec>            arm an --inject spec in that process (fires at its next opportunity: the next
@@ -26,7 +30,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
-FaultKind = Literal["kill", "stop", "redis-term", "redis-kill", "inject"]
+FaultKind = Literal["kill", "stop", "freeze", "slow", "redis-term", "redis-kill", "inject"]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 
 # Event types a trigger may wait for, with how many of them a tiny run produces per step (an upper bound for k).
@@ -76,7 +80,7 @@ class Fault:
     spec: str = ""  # inject
 
     def render(self) -> str:
-        if self.kind in ("kill", "stop"):
+        if self.kind in ("kill", "stop", "freeze", "slow"):
             return f"{self.kind}:{self.proc}:{self.seconds:g}"
         if self.kind == "inject":
             return f"inject:{self.proc}:{self.spec}"
@@ -86,7 +90,7 @@ class Fault:
     def parse(text: str) -> Fault:
         parts = text.split(":", 2)
         kind = parts[0]
-        if kind in ("kill", "stop") and len(parts) == 3:
+        if kind in ("kill", "stop", "freeze", "slow") and len(parts) == 3:
             return Fault(kind, proc=parts[1], seconds=float(parts[2]))  # type: ignore[arg-type]
         if kind == "inject" and len(parts) == 3:
             return Fault("inject", proc=parts[1], spec=parts[2])
@@ -170,8 +174,8 @@ def draw(seed: int, kinds: tuple[FaultKind, ...] = FAULT_KINDS, max_faults: int 
         kind = rng.choice(kinds)
         if kind == "kill":
             fault = Fault("kill", proc=rng.choice(procs), seconds=round(rng.uniform(0.2, 3.0), 1))
-        elif kind == "stop":
-            fault = Fault("stop", proc=f"rank{rng.randrange(2)}", seconds=round(rng.uniform(6.0, 9.0), 1))
+        elif kind in ("stop", "freeze", "slow"):
+            fault = Fault(kind, proc=f"rank{rng.randrange(2)}", seconds=round(rng.uniform(6.0, 9.0), 1))
         elif kind == "inject":
             proc, spec = _inject_spec(rng)
             fault = Fault("inject", proc=proc, spec=spec)

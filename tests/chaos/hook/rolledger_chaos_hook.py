@@ -11,6 +11,8 @@ Two things, both wrappers, none inside production code:
   point of the run by writing `<dir>/<n>.spec`; an `ArmedInjector` picks new specs up (renaming them `.taken`, so
   a restarted process cannot take one twice) and the process's rank engine / trainer step are wrapped with
   `rolledger.workers.faults`, exactly as `LocalRun` wraps its threads. A spec that fires leaves `<n>.fired`.
+  `<n>.stall` files arm the hook's own rank faults at the start of the next group: `slow-generate=S` (a live rank
+  whose group takes S s longer) and `freeze` (the process SIGSTOPs itself mid-group; the harness SIGCONTs it).
 
 The hook format (one line per acknowledged event): `<event_id> <stream_id or -> <event type> <method>`.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -121,12 +125,36 @@ def install_armed_injections(arm_dir: str) -> None:
     injector = ArmedInjector()
     original_serve = processes._serve
 
+    def stalls(engine: Any) -> None:
+        """The hook's own two rank faults (not `--inject` kinds), at the start of the engine's next group:
+        `slow-generate=S` sleeps S s in the rollout thread (a live but slow rank: its other threads go on) and
+        `freeze` SIGSTOPs the whole process mid-group (the harness sees it stopped and SIGCONTs it later)."""
+        generate = engine.generate
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            for spec in sorted(folder.glob("*.stall")):
+                taken = spec.with_suffix(".stalltaken")
+                try:
+                    spec.rename(taken)
+                except OSError:
+                    continue
+                what = taken.read_text().strip()
+                taken.with_suffix(".fired").write_text(what + "\n")
+                if what.startswith("slow-generate="):
+                    time.sleep(float(what.split("=", 1)[1]))  # the injected fault itself: a slow engine
+                elif what == "freeze":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+            return generate(*args, **kwargs)
+
+        engine.generate = wrapped
+
     def serve(worker: Any) -> int:
         from rolledger.workers.rank import RankWorker
         from rolledger.workers.trainer import TrainerWorker
 
         if isinstance(worker, RankWorker):
             worker.engine = FaultyEngine(worker.engine, worker.rank, injector)
+            stalls(worker.engine)
         elif isinstance(worker, TrainerWorker):
             worker.train = slow_and_mortal_trainer(worker.train, injector)
         return original_serve(worker)
