@@ -79,6 +79,14 @@ def describe(r: Result, faults: str) -> str:
 _NUMBERS = re.compile(r"\b(?:[0-9a-f]{8,}|[0-9A-Z]{26}|g\d+/\d+|g\d+|v?\d+(?:\.\d+)?)\b")
 
 
+def _last_error(log_tail: Sequence[str]) -> str:
+    """The last line of a crashed process's log that names an exception or an error event."""
+    for line in reversed(log_tail):
+        if "Error" in line or "Exception" in line or '"error"' in line or "SystemExit" in line:
+            return line.strip()[-200:]
+    return ""
+
+
 def failure_kind(violation: str) -> str:
     """A violation with its ids, digests and numbers blanked: what groups schedules that failed the same way."""
     return _NUMBERS.sub("#", violation.split(":\n")[0])[:110]
@@ -135,6 +143,10 @@ def run_many(
             )
             if not r.ok:
                 out(describe(r, faults))
+            else:  # a process that exited by itself and was restarted is no violation, but worth a line
+                for c in r.crashes:
+                    lines = c.splitlines()
+                    out(f"  crash (restarted): {lines[0]} {_last_error(lines[1:])}")
             sys.stdout.flush()
     kinds = failure_kinds(results)
     if kinds:
