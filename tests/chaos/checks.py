@@ -4,7 +4,8 @@ tests in test_chaos.py feed these hand-made logs.
 
 A schedule passes when: the run finished (`RunFinished` completed) or failed closed (`RunFinished` failed/aborted
 naming a reason), exactly once; `workflows.audit.audit` is clean; every acknowledged event id is in the log (else it
-counts as *lost*); a failed run did not just stall until its run deadline; no event id twice in the log; no trajectory or group consumed twice (`BatchConsumed`); every
+counts as *lost*); a failed run did not just stall until its run deadline; no event id twice in the log; no trajectory or group consumed twice (`BatchConsumed`); no anomaly in the folded
+state (an impossible transition: e.g. a late result for a sample another rank already finished); every
 in-service rank ends on the published version (by the folded state and by its own last `RankJoined`/`RankCommitted`);
 every process exited by itself within the deadline after the run ended; every process's ack hook was installed.
 """
@@ -182,6 +183,9 @@ def judge(
     verdict.violations += [f"event {i} is in the log {n} times" for i, n in sorted(counts.items()) if n > 1]
     verdict.violations += trained_twice(events)
     verdict.violations += served_versions(events)
+    verdict.violations += [
+        f"reducer anomaly at {a.event_id} ({a.event_type}): {a.message}"[:300] for a in replay(events).anomalies
+    ]
     verdict.violations += [f"process {p} did not exit after the run ended" for p in hung]
     in_log = set(counts)
     seen: set[str] = set()

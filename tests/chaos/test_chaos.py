@@ -105,6 +105,14 @@ def test_a_trajectory_trained_twice_and_a_duplicated_event_are_violations() -> N
     assert any(f"event {events[i].event_id} is in the log 2 times" in v for v in verdict.violations)
 
 
+def test_an_impossible_transition_in_the_log_is_a_violation() -> None:
+    events = clean_log()
+    i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.SampleFinished))
+    late = renamed(events[i], "XXXX")  # a second result for a finished sample: a late one after a reclaim
+    verdict = judge([*events[:-1], late, events[-1]], [])
+    assert any("reducer anomaly" in v and "already finished" in v for v in verdict.violations), verdict.violations
+
+
 def test_a_rank_that_announces_an_old_version_is_not_serving_the_published_one() -> None:
     events = clean_log()
     assert served_versions(events) == []
