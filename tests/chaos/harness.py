@@ -163,7 +163,8 @@ class Harness:
         self.freezes: list[tuple[str, float]] = []  # armed freezes: (rank process, seconds) until seen stopped
         self.pending = list(schedule.faults)
         self.timers: list[tuple[float, str, str]] = []  # (when, action, target): SIGCONT, redis restart
-        self.t0 = 0.0
+        self.t0 = 0.0  # when the workers were started
+        self.joined_at: float | None = None  # when both ranks had joined: `at:` triggers count from here
         self._client: redis.Redis | None = None
         self._resume_flag = self._driver_resume_flag()
 
@@ -379,6 +380,8 @@ class Harness:
                 if now - self.t0 > self.hang_deadline_s:
                     break
                 self.poll_log()
+                if self.joined_at is None and self.counts["RankJoined"] >= 2:
+                    self.joined_at = now
                 for f in self._due(now):
                     self._apply(f, now)
                 self._frozen(now)

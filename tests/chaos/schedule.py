@@ -6,7 +6,7 @@ printed one). "Exactly" means the same faults at the same triggers with the same
 processes is the OS's and differs from run to run.
 
 Triggers: `after:<EventType>#<k>` fires once the k-th event of that type is in the log (read by the harness),
-`at:<seconds>` fires that long after the workers were started.
+`at:<seconds>` fires that long after both ranks joined (RankJoined twice in the log).
 
 Faults:
   kill:<proc>:<restart_after_s>   SIGKILL the process; the supervisor restarts it after the delay (like systemd)
