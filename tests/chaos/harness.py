@@ -248,9 +248,9 @@ class Harness:
         due = []
         for step in list(self.pending):
             t = step.trigger
-            if (t.event is not None and self.counts[t.event] >= t.k) or (
-                t.at_s is not None and now - self.t0 >= t.at_s
-            ):
+            joined = self.joined_at  # `at:` counts from both ranks' joining, so process start-up is not in it
+            at_due = t.at_s is not None and joined is not None and now - joined >= t.at_s
+            if (t.event is not None and self.counts[t.event] >= t.k) or at_due:
                 self.pending.remove(step)
                 due.append(step.fault)
         return due
@@ -389,27 +389,31 @@ class Harness:
                 self._supervise(now)
                 time.sleep(POLL_S)  # the supervisor's tick: polling processes and the log
             self._timers(time.monotonic(), force=True)  # SIGCONT whatever is stopped, bring Redis back
+            for p in self.procs.values():  # and a rank that froze itself after the last look at /proc
+                if p.alive:
+                    assert p.popen is not None
+                    p.popen.send_signal(signal.SIGCONT)
             if self.redis.proc is None or self.redis.proc.poll() is not None:
                 self.redis.start()
             exit_by = time.monotonic() + self.exit_deadline_s
             for p in self.procs.values():
-                if p.popen is None:
+                if p.popen is None or not self.finished:  # a hung run: nothing to wait for
                     continue
                 try:
                     p.popen.wait(timeout=max(0.1, exit_by - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     if self.finished:
                         hung.append(f"{p.name}.{p.incarnation}")
+        except BaseException:
+            self._kill_all()
+            self.redis.stop(kill=True)
+            raise
+        self._kill_all()  # the hung ones: nothing appends while the log is read
+        try:
+            events, undecodable = self._read_log()
         finally:
-            for p in self.procs.values():
-                if p.alive:
-                    assert p.popen is not None
-                    p.popen.send_signal(signal.SIGCONT)
-                    p.popen.kill()
-                    p.popen.wait()
-        events, undecodable = self._read_log()
+            self.redis.stop()
         acks, missing = self._read_acks()
-        self.redis.stop()
         verdict = judge(
             events,
             acks,
@@ -433,6 +437,14 @@ class Harness:
         return Result(
             self.s, verdict, fired, not_fired, crashes, len(acks), len(events), time.monotonic() - start, self.dir
         )
+
+    def _kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.alive:
+                assert p.popen is not None
+                p.popen.send_signal(signal.SIGCONT)
+                p.popen.kill()
+                p.popen.wait()
 
     def _read_log(self) -> tuple[list[ev.Event], int]:
         """The whole log, decoded here without the store's reader (which dead-letters into the run's Redis)."""
