@@ -170,7 +170,7 @@ def draw(seed: int, kinds: tuple[FaultKind, ...] = FAULT_KINDS, max_faults: int 
             event = rng.choice(sorted(_TRIGGER_EVENTS))
             trigger = Trigger(event=event, k=rng.randint(1, max(1, _TRIGGER_EVENTS[event] * steps)))
         else:
-            trigger = Trigger(at_s=round(rng.uniform(0.5, 15.0), 1))
+            trigger = Trigger(at_s=round(rng.uniform(0.5, 6.0), 1))  # a tiny run lasts seconds once joined
         kind = rng.choice(kinds)
         if kind == "kill":
             fault = Fault("kill", proc=rng.choice(procs), seconds=round(rng.uniform(0.2, 3.0), 1))
