@@ -8,6 +8,13 @@ The read loop (`GroupConsumer.read`), in order:
    one's own unacknowledged failures). One scan step per read, the cursor kept between reads.
 3. New entries (XREADGROUP `>`), blocking up to `block_ms`.
 
+Heartbeats. A consumer working on an entry for a long time (a rank generating a group) keeps its claim alive with
+`refresh(ids)`: one Lua round trip that, for each id still pending *to this consumer*, resets its idle time (XCLAIM
+to itself with min-idle 0 and JUSTID, which leaves the delivery counter alone), and returns the ids it still owns.
+An id another consumer has reclaimed is not taken back: the caller learns it lost the claim and stops working on it.
+So step 2 reclaims only entries whose owner missed its heartbeats for `claim_idle_ms` (the run's
+`recovery.lost_after_s`), not entries that are merely slow.
+
 Delivery is at least once: a handler must be idempotent or record its completion atomically with the XACK (MULTI,
 or a Lua script; see tests/_consumer_proc.py). Entries are never fatal to the consumer:
 
@@ -31,6 +38,19 @@ from rolledger.events.codec import DecodeError, decode
 from rolledger.events.keys import log_key
 from rolledger.events.store import PAYLOAD_FIELD, PAYLOAD_LOST, as_str, dead_letter
 from rolledger.schemas.events import Event
+
+# For each id: refresh it if this consumer owns it (XPENDING names the owner), else leave it. Returns the owned ids.
+_REFRESH_LUA = """
+local owned = {}
+for i = 3, #ARGV do
+  local rows = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #rows == 1 and rows[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    owned[#owned + 1] = ARGV[i]
+  end
+end
+return owned
+"""
 
 
 class Delivery(NamedTuple):
@@ -68,6 +88,7 @@ class GroupConsumer:
         self.claim_idle_ms = claim_idle_ms
         self.start_id = start_id
         self._own_cursor: str | None = "0"  # None once the own pending list has been drained
+        self._refresh = client.register_script(_REFRESH_LUA)
         self._claim_cursor = "0-0"
 
     @property
@@ -176,6 +197,14 @@ class GroupConsumer:
                 self.key, self.group, self.consumer, 0, list(stream_ids), idle=self.claim_idle_ms, justid=True
             )
             self._claim_cursor = "0-0"
+
+    def refresh(self, *stream_ids: str) -> set[str]:
+        """The heartbeat: reset the idle time of those of `stream_ids` this consumer still owns, in one round trip;
+        returns them. An id missing from the result was reclaimed by another consumer (or acknowledged)."""
+        if not stream_ids:
+            return set()
+        reply: Any = self._refresh(keys=[self.key], args=[self.group, self.consumer, *stream_ids])
+        return {as_str(i) for i in reply}
 
     def pending(self) -> int:
         """Entries delivered to the whole group and not yet acknowledged (XPENDING summary)."""

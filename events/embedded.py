@@ -9,17 +9,26 @@ Files in the run directory: `appendonlydir/` (7.x) or `appendonly.aof` (6.2), `r
 Unix socket paths are limited to ~107 bytes; when `run_dir/redis.sock` would be longer, the socket goes into a short
 temporary directory (`/tmp/rolledger-XXXX/redis.sock`) and its path is written to `run_dir/redis.sock.path` so other
 processes (`rolledger status`) can find it. A directory written by a 7.x server cannot be reopened by 6.2.
+
+The server dies with its owner: on Linux it is started with a parent-death signal (`prctl(PR_SET_PDEATHSIG,
+SIGTERM)`), so even a SIGKILLed `rolledger run` leaves no orphaned redis-server (SIGTERM makes it flush its AOF and
+exit). The signal follows the *thread* that started it, so start it from a thread that lives as long as the run (the
+driver's main thread does).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -96,6 +105,26 @@ def _answers_ping(sock: Path) -> bool:
         conn.disconnect()
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGTERM when the process that started it dies (Linux; None elsewhere).
+
+    If the parent is already gone between fork and prctl, the child terminates itself at once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def _preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return _preexec
+
+
 class EmbeddedRedis:
     """A redis-server owned by this process, serving `run_dir` over a unix socket."""
 
@@ -155,7 +184,12 @@ class EmbeddedRedis:
             "--logfile",
             str(log),
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - prctl + getppid only: async-signal-safe
+        )
         self.socket_path = sock
         client = redis.Redis(unix_socket_path=str(sock), socket_timeout=5, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + deadline_s

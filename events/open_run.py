@@ -2,7 +2,8 @@
 
 Order: an explicit --redis URL or REDIS_URL; else the run directory's live embedded server (its `redis_url` file,
 if something answers there); else start an embedded server over the directory's AOF (a finished run), and stop it
-when done.
+when done. The `redis_url` file holds the URL with its password redacted (events/redact.py); the password comes
+from REDIS_PASSWORD when the URL needs one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import redis
 
 from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
+from rolledger.events.redact import MASK, with_password
+
+
+class NoSuchRun(LookupError):
+    """The reference names no run directory and no Redis was given to look the run up in."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ def open_run(
             client.close()
         return
     if run.run_dir is None:
-        raise FileNotFoundError(f"no run directory for {ref!r} (looked in {runs_dir}/) and no --redis/REDIS_URL given")
+        raise NoSuchRun(f"no run directory for {ref!r} (looked in {runs_dir}/) and no --redis/REDIS_URL given")
     live = _live_url(run.run_dir)
     if live is not None:
         client = connect(live)
@@ -72,6 +78,11 @@ def _live_url(run_dir: Path) -> str | None:
     if not f.exists():
         return None
     url = f.read_text().strip()
+    if MASK in url:
+        password = os.environ.get("REDIS_PASSWORD")
+        if not password:
+            return None
+        url = with_password(url, password)
     try:
         client = connect(url)
         client.ping()

@@ -5,6 +5,10 @@ digest, and the state itself (msgpack of its `to_dict()`). This module only writ
 *for* (replay = snapshot + tail, the determinism check) is pure and lives in `rolledger.workflows.replay`, which
 takes any object shaped like `Snapshot`. It never imports the reducer: the state is anything with `last_event_id`,
 `digest()` and `to_dict()` (`SnapshotSource`).
+
+Retention: a snapshot holds the whole state, which grows with the run, so keeping every one is quadratic in the log.
+`take_snapshot` keeps the first one and the newest `KEEP_LATEST` (the trim runs in the same Lua call as the XADD);
+storage is then bounded by a few states, and the replay check still compares every kept snapshot with the log.
 """
 
 from __future__ import annotations
@@ -16,6 +20,21 @@ import msgpack
 import redis
 
 from rolledger.events.keys import snapshots_key
+
+KEEP_LATEST = 3  # besides the first snapshot
+
+# KEYS: the snapshots stream. ARGV: how many of the newest to keep, then the XADD field/value pairs. Adds the entry,
+# then deletes every entry between the first and the newest ARGV[1]; returns the new entry's id.
+_ADD_AND_TRIM_LUA = """
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+local keep = tonumber(ARGV[1])
+local n = redis.call('XLEN', KEYS[1])
+if n > keep + 1 then
+  local old = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', n - keep)
+  for i = 2, #old do redis.call('XDEL', KEYS[1], old[i][1]) end
+end
+return id
+"""
 
 # Field names of one entry of the snapshots stream.
 F_AT = b"at"  # stream id of the last event folded into the state
@@ -48,12 +67,27 @@ class Snapshot:
         return data
 
 
-def take_snapshot(client: redis.Redis, run_id: str, state: SnapshotSource, stream_id: str) -> Snapshot:
-    """Store `state`, which has folded the log up to and including `stream_id`."""
+def take_snapshot(
+    client: redis.Redis, run_id: str, state: SnapshotSource, stream_id: str, *, keep_latest: int = KEEP_LATEST
+) -> Snapshot:
+    """Store `state`, which has folded the log up to and including `stream_id`; keep the first snapshot and the
+    newest `keep_latest` (older ones in between are deleted)."""
+    if keep_latest < 1:
+        raise ValueError(f"keep_latest must be >= 1, got {keep_latest}")
     snap = Snapshot(stream_id, state.last_event_id, state.digest(), msgpack.packb(state.to_dict()))
-    client.xadd(
+    client.eval(
+        _ADD_AND_TRIM_LUA,
+        1,
         snapshots_key(run_id),
-        {F_AT: snap.stream_id, F_EVENT: snap.event_id, F_DIGEST: snap.digest, F_STATE: snap.state},
+        keep_latest,
+        F_AT,
+        snap.stream_id,
+        F_EVENT,
+        snap.event_id,
+        F_DIGEST,
+        snap.digest,
+        F_STATE,
+        snap.state,
     )
     return snap
 

@@ -1,20 +1,69 @@
 """The run configuration: sampling settings, group and partial policy, scheduler, admission caps, trainer, updates.
 
 Loaded from TOML/JSON/YAML or built in code; unknown or invalid fields raise a ValidationError naming the field.
+Numbers are numbers: a bool is refused where an int or float is declared (`steps = true` is not 1), and so are
+infinities and NaN (`ConfigModel`). `RunConfig.load` turns every problem with a file (missing, unparsable, YAML
+without pyyaml, an invalid field) into one `ConfigError` line naming the file and the field.
 """
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rolledger.schemas.base import Model
 from rolledger.schemas.statuses import LogprobMode, PolicyKind
 
 
-class SamplingParams(Model):
+class ConfigError(ValueError):
+    """A config that cannot be used, in one line naming the file (if any) and the field."""
+
+
+def _admits_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_admits_bool(a) for a in typing.get_args(annotation))
+    return False
+
+
+def _is_number(annotation: Any) -> bool:
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_is_number(a) for a in typing.get_args(annotation))
+    return False
+
+
+class ConfigModel(Model):
+    """A config section: no bool where a number is declared, no inf or nan."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if _is_number(annotation) and not _admits_bool(annotation):
+                raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        return value
+
+
+def one_line(exc: ValidationError, source: str | None = None) -> str:
+    """A ValidationError as one line: `source: field.path: message` (the first error, and how many more)."""
+    errors = exc.errors()
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{source + ': ' if source else ''}{where}: {first['msg']}{more}"
+
+
+class SamplingParams(ConfigModel):
     """What the engine is asked to sample with; stamped on every trajectory."""
 
     temperature: float = Field(1.0, ge=0.0)
@@ -26,7 +75,7 @@ class SamplingParams(Model):
     logprob_mode: LogprobMode = LogprobMode.RAW
 
 
-class PartialPolicy(Model):
+class PartialPolicy(ConfigModel):
     """When a group counts as finished: all N, at least k of N, or the first k with the rest cancelled.
 
     `deadline_s`: a group still short of its policy at the deadline is cancelled (or completed as partial when
@@ -48,7 +97,7 @@ class PartialPolicy(Model):
         return n if self.kind is PolicyKind.ALL or self.k is None else min(self.k, n)
 
 
-class AdmissionConfig(Model):
+class AdmissionConfig(ConfigModel):
     """Caps on completed-but-untrained work, and the throttle to the trainer's drain rate."""
 
     max_queued_bytes: int = Field(4 * 1024 * 1024, gt=0, description="cap on bytes of completed, untrained groups")
@@ -57,7 +106,7 @@ class AdmissionConfig(Model):
     throttle_to_drain_rate: bool = True
 
 
-class TrainerConfig(Model):
+class TrainerConfig(ConfigModel):
     lr: float = Field(1e-4, gt=0)
     groups_per_step: int = Field(8, ge=1)
     clip_eps: float = Field(0.2, gt=0)
@@ -73,17 +122,49 @@ class TrainerConfig(Model):
     )
 
 
-class UpdateConfig(Model):
+class UpdateConfig(ConfigModel):
     """The weight-update transaction."""
 
     drain_mode: Literal["abort", "wait", "keep"] = "wait"  # the values of statuses.DrainMode, the engines' PauseMode
     prepare_deadline_s: float = Field(30.0, gt=0)
     drain_deadline_s: float = Field(30.0, gt=0)
     commit_deadline_s: float = Field(30.0, gt=0)
+    max_consecutive_aborts: int = Field(
+        3, ge=1, description="this many updates aborted in a row (none published between) fail the run, naming them"
+    )
     staging_dir: Path | None = Field(None, description="defaults to runs/<run-id>/staging")
 
 
-class ModelConfig(Model):
+class RecoveryConfig(ConfigModel):
+    """Liveness of in-flight work: how often a rank refreshes its claim on the groups it generates (the heartbeat),
+    how long a claim may go unrefreshed before another consumer reclaims the work, and how long a run may go with no
+    rank in service before it fails."""
+
+    heartbeat_s: float = Field(1.0, gt=0, allow_inf_nan=False, description="a rank refreshes its claims this often")
+    lost_after_s: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="work whose claim was not refreshed for this long is reclaimed by another consumer (missed beats)",
+    )
+    no_rank_in_service_s: float = Field(
+        120.0, gt=0, allow_inf_nan=False, description="the run fails when no rank has been in service this long"
+    )
+
+    @model_validator(mode="after")
+    def _beats_fit(self) -> RecoveryConfig:
+        if self.heartbeat_s * 2 > self.lost_after_s:
+            raise ValueError(
+                f"recovery.heartbeat_s={self.heartbeat_s:g} must be at most half of lost_after_s={self.lost_after_s:g}"
+            )
+        return self
+
+    @property
+    def lost_after_ms(self) -> int:
+        return int(self.lost_after_s * 1000)
+
+
+class ModelConfig(ConfigModel):
     """The tiny Qwen2-style policy the project builds itself (no hub)."""
 
     hidden_size: int = Field(128, ge=8)
@@ -95,7 +176,7 @@ class ModelConfig(Model):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
-class TaskConfig(Model):
+class TaskConfig(ConfigModel):
     kind: Literal["addition"] = "addition"
     max_operand: int = Field(49, ge=1)
     num_prompts: int = Field(
@@ -103,7 +184,7 @@ class TaskConfig(Model):
     )
 
 
-class RunConfig(Model):
+class RunConfig(ConfigModel):
     """Everything a run declares up front; recorded in RunStarted so a replay knows the rules it ran under."""
 
     seed: int = 0
@@ -120,6 +201,7 @@ class RunConfig(Model):
     admission: AdmissionConfig = AdmissionConfig()
     trainer: TrainerConfig = TrainerConfig()
     update: UpdateConfig = UpdateConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     join_deadline_s: float = Field(600.0, gt=0, description="every rank must have joined this long after RunStarted")
@@ -136,19 +218,37 @@ class RunConfig(Model):
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
-        """Read a TOML, JSON or YAML file; errors name the file and the field."""
+        """Read a TOML, JSON or YAML file; every error is one ConfigError line naming the file and the field."""
         p = Path(path)
-        text = p.read_text()
-        if p.suffix == ".toml":
-            import tomllib
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"{p}: cannot read the config file: {exc.strerror or exc}") from None
+        try:
+            if p.suffix == ".toml":
+                import tomllib
 
-            data = tomllib.loads(text)
-        elif p.suffix in (".yaml", ".yml"):
-            import yaml
+                data: Any = tomllib.loads(text)
+            elif p.suffix in (".yaml", ".yml"):
+                try:
+                    import yaml
+                except ImportError:
+                    raise ConfigError(f"{p}: YAML needs pyyaml (pip install pyyaml), or use TOML/JSON") from None
+                data = yaml.safe_load(text) or {}
+            elif p.suffix == ".json":
+                import json
 
-            data = yaml.safe_load(text) or {}
-        else:
-            import json
-
-            data = json.loads(text)
-        return cls.model_validate(data)
+                data = json.loads(text)
+            else:
+                raise ConfigError(f"{p}: unknown config format {p.suffix!r} (use .toml, .json, .yaml or .yml)")
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - tomllib, json and yaml raise their own types for a bad file
+            detail = " ".join(str(exc).split())
+            raise ConfigError(f"{p}: not valid {p.suffix.lstrip('.').upper()}: {detail}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the config must be a table/object of fields, not {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(one_line(exc, str(p))) from None

@@ -53,7 +53,7 @@ class RunStarted(Payload):
 
 class RunFinished(Payload):
     type: Literal["RunFinished"] = "RunFinished"
-    status: Literal[RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED]  # the terminal RunStatus members
+    status: Literal[RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED, RunStatus.CANCELLED]  # the terminal ones
     reason: str = ""
     steps: int = 0
 

@@ -15,13 +15,14 @@ class RunStatus(StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     ABORTED = "aborted"  # kept for old logs: a run stopped from outside (deadline, cancel)
+    CANCELLED = "cancelled"  # stopped by its operator (SIGTERM/SIGINT of `rolledger run`)
 
     @property
     def is_terminal(self) -> bool:
         return self in _RUN_TERMINAL
 
 
-_RUN_TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED})
+_RUN_TERMINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED, RunStatus.CANCELLED})
 
 
 class GroupStatus(StrEnum):

@@ -108,7 +108,7 @@ class LogBuilder:
         self._staged: dict[int, tuple[str, str]] = {}  # version -> (manifest digest, weights digest)
         self._n = 0
         self._groups = 0
-        self._step = 0
+        self._step = 1  # the trainer numbers its steps from 1 (trainer.step + 1 after the initial 0)
         self._fence = 1
 
     # ------------------------------------------------------------ plumbing

@@ -488,8 +488,8 @@ def test_inv7_unterminated_units_are_violations_once_the_run_finished() -> None:
     )
     assert_clean(audit(log(False).build()))
     running = audit(log(True, finished=False).build())  # not finished yet: open units are warnings
-    assert running.ok
-    assert sorted(w.kind for w in running.warnings) == ["open", "open"]
+    assert running.ok and not running.passed and running.verdict == "UNFINISHED"
+    assert sorted(w.kind for w in running.warnings) == ["open", "open", "unfinished"]
 
 
 # ---------------------------------------------------------------- 8: deterministic replay (digests from the reducer)

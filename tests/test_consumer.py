@@ -213,3 +213,28 @@ def test_entry_deleted_while_pending_is_dead_lettered_as_lost(
     [letter] = read_dead_letters(redis_client, run_id)
     assert (letter.source, letter.reason) == (doomed, PAYLOAD_LOST)
     assert second.pending() == 0
+
+
+def test_a_heartbeat_keeps_the_claim_and_a_reclaimed_entry_is_not_taken_back(
+    redis_client: redis.Redis, run_id: str
+) -> None:
+    log = EventLog(redis_client, run_id)
+    (entry,) = log.append_many([scored(0)])
+    owner = GroupConsumer(redis_client, run_id, "workers", "owner", claim_idle_ms=500)
+    other = GroupConsumer(redis_client, run_id, "workers", "other", claim_idle_ms=500)
+    owner.ensure_group()
+    assert [d.stream_id for d in owner.read(count=1, block_ms=10)] == [entry]
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # beats every ~50 ms for 2 s, four times the claim deadline
+        assert owner.refresh(entry) == {entry}
+        assert other.read(count=1, block_ms=50) == []  # never idle long enough to be reclaimed
+    row = redis_client.xpending_range(log.key, "workers", entry, entry, 1)[0]
+    assert as_str(row["consumer"]) == "owner" and int(row["times_delivered"]) == 1  # beats are not deliveries
+    # the owner stops beating: the other consumer reclaims it, and the owner's next beat does not take it back
+    deadline = time.monotonic() + 10.0
+    while not (got := other.read(count=1, block_ms=50)):
+        assert time.monotonic() < deadline, "the entry was never reclaimed"
+    assert [d.stream_id for d in got] == [entry]
+    assert owner.refresh(entry) == set()
+    row = redis_client.xpending_range(log.key, "workers", entry, entry, 1)[0]
+    assert as_str(row["consumer"]) == "other"

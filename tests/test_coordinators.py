@@ -245,7 +245,10 @@ def test_any_prepare_failure_aborts_and_nothing_commits() -> None:
         ],
     )
     out = decide_update(state, 101.0, 7)
-    assert len(out) == 1 and isinstance(out[0], ev.UpdateAborted) and out[0].failed_ranks == (1,)
+    assert isinstance(out[0], ev.UpdateAborted) and out[0].failed_ranks == (1,)
+    assert out[1:] == [  # the rank that failed leaves service with the abort (it rejoins on the published weights)
+        ev.RankQuarantined(rank=1, version=1, reason=f"v1 aborted: {out[0].reason}")
+    ]
     fold_all(state, out)
     assert state.policy_version == 0 and all(r.committed_version == 0 for r in state.ranks.values())
 

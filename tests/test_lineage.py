@@ -65,10 +65,10 @@ def test_lineage_names_every_link_of_the_chain() -> None:
     assert lin.rank.cache_event_id == b.find("CacheInvalidated", rank=1).event_id
     assert lin.rank.health_event_id == b.find("HealthPassed", rank=1).event_id
     assert lin.reward is not None and lin.reward.event_id == b.find("SampleScored", sample_id="g000002/1").event_id
-    batch = b.find("BatchConsumed", step=1)
+    batch = b.find("BatchConsumed", step=2)
     assert lin.consumed is not None and lin.consumed.event_id == batch.event_id
-    assert lin.consumed.step == 1 and lin.consumed.lag == 0
-    assert lin.consumed.train_step_event_id == b.find("TrainStepFinished", step=1).event_id
+    assert lin.consumed.step == 2 and lin.consumed.lag == 0
+    assert lin.consumed.train_step_event_id == b.find("TrainStepFinished", step=2).event_id
     assert lin.dropped is None
 
     data = json.loads(lin.to_json())
@@ -80,7 +80,7 @@ def test_lineage_names_every_link_of_the_chain() -> None:
         "update to v1 aborted",
         "rank 1 prepared",
         "cache generation 1",
-        "consumed at trainer step 1 with lag 0",
+        "consumed at trainer step 2 with lag 0",
     ):
         assert needle in text, text
 
@@ -108,7 +108,7 @@ def test_version_zero_is_the_initial_weights() -> None:
     assert pol.run_started_event_id == b.find("RunStarted").event_id
     assert lin.rank.rank_weights_event_id == b.find("RankJoined", rank=0).event_id
     assert lin.rank.cache_event_id is None  # no invalidation before it was generated
-    assert lin.consumed is not None and lin.consumed.step == 0
+    assert lin.consumed is not None and lin.consumed.step == 1
     assert "initial weights w0000" in lin.render()
 
 

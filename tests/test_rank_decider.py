@@ -546,13 +546,14 @@ def test_an_update_aborted_while_a_rank_sleeps_wakes_it_on_the_published_weights
     sim.rank_turn(0)  # fails its prepare
     sim.coordinator()  # UpdateAborted
     assert sim.state.updates[1].status == UpdateStatus.ABORTED
-    aborted = sim.log[-1]
+    aborted, quarantined = sim.log[-2], sim.log[-1]
     assert aborted.type == "UpdateAborted" and aborted.event_id == sim.state.updates[1].decided_event
+    assert quarantined.type == "RankQuarantined"  # the rank that failed its prepare leaves service with the abort
     assert rd.decide_rank(sim.state, 1, sim.local(1)) == [
         rd.WakeOnPublished(level, ("weights", "kv_cache"), rd.Source(0), cause=aborted.event_id)
     ]
     assert rd.decide_rank(sim.state, 0, sim.local(0)) == [
-        rd.WakeOnPublished(level, ("kv_cache",), rd.Source(0), cause=aborted.event_id)
+        rd.Rejoin(rd.Source(0), ("kv_cache",), cause=quarantined.event_id)
     ]
     settle(sim)
     assert all(r.status == EngineStatus.AWAKE for r in sim.state.ranks.values())

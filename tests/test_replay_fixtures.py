@@ -36,8 +36,13 @@ def test_fixture_replays_to_the_same_state_and_decisions(name: str) -> None:
     assert got["events"] == expected["events"]
     assert got["audit_ok"], got["audit_violations"]
     assert got["anomalies"] == []
+    # The coordinator reproduces what the run decided, except where a decision was changed on purpose after the
+    # fixture was recorded; those are pinned exactly in the expectations (abort: since issue 11 the abort of v1 also
+    # quarantines the rank that failed its prepare, so the decided batch is [UpdateAborted, RankQuarantined] where the
+    # old run logged [UpdateAborted, AdmissionResumed]).
     coordinator = [u for u in got["unreproduced"] if isinstance(u["decided"], list)]
-    assert coordinator == [], "the coordinator's decider no longer reproduces what the run decided"
+    meant = [u for u in expected["unreproduced"] if isinstance(u["decided"], list)]
+    assert coordinator == meant, "the coordinator's decider no longer reproduces what the run decided"
     assert got["unreproduced"] == expected["unreproduced"], "a rank's decider no longer reproduces what it did"
     assert got["status"] == "completed"
     assert got["digest"] == expected["digest"], "replaying the fixture gives another state"

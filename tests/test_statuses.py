@@ -34,7 +34,7 @@ from rolledger.workflows.state import RunState
 
 # ---------------------------------------------------------------- wire values
 WIRE: dict[type[StrEnum], list[str]] = {
-    RunStatus: ["pending", "running", "completed", "failed", "aborted"],
+    RunStatus: ["pending", "running", "completed", "failed", "aborted", "cancelled"],
     GroupStatus: ["admitted", "generating", "complete", "partial", "cancelled", "scored", "consumed", "dropped"],
     SampleStatus: ["started", "finished", "failed", "cancelled"],
     UpdateStatus: ["staged", "preparing", "committed", "aborted", "invalidated", "healthy", "published"],
@@ -62,7 +62,7 @@ def test_predicates_are_the_sets_they_replaced() -> None:
     def having(enum: type[StrEnum], pred: str) -> set[str]:
         return {m.value for m in enum if getattr(m, pred)}
 
-    assert having(RunStatus, "is_terminal") == {"completed", "failed", "aborted"}
+    assert having(RunStatus, "is_terminal") == {"completed", "failed", "aborted", "cancelled"}
     assert having(GroupStatus, "is_open") == {"admitted", "generating"}
     assert having(GroupStatus, "is_completed") == {"complete", "partial"}
     assert having(GroupStatus, "is_queued") == {"complete", "partial", "scored"}
@@ -149,8 +149,10 @@ def golden_log() -> list[ev.Event]:
 # was recomputed then (the trainer's `refused`, the run's `workers_lost`, a rank's `drained_for`, `slept_in_handoff`
 # and `wake_on_abort`; then the command ids the rank's causation ids come from: the run's `started_event`, an
 # update's `prepare_event`, `paused_event` and `published_event`, admission's `handoff_event`, a rank's
-# `abort_event` and `quarantined_event`).
-GOLDEN_DIGEST = "789e526e200e24cd98ff0e72fa6ca706"
+# `abort_event` and `quarantined_event`; then the builder's steps numbered from 1, as the trainer numbers them,
+# once TrainStepFinished is applied only as trainer.step + 1; then the recovery fields: a rank's `quarantined_at`, the
+# run's `reclaimed` and `late_results`, the `recovery` config).
+GOLDEN_DIGEST = "45b47673c400c43cce1524d3997ac571"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

@@ -35,7 +35,7 @@ from rolledger.workflows.audit_report import Violation
 from rolledger.workflows.groups import decide_groups
 from rolledger.workflows.reducer import fold, replay
 from rolledger.workflows.state import RunState
-from rolledger.workflows.update import decide_update
+from rolledger.workflows.update import about_to_be_quarantined, decide_update
 
 Phase = Literal["prepare", "transfer", "commit", "stale"]
 RUN = "sim"
@@ -229,7 +229,11 @@ class Sim:
         elif isinstance(p, ev.UpdateAborted):
             r.staged = None
             mine = s.ranks.get(r.rank)
-            if mine is not None and mine.status != "quarantined":
+            if r.rank in p.failed_ranks:
+                # quarantined by the same decision (the next event, appended with it in one batch, which a real
+                # follower folds in one read): it serves nothing, then rejoins
+                r.serving = False
+            elif mine is not None and mine.status != "quarantined":
                 self.resume(r)
         elif isinstance(p, ev.RankQuarantined) and p.rank == r.rank:
             self.rejoin(r)
@@ -241,6 +245,7 @@ class Sim:
     def prepare(self, r: SimRank, p: ev.PrepareRequested) -> None:
         phase = self.failure(r, p.version, ("prepare", "transfer"))
         if phase is not None:
+            r.serving = False  # the abort will quarantine it: its rollout starts nothing more (about_to_be_quarantined)
             self.emit(
                 [ev.RankPrepareFailed(version=p.version, rank=r.rank, phase=phase, reason="injected")],
                 f"rank-{r.rank}",
@@ -363,8 +368,8 @@ class Sim:
                 v,
             )
             return
-        if not r.serving:
-            return
+        if not r.serving or about_to_be_quarantined(r.state, r.rank, self.now):
+            return  # (the second as workers/rollout.py: a rank the open update will quarantine starts nothing)
         waiting = [g for g in self.state.groups.values() if g.status == "admitted" and g.group_id not in self.taken]
         if not waiting or waiting[0].group_id not in r.state.groups:
             return  # nothing queued, or the rank's follower has not seen the group yet (the rollout thread waits)

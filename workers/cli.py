@@ -8,8 +8,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
@@ -22,8 +22,13 @@ from rolledger.schemas.statuses import RunStatus
 if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolledger --help` stays fast
     import redis
 
+    from rolledger.events.scan import LogScan
     from rolledger.schemas.events import Event
     from rolledger.workflows.replay import ReplayReport
+
+
+class CliError(Exception):
+    """A refused input or a run that does not exist: `main` prints the message as one line and exits 2."""
 
 
 class _CurrentStderr:
@@ -68,16 +73,20 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from rolledger.schemas.config import one_line
     from rolledger.schemas.injection import check_injections, parse_injection
-    from rolledger.workers.local_run import LocalRun, RunOptions
+    from rolledger.workers.local_run import LocalRun, RunOptions, RunRefused
     from rolledger.workers.progress import LiveProgress
 
     try:
         cfg = _config_from_args(args)
         injections = [parse_injection(s) for s in args.inject]
         check_injections(injections, cfg, in_process=not args.external_workers)
-    except (ValidationError, ValueError) as exc:
-        print(f"rolledger run: invalid configuration: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        print(f"rolledger run: invalid configuration: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # ConfigError included: already one line naming the file and field
+        print(f"rolledger run: invalid configuration: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     progress = LiveProgress()
     opts = RunOptions(
@@ -91,33 +100,59 @@ def cmd_run(args: argparse.Namespace) -> int:
         on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps),
         external_workers=args.external_workers,
         model_dir=Path(args.model_dir) if args.model_dir else None,
+        resume=args.resume,
     )
-    run = LocalRun(opts)
-    with progress:
-        summary = run.execute()
+    try:
+        run = LocalRun(opts)
+        with progress:
+            summary = run.execute()
+    except RunRefused as exc:
+        print(f"rolledger run: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary.to_dict(), indent=2))
     print(f"run {run.run_id}: {run.run_dir / 'summary.json'}", file=sys.stderr)
+    if run.signalled is not None:
+        return 128 + run.signalled
     return 0 if summary.status == RunStatus.COMPLETED else 1
 
 
-def _open(args: argparse.Namespace) -> AbstractContextManager[tuple[redis.Redis, str]]:
-    from rolledger.events.open_run import open_run
+@contextmanager
+def _open(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str]]:
+    """The run's Redis and id, for reading; a run that does not exist (no run directory and no Redis to look in, or
+    a log with no entry) is a CliError, not an empty run that audits OK."""
+    from rolledger.events.open_run import NoSuchRun, open_run
+    from rolledger.events.redact import redact
+    from rolledger.events.scan import log_exists
 
-    return open_run(args.run, args.redis, Path(args.runs_dir))
+    try:
+        with open_run(args.run, args.redis, Path(args.runs_dir)) as (client, run_id):
+            if not log_exists(client, run_id):
+                where = redact(args.redis or os.environ.get("REDIS_URL") or str(Path(args.runs_dir) / args.run))
+                raise CliError(f"run {args.run!r} has no events (no log {run_id!r} at {where}): no such run")
+            yield client, run_id
+    except NoSuchRun as exc:
+        raise CliError(str(exc)) from None
 
 
-def _verify(client: redis.Redis, run_id: str, until: str | None = None) -> ReplayReport:
-    """The replay check over the run's log and its stored snapshots (read once each)."""
+def _scan(client: redis.Redis, run_id: str, start: str = "-") -> LogScan:
+    """The log, read without writing anything (undecodable entries are reported, not dead-lettered)."""
+    from rolledger.events.scan import scan_log
+
+    return scan_log(client, run_id, start)
+
+
+def _verify(client: redis.Redis, run_id: str, until: str | None = None) -> tuple[ReplayReport, LogScan]:
+    """The replay check over the run's log and its stored snapshots (read once each, read-only)."""
     from rolledger.events.snapshots import stored_snapshots
-    from rolledger.events.store import EventLog
     from rolledger.workflows.replay import check_replay
 
-    return check_replay(EventLog(client, run_id).read(), stored_snapshots(client, run_id), until)
+    scan = _scan(client, run_id)
+    return check_replay(scan.entries, stored_snapshots(client, run_id), until), scan
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     with _open(args) as (client, run_id):
-        report = _verify(client, run_id, until=args.until)
+        report, scan = _verify(client, run_id, until=args.until)
     state = report.state
     out = {
         "run_id": run_id,
@@ -128,6 +163,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "snapshots": [
             {"event_id": e, "recorded": a, "replayed": b, "ok": a == b} for e, a, b in report.snapshot_checks
         ],
+        "undecodable": [{"stream_id": u.stream_id, "type": u.event_type, "reason": u.reason} for u in scan.undecodable],
         "state": state.to_dict(),
     }
     if args.json:
@@ -149,28 +185,32 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"anomalies: {len(state.anomalies)}")
         for a in state.anomalies[:20]:
             print(f"  {a.event_id} {a.event_type}: {a.message}")
-    return 0 if report.ok else 1
+        print(f"undecodable entries (not replayed): {len(scan.undecodable)}")
+        for u in scan.undecodable[:20]:
+            print(f"  {u.stream_id} {u.event_type or '?'}: {u.reason}")
+    return 0 if report.ok and not scan.undecodable else 1
 
 
 def _events(client: redis.Redis, run_id: str) -> list[Event]:
-    from rolledger.events.store import EventLog
-
-    return [s.event for s in EventLog(client, run_id).read()]
+    return [s.event for s in _scan(client, run_id).entries]
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from rolledger.events.snapshots import stored_snapshots
-    from rolledger.events.store import EventLog
+    from rolledger.events.scan import read_dead_letters
     from rolledger.workflows.audit import audit
-    from rolledger.workflows.replay import check_replay
 
     with _open(args) as (client, run_id):
-        entries = list(EventLog(client, run_id).read())
-        rep = check_replay(entries, stored_snapshots(client, run_id))
-    events = [s.event for s in entries]
-    report = audit(events, replay_digests=(rep.digest, rep.digest_again), snapshot_checks=rep.snapshot_checks)
+        rep, scan = _verify(client, run_id)
+        dead = read_dead_letters(client, run_id)
+    report = audit(
+        (s.event for s in scan.entries),
+        replay_digests=(rep.digest, rep.digest_again),
+        snapshot_checks=rep.snapshot_checks,
+        undecodable=scan.undecodable,
+        dead_letters=dead,
+    )
     print(report.to_json() if args.json else report.render())
-    return 0 if report.ok else 1
+    return 0 if report.passed else 1
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
@@ -206,13 +246,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rolledger.events.snapshots import latest_snapshot
-    from rolledger.events.store import EventLog
     from rolledger.workers.progress import status_table
     from rolledger.workflows.replay import rebuild
 
     with _open(args) as (client, run_id):  # the latest snapshot plus the tail after it: fast on a long run
         snap = latest_snapshot(client, run_id)
-        tail = EventLog(client, run_id).read("(" + snap.stream_id if snap else "-")
+        tail = _scan(client, run_id, "(" + snap.stream_id if snap else "-").entries
         state, _ = rebuild(tail, from_snapshot=snap)
     Console().print(status_table(state))
     return 0
@@ -250,7 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=_choices("mode"))
     run.add_argument("--steps", type=int)
     run.add_argument("--seed", type=int)
-    run.add_argument("--run-id")
+    run.add_argument("--run-id", help="[A-Za-z0-9][A-Za-z0-9._-]{0,127}; an existing one is refused without --resume")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an existing run id: reopen its log and start fresh workers that carry on from it",
+    )
     run.add_argument("--runs-dir", default="runs")
     run.add_argument("--inject", action="append", default=[], metavar="SPEC", help="fault injection, see DESIGN.md")
     run.add_argument("--vllm-url", action="append", help="an already running vLLM server (one per rank)")
@@ -311,7 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rank", type=int, default=0, help="rank of a rollout/rank worker")
     worker.add_argument("--name", help="consumer name (default: KIND-RANK or KIND)")
     worker.add_argument(
-        "--claim-idle-ms", type=int, default=5000, help="reclaim work a dead consumer left pending this long (ms)"
+        "--claim-idle-ms",
+        type=int,
+        default=None,
+        help="reclaim work whose owner missed its heartbeats this long (ms; default: the run's recovery.lost_after_s)",
     )
     worker.set_defaults(func=cmd_worker)
     return parser
@@ -323,6 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.json_logs or not sys.stderr.isatty() and os.environ.get("ROLLEDGER_PRETTY_LOGS") is None)
     try:
         code: int = args.func(args)
+    except CliError as exc:
+        print(f"rolledger {args.command}: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `rolledger audit RUN | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0

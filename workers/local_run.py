@@ -7,6 +7,17 @@ Steps: start Redis; build the tokenizer and the tiny policy, warm-start it (supe
 the reward worker and the trainer (each wrapped by its injected faults, workers/faults.py); follow the log with a
 live display until RunFinished; write summary.json.
 
+Inputs are refused before anything starts (`RunRefused`): a run id outside `RUN_ID_PATTERN` (no path separators,
+no `..`, no braces), a run id that already has a run (directory with a Redis URL, AOF or summary) or a log (unless `resume`: then the run's log is
+reopened and fresh workers continue it from the log; a finished run just gets its summary again), a busy metrics
+port. `runs/<id>/redis_url` holds the URL with its password redacted, mode 0600.
+
+SIGTERM/SIGINT of the driver (when it runs in the main thread) cancel the run: the coordinator thread is stopped,
+the driver appends the decision RunFinished (cancelled, reason "signal SIGTERM") through the coordinator's fenced path
+(`finish_as_coordinator` with `decide_cancel`), the workers stop, the summary is written, and `signalled` tells the
+CLI to exit 128 + the signal number. The summary is always written after every worker stopped, from the final log, so
+its numbers are the log's.
+
 The driver decides nothing about the run: the coordinator aborts it at its deadline (`config.run_deadline_s`, set
 from `RunOptions.deadline_s` when given) and fails it when a worker is lost. A crashed worker is replaced by its
 respawn; one nothing restarts is recorded as the fact `WorkerLost`, and the coordinator's decider ends the run. When
@@ -16,13 +27,19 @@ coordinator lease and appends the decision through the same conditional path (`f
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import signal
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 import redis
 import structlog
@@ -32,6 +49,7 @@ from transformers import PreTrainedTokenizerBase
 from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
+from rolledger.events.redact import redact
 from rolledger.events.snapshots import take_snapshot
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
@@ -50,12 +68,49 @@ from rolledger.workers.staging_store import DirectoryStagingStore
 from rolledger.workers.tasks import make_prompts, supervised_examples
 from rolledger.workers.trainer import TrainerWorker
 from rolledger.workers.weights import state_digest
+from rolledger.workflows.coordinator import decide_cancel
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.summary import Summary, summarize
 
 log = structlog.get_logger("run")
 
 DEADLINE_GRACE_S = 30.0  # how long past the run deadline the driver waits for the coordinator to end the run
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class RunRefused(ValueError):
+    """An input the run cannot start with (a bad or reused run id, a busy port): one line, nothing started."""
+
+
+def check_run_id(run_id: str) -> None:
+    """Refuse a run id that is empty, has path separators, `..`, braces, or characters outside RUN_ID_PATTERN."""
+    if not run_id:
+        raise RunRefused("run id is empty")
+    if "/" in run_id or "\\" in run_id or ".." in run_id or "{" in run_id or "}" in run_id:
+        raise RunRefused(f"run id {run_id!r} may not contain '/', '\\', '..' or braces")
+    if RUN_ID_PATTERN.fullmatch(run_id) is None:
+        raise RunRefused(f"run id {run_id!r} must match {RUN_ID_PATTERN.pattern}")
+
+
+def has_run(run_dir: Path) -> bool:
+    """Whether a directory already holds a run (its Redis URL, an AOF, a summary); a directory seeded with only a
+    policy (`model/`, as the vLLM tier prepares it) is not one."""
+    return run_dir.is_dir() and any(
+        (run_dir / name).exists() for name in ("redis_url", "summary.json", "appendonly.aof", "appendonlydir")
+    )
+
+
+def check_port_free(port: int, addr: str = "127.0.0.1") -> None:
+    """Refuse a metrics port something already listens on (or one out of range), before any worker starts."""
+    if not 0 < port < 65536:
+        raise RunRefused(f"--metrics-port {port} is not a port (1-65535)")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as exc:
+            why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise RunRefused(f"--metrics-port {port} on {addr}: {why}") from None
 
 
 @dataclass
@@ -71,6 +126,8 @@ class RunOptions:
     model_dir: Path | None = None  # an existing policy directory (no warm start); default runs/<run-id>/model
     on_progress: Callable[[Follower], None] | None = None
     on_warm_start: Callable[[int, float], None] | None = None  # (step, loss) of the supervised warm start
+    resume: bool = False  # continue the log of an existing run id instead of refusing it
+    handle_signals: bool = True  # SIGTERM/SIGINT cancel the run (only where the driver runs in the main thread)
 
 
 def new_run_id() -> str:
@@ -120,38 +177,92 @@ class LocalRun:
         if opts.deadline_s is not None:
             self.cfg = self.cfg.model_copy(update={"run_deadline_s": opts.deadline_s})
         self.injector = Injector(opts.injections)
-        self.run_id = opts.run_id or new_run_id()
+        self.run_id = opts.run_id if opts.run_id is not None else new_run_id()
+        check_run_id(self.run_id)
+        if opts.metrics_port is not None:
+            check_port_free(opts.metrics_port)
         self.run_dir = (opts.runs_dir / self.run_id).absolute()
+        if has_run(self.run_dir) and not opts.resume:
+            raise RunRefused(f"run {self.run_id!r} already exists ({self.run_dir}); pass --resume to continue it")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.embedded: EmbeddedRedis | None = None
         self.client: redis.Redis | None = None
         self.workers: list[Worker] = []
         self._close_engines: Callable[[], None] = lambda: None
+        self.signalled: int | None = None  # the signal that cancelled the run, if one did
+        self._signal_seen = threading.Event()
 
     def connect(self) -> redis.Redis:
         url = self.opts.redis_url or os.environ.get("REDIS_URL")
         if url is None:
             self.embedded = EmbeddedRedis(self.run_dir)
             url = self.embedded.start()
-        (self.run_dir / "redis_url").write_text(url + "\n")
+        url_file = self.run_dir / "redis_url"
+        url_file.unlink(missing_ok=True)
+        fd = os.open(url_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(redact(url) + "\n")
         self.client = connect(url)
+        if not self.opts.resume and EventLog(self.client, self.run_id).length() > 0:
+            raise RunRefused(f"run {self.run_id!r} already has a log at {redact(url)}; pass --resume to continue it")
         return self.client
 
     def execute(self, keep_events: dict[str, list[ev.Event]] | None = None) -> Summary:
         """Run to the end; `keep_events`, if given, receives the run's events under "events" (benchmarks)."""
-        client = self.connect()
+        restore = self._install_signal_handlers()
         try:
-            return self._execute(client, keep_events)
+            client = self.connect()
+            try:
+                follower = self._execute(client)
+                self._stop_workers()
+                return self._summarize(client, follower, keep_events)
+            finally:
+                self._stop_workers()
+                self._close_engines()
+                if self.embedded is not None:
+                    self.embedded.stop()
         finally:
-            for w in self.workers:
-                w.stop()
-            for w in self.workers:
-                w.join(timeout=30)
-            self._close_engines()
-            if self.embedded is not None:
-                self.embedded.stop()
+            restore()
 
-    def _execute(self, client: redis.Redis, keep_events: dict[str, list[ev.Event]] | None) -> Summary:
+    def _stop_workers(self) -> None:
+        for w in self.workers:
+            w.stop()
+        for w in self.workers:
+            w.join(timeout=30)
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        """SIGTERM and SIGINT cancel the run (see the module docstring); returns what puts the old handlers back."""
+        if not self.opts.handle_signals or threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if self.signalled is None:
+                self.signalled = signum
+            self._signal_seen.set()
+
+        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+        return restore
+
+    def _cancel(self, client: redis.Redis) -> None:
+        """End the run as cancelled by the signal: stop the coordinator thread (it releases its lease), then append
+        the decision under the coordinator lease through the fenced path."""
+        assert self.signalled is not None
+        name = signal.Signals(self.signalled).name
+        log.warning("signal received: cancelling the run", signal=name)
+        for w in self.workers:
+            if isinstance(w, Coordinator):
+                w.stop()
+                w.join(timeout=30)
+        reason = f"signal {name}"
+        if not finish_as_coordinator(client, self.run_id, "run", lambda state, now: decide_cancel(state, reason)):
+            raise RuntimeError(f"run {self.run_id}: could not record the cancellation under the coordinator lease")
+
+    def _execute(self, client: redis.Redis) -> Follower:
         cfg = self.cfg
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         model_dir = (self.opts.model_dir or self.run_dir / "model").absolute()
@@ -168,9 +279,9 @@ class LocalRun:
                     policy_version=0,
                 )
             )
-        if not self.opts.external_workers:
+        if not self.opts.external_workers and not self._signal_seen.is_set():
             self._start_workers(client, model, tokenizer, model_dir)
-        return self._follow(client, logbook, keep_events)
+        return self._follow(client, logbook)
 
     def _start_workers(
         self, client: redis.Redis, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_dir: Path
@@ -202,14 +313,19 @@ class LocalRun:
             w.scorer = mortal_scorer(w.scorer, self.injector)
         return w
 
-    def _follow(self, client: redis.Redis, logbook: EventLog, keep_events: dict[str, list[ev.Event]] | None) -> Summary:
-        """Follow the log (progress, metrics, dead workers) until the run finishes or its deadline passes."""
+    def _follow(self, client: redis.Redis, logbook: EventLog) -> Follower:
+        """Follow the log (progress, metrics, dead workers) until the run finishes, its deadline passes, or a signal
+        cancels it."""
         follower = Follower(logbook)
         metrics = RunMetrics()
         if self.opts.metrics_port is not None:
             metrics.serve(self.opts.metrics_port)
         give_up = time.monotonic() + self.cfg.run_deadline_s + DEADLINE_GRACE_S
         while not follower.state.status.is_terminal:
+            if self._signal_seen.is_set():
+                self._cancel(client)
+                follower.catch_up()
+                break
             metrics.observe(follower.state, (s.event for s in follower.poll(block_ms=200)))
             if self.opts.on_progress is not None:
                 self.opts.on_progress(follower)
@@ -219,8 +335,15 @@ class LocalRun:
                 if not finish_as_coordinator(client, self.run_id, "run"):
                     raise RuntimeError(f"run {self.run_id}: could not end the run under the coordinator lease")
                 give_up = float("inf")
+        return follower
+
+    def _summarize(
+        self, client: redis.Redis, follower: Follower, keep_events: dict[str, list[ev.Event]] | None
+    ) -> Summary:
+        """Once every worker stopped: fold the rest of the log, snapshot it, and write summary.json from it."""
+        follower.catch_up()
         take_snapshot(client, self.run_id, follower.state, follower.last_id)
-        events = [s.event for s in logbook.read()]
+        events = [s.event for s in follower.log.read()]
         if keep_events is not None:
             keep_events["events"] = events
         summary = summarize(follower.state, events)

@@ -14,6 +14,8 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from rolledger.events.redact import redact
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 ALLOWED_NETWORKS: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (
@@ -75,19 +77,19 @@ def check_engine_address(url: str, allow_remote: bool) -> CheckedAddress:
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        raise EngineAddressError(f"engine url {url!r}: scheme must be http or https, got {parts.scheme!r}")
+        raise EngineAddressError(f"engine url {redact(url)!r}: scheme must be http or https, got {parts.scheme!r}")
     host = parts.hostname
     if not host:
-        raise EngineAddressError(f"engine url {url!r} has no host")
+        raise EngineAddressError(f"engine url {redact(url)!r} has no host")
     try:
         port = parts.port
     except ValueError as e:
-        raise EngineAddressError(f"engine url {url!r}: bad port: {e}") from e
+        raise EngineAddressError(f"engine url {redact(url)!r}: bad port: {e}") from e
     addresses = _resolve(host, port)
     outside = [a for a in addresses if not is_allowed_ip(a)]
     if outside and not allow_remote:
         raise EngineAddressError(
-            f"engine url {url!r}: host {host!r} resolves to {', '.join(map(str, outside))}, outside loopback and "
+            f"engine url {redact(url)!r}: host {host!r} resolves to {', '.join(map(str, outside))}, outside loopback and "
             "private networks. vLLM's RL routes (/pause, /collective_rpc, /update_weight_version) are "
             "unauthenticated; bind the server to a private network, or set allow_remote_engines=true to accept "
             "the risk."

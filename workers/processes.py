@@ -55,7 +55,7 @@ def run_coordinator(redis_url: str, run_id: str) -> int:
 
 
 def run_worker(
-    kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int = 5000
+    kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int | None = None
 ) -> int:
     from rolledger.workers.policy_model import load_policy
 

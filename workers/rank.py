@@ -42,7 +42,7 @@ class RankWorker(Worker):
         rank: int,
         engine: Engine,
         *,
-        claim_idle_ms: int = 5000,
+        claim_idle_ms: int | None = None,
         initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         super().__init__(client, run_id, f"rank-{rank}")

@@ -13,6 +13,7 @@ import redis
 
 from rolledger.events.consumer import GroupConsumer
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import SampleStatus
 from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.tasks import score
 
@@ -27,13 +28,16 @@ class RewardWorker(Worker):
         name: str,
         tokenizer: Any,
         *,
-        claim_idle_ms: int = 5000,
+        claim_idle_ms: int | None = None,
     ) -> None:
         super().__init__(client, run_id, name)
         self.tokenizer = tokenizer
         # the finished samples of one read -> their scores; a fault wrapper may replace it
         self.scorer: Callable[[Sequence[ev.SampleFinished]], Sequence[ev.SampleScored]] = self.score_samples
-        self.consumer = GroupConsumer(client, run_id, "reward", name, claim_idle_ms=claim_idle_ms)
+        self.claim_idle_ms = claim_idle_ms  # None: the run's recovery.lost_after_s, once its config is folded
+        self.consumer = GroupConsumer(
+            client, run_id, "reward", name, claim_idle_ms=claim_idle_ms if claim_idle_ms is not None else 30_000
+        )
         self.follower = Follower(self.log)
         self.scored = 0
 
@@ -43,7 +47,7 @@ class RewardWorker(Worker):
             self.run_id,
             self.next_name(),
             self.tokenizer,
-            claim_idle_ms=self.consumer.claim_idle_ms,
+            claim_idle_ms=self.claim_idle_ms,
         )
 
     def completion_text(self, token_ids: list[int]) -> str:
@@ -62,6 +66,9 @@ class RewardWorker(Worker):
                 self.follower.catch_up()
                 continue
             self.follower.catch_up()
+            cfg = self.follower.state.config
+            if self.claim_idle_ms is None and cfg is not None:
+                self.consumer.claim_idle_ms = cfg.recovery.lost_after_ms
             finished = [
                 p
                 for p in (d.event.payload for d in deliveries)
@@ -84,6 +91,7 @@ class RewardWorker(Worker):
         return out
 
     def _already_scored(self, p: ev.SampleFinished) -> bool:
+        """Scored already, or not finished in the log (a late result of a rank that lost the sample's group)."""
         g = self.follower.state.groups.get(p.trajectory.group_id)
         smp = g.samples.get(p.trajectory.index) if g else None
-        return smp is not None and smp.reward is not None
+        return smp is not None and (smp.reward is not None or smp.status != SampleStatus.FINISHED)

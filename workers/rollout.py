@@ -8,13 +8,24 @@ the coordinator closed the group, SampleFailed when the engine fails. A group re
 has its orphaned samples closed with SampleFailed, so no sample is counted twice and none is left without a
 terminal event. A WorkerKilled from the engine (an injected fault) ends the thread without acknowledging its entry;
 the rank's control thread starts a new one, which reclaims it.
+
+Heartbeats: from the moment a group is delivered until its entry is acknowledged, a small thread refreshes the claim
+every `recovery.heartbeat_s` (`GroupConsumer.refresh`, one round trip per beat), so another rank reclaims the entry
+only once this rank missed its beats for `recovery.lost_after_s` (a dead or stopped process), however long the group
+takes. The reclaim deadline is "missed beats", not a budget per declared token: with a live heartbeat a long group
+is never mistaken for a lost one, so no per-`max_tokens` estimate is needed. A rank that comes back after losing its
+claim (a SIGSTOP past the deadline) learns it from its next beat, or from the ownership check made before every
+append: it cuts the generation short and appends nothing more for that group (the reclaimer has closed its samples);
+a result that raced past the check is counted by the reducer as a late result, not an anomaly.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
+
+import redis
 
 from rolledger.events.consumer import Delivery, GroupConsumer
 from rolledger.schemas import events as ev
@@ -23,15 +34,63 @@ from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.workers.engine import GroupOutput, SampleOutput
 from rolledger.workers.runtime import WorkerKilled
 from rolledger.workflows.rank import may_serve
+from rolledger.workflows.update import about_to_be_quarantined
 
 if TYPE_CHECKING:
     from rolledger.workers.rank import RankWorker
 
 _SEEN_WITHIN_S = 30.0  # how long a delivered group may take to reach the rank's folded state
+_NO_CONFIG_CLAIM_MS = 30_000  # before the run's config is known (never: a rank serves only once it joined)
+
+
+class ClaimLost(Exception):
+    """Another consumer reclaimed the group this rank was working on: stop, append nothing more for it."""
+
+
+class Heartbeat:
+    """Keeps this consumer's claim on one entry alive while the rollout works on it (a thread beating every
+    `interval_s`); `lost` is set once a beat finds the entry owned by another consumer."""
+
+    def __init__(self, consumer: GroupConsumer, stream_id: str, interval_s: float) -> None:
+        self.consumer = consumer
+        self.stream_id = stream_id
+        self.interval_s = interval_s
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"{consumer.consumer}-heartbeat", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 5.0)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s) and not self.lost.is_set():
+            self.owned()
+
+    def owned(self) -> bool:
+        """Beat now: is the entry still this consumer's? (A failed round trip is a missed beat, not a loss.)"""
+        if self.lost.is_set():
+            return False
+        try:
+            mine = self.stream_id in self.consumer.refresh(self.stream_id)
+        except redis.RedisError:
+            return True
+        if not mine:
+            self.lost.set()
+        return mine
+
+    def check(self) -> None:
+        """Before an append: raise ClaimLost when the entry is no longer this consumer's."""
+        if not self.owned():
+            raise ClaimLost(self.stream_id)
 
 
 class Rollout:
-    def __init__(self, worker: RankWorker, claim_idle_ms: int) -> None:
+    def __init__(self, worker: RankWorker, claim_idle_ms: int | None) -> None:
         self.w = worker
         self.claim_idle_ms = claim_idle_ms
         self.incarnation = 0
@@ -43,10 +102,22 @@ class Rollout:
             return
         self.incarnation += 1
         name = self.w.name if self.incarnation == 1 else f"{self.w.name}.{self.incarnation}"
-        consumer = GroupConsumer(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_idle_ms)
+        consumer = GroupConsumer(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_ms())
         consumer.ensure_group()
         self._thread = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
         self._thread.start()
+
+    def claim_ms(self) -> int:
+        """How long an entry may go without a heartbeat before this rank reclaims it: the override given to the worker
+        (`--claim-idle-ms`), else the run's `recovery.lost_after_s`."""
+        if self.claim_idle_ms is not None:
+            return self.claim_idle_ms
+        cfg = self.w.state.config
+        return cfg.recovery.lost_after_ms if cfg is not None else _NO_CONFIG_CLAIM_MS
+
+    def heartbeat_s(self) -> float:
+        cfg = self.w.state.config
+        return cfg.recovery.heartbeat_s if cfg is not None else 1.0
 
     def join(self, timeout: float) -> None:
         with self.w.lock:
@@ -94,10 +165,20 @@ class Rollout:
             return "skip", []
         if not may_serve(self.w.state, self.w.rank, live_version=self.w.engine.policy_version):
             return "wait", []
+        if about_to_be_quarantined(self.w.state, self.w.rank, time.time()):
+            return "wait", []  # the open update's abort will quarantine this rank: start nothing now
         self.w.running += 1
         return "start", []
 
     def _generate_group(self, d: Delivery, consumer: GroupConsumer) -> bool:
+        with Heartbeat(consumer, d.stream_id, self.heartbeat_s()) as beat:
+            try:
+                return self._take_group(d, consumer, beat)
+            except ClaimLost:
+                self.w.logger.warning("group reclaimed by another rank; dropping it", entry=d.stream_id)
+                return True  # not ours to acknowledge any more
+
+    def _take_group(self, d: Delivery, consumer: GroupConsumer, beat: Heartbeat) -> bool:
         p = d.event.payload
         assert isinstance(p, ev.GroupAdmitted)
         seen_by = time.monotonic() + _SEEN_WITHIN_S
@@ -114,11 +195,13 @@ class Rollout:
                     return True
                 self.w.lock.wait(timeout=0.2)  # woken by every fold of the control thread
         if verdict == "skip":
+            if orphans:
+                beat.check()
             self.w.emitter.emit(orphans, policy_version=self.w.engine.policy_version, causation_id=d.event.event_id)
             consumer.ack(d.stream_id)
             return True
         try:
-            self._run(d, p)
+            self._run(d, p, beat)
             consumer.ack(d.stream_id)
             self.groups_done += 1
             return True
@@ -127,12 +210,13 @@ class Rollout:
                 self.w.running -= 1
                 self.w.lock.notify_all()
 
-    def _run(self, d: Delivery, p: ev.GroupAdmitted) -> None:
+    def _run(self, d: Delivery, p: ev.GroupAdmitted, beat: Heartbeat) -> None:
         engine, rank = self.w.engine, self.w.rank
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
         version, digest = engine.policy_version, engine.weights_digest()
 
         def emit(*payloads: ev.Payload) -> None:
+            beat.check()  # still ours? (a reclaimed group gets nothing more from this rank)
             self.w.emitter.emit(list(payloads), policy_version=engine.policy_version, causation_id=d.event.event_id)
 
         emit(
@@ -151,6 +235,8 @@ class Rollout:
         started = time.perf_counter()
 
         def should_cancel(_: int) -> bool:
+            if beat.lost.is_set():
+                return True
             with self.w.lock:
                 return not self._open(p.group_id)
 
@@ -170,7 +256,7 @@ class Rollout:
                 )  # type: ignore[call-arg]  # streaming engines take on_sample (EngineCapabilities.streams_samples)
             else:
                 out = engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
-        except WorkerKilled:
+        except (WorkerKilled, ClaimLost):
             raise
         except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
             emit(

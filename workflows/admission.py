@@ -3,9 +3,20 @@
 Three gates, each a pause reason the controller owns (the update and handoff coordinators own theirs):
 - bytes: completed-but-untrained bytes plus the estimated bytes of groups in flight plus the new group must stay
   within `admission.max_queued_bytes`: admission stops *before* the queue outgrows its cap.
-- lag: a group admitted now is consumed around trainer step floor(C / groups_per_step), C the groups admitted and not
-  cancelled; the published version then is at most that step, so admission stops when that step minus the current
-  version would exceed `admission.max_lag` (the bounded-staleness rule AReaL uses, counted in groups).
+- lag: a group admitted now is consumed around trainer step floor(C / groups_per_step) + 1, C the groups admitted
+  before it and not cancelled or dropped. Admission stops when that step lies more than `admission.max_lag` steps
+  beyond the trainer's *settled progress* (`settled_version`): the newest version whose update transaction has
+  closed, published or aborted (never less than the published version). Versions are numbered by trainer steps (one
+  staged per step, a number never reused), so this counts how far generation runs ahead of the trainer, in steps.
+  Why not against the published version: an aborted update never advances it, while every step still consumes
+  groups; after max_lag + 1 aborts every group the trainer needs next would count as "too far ahead", nothing would
+  be admitted, the trainer would wait for groups and no update would come - a hang. Against settled progress every
+  closed update, committed or not, moves the horizon one step, and the groups of the trainer's next step are always
+  within it (their consumption step is settled + 1, lag 0), so the gate can never hold back the work the trainer
+  needs: it only bounds how far generation runs ahead. Staleness stays bounded all the same: the trainer drops a
+  group whose published-version lag exceeds max_lag when it plans a step (workflows/trainer.py, the second check),
+  so after an abort a few groups may be generated and then dropped (they are replaced), never trained on. In a run
+  without aborts the settled version is the published one and the rule is the one AReaL uses, counted in groups.
 - rate: generation is throttled to the trainer's drain rate: completed-or-in-flight groups ahead of the trainer are
   kept to two batches (one being trained on, one ready). By Little's law the queue is the surplus rate times the
   update period; this cap keeps the surplus from accumulating.
@@ -72,13 +83,20 @@ class Gates:
         ]
 
 
+def settled_version(state: RunState) -> int:
+    """The trainer's settled progress: the newest version whose update closed (published or aborted), at least the
+    published version. The lag gate measures the admission horizon against it (see the module docstring)."""
+    closed = [v for v, u in state.updates.items() if not u.open]
+    return max([state.policy_version, *closed])
+
+
 def gates(state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int) -> Gates:
     """The three gates, as if `extra_groups` more groups of `extra_bytes` in all were admitted now."""
     adm = cfg.admission
     inflight_bytes = sum(g.est_bytes for g in state.groups.values() if g.status.is_open)
     projected_bytes = state.admission.queued_bytes + inflight_bytes + extra_bytes
     live = sum(1 for g in state.groups.values() if g.status not in _GONE_BEFORE_TRAINING) + extra_groups
-    projected_lag = (live - 1) // cfg.trainer.groups_per_step - state.policy_version if live else 0
+    projected_lag = (live - 1) // cfg.trainer.groups_per_step - settled_version(state) if live else 0
     untrained = sum(1 for g in state.groups.values() if g.untrained) + extra_groups
     return Gates(
         bytes_ok=projected_bytes <= adm.max_queued_bytes,

@@ -12,6 +12,12 @@ update-attempt tracker that lineage shares audit_attempts.
 
 The precise definitions checked (v is a policy version, r a rank):
 
+0. The log is whole. Every entry decodes: an undecodable entry is a warning, and a violation naming its stream id
+   when its type field names a decision (`DECISION_TYPES`: what the coordinator decides); every dead-letter entry
+   is a warning; an event after RunFinished is a violation (the first few named). Duplicate event ids are found
+   over the whole log (the reducer's id window is bounded; its folds are idempotent by their own keys instead).
+   A log without RunFinished makes the report UNFINISHED, not OK (`AuditReport.verdict`).
+
 1. One version per sample. A SampleFinished's trajectory holds one policy version (its `policy_version` and the
    version of every span) and one weights digest, unless the run's config says `interruptible`; then the spans must
    stamp every generated token: contiguous from 0 to len(token_ids), versions non-decreasing, the first span on the
@@ -55,14 +61,63 @@ The precise definitions checked (v is a policy version, r a rank):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
+from rolledger.schemas import events as ev
 from rolledger.schemas.events import Event, RunStarted
 from rolledger.workflows import audit_groups, audit_samples, audit_updates
 from rolledger.workflows.audit_context import Auditor, Unit
-from rolledger.workflows.audit_report import AuditReport, AuditWarning, Violation, WarningKind
+from rolledger.workflows.audit_report import LOG_INTEGRITY, AuditReport, AuditWarning, Verdict, Violation, WarningKind
+from rolledger.workflows.coordinator import DURABLE_DECISIONS
 from rolledger.workflows.dispatch import Handlers
 
-__all__ = ["AuditReport", "AuditWarning", "Violation", "WarningKind", "audit"]
+__all__ = ["DECISION_TYPES", "AuditReport", "AuditWarning", "Verdict", "Violation", "WarningKind", "audit"]
+
+# Every event the coordinator decides (workflows/coordinator.py and the deciders it calls: update, groups,
+# admission, handoff), the durable ones first. Losing one to an undecodable entry changes what the run decided.
+_DECISIONS: tuple[type[ev.Payload], ...] = (
+    *DURABLE_DECISIONS,
+    ev.RunFinished,
+    ev.PrepareRequested,
+    ev.AdmissionPaused,
+    ev.AdmissionResumed,
+    ev.GroupAdmitted,
+    ev.GroupCompleted,
+    ev.GroupCancelled,
+    ev.RankQuarantined,
+)
+DECISION_TYPES: frozenset[str] = frozenset(t.model_fields["type"].default for t in _DECISIONS)
+AFTER_END_NAMED = 5  # how many ids of events after RunFinished a violation names
+
+
+class UndecodableEntry(Protocol):
+    """A log entry that did not decode (events.scan.Undecodable is one)."""
+
+    @property
+    def stream_id(self) -> str: ...
+
+    @property
+    def event_type(self) -> str | None: ...
+
+    @property
+    def reason(self) -> str: ...
+
+
+class DeadLetterEntry(Protocol):
+    """One dead-letter stream entry (events.store.DeadLetter is one)."""
+
+    @property
+    def dead_letter_id(self) -> str: ...
+
+    @property
+    def source(self) -> str | None: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def consumer(self) -> str: ...
+
 
 HANDLERS: Handlers[Auditor, None] = Handlers.merge(
     "audit", audit_groups.handlers, audit_samples.handlers, audit_updates.handlers
@@ -77,7 +132,8 @@ def _feed(ctx: Auditor, event: Event) -> None:
         if prior == event:
             ctx.warn(
                 WarningKind.DUPLICATE,
-                f"event {event.event_id} ({event.type}) appears twice; the copy is ignored",
+                f"event {event.event_id} ({event.type}) appears twice (first at entry {ctx.order[event.event_id]}); "
+                "the copy is ignored",
                 event,
             )
         else:
@@ -104,7 +160,7 @@ def _feed(ctx: Auditor, event: Event) -> None:
         ctx.warned_no_start = True
         ctx.warn(WarningKind.MALFORMED, f"{event.type} before RunStarted; defaults assumed until it comes", event)
     if ctx.run_finished is not None:
-        ctx.warn(WarningKind.MALFORMED, f"{event.type} after RunFinished {ctx.run_finished.event_id}", event)
+        ctx.after_end.append(event)
     if ctx.run_id is not None and event.run_id != ctx.run_id:
         ctx.warn(WarningKind.MALFORMED, f"{event.type} belongs to run {event.run_id!r}, not {ctx.run_id!r}", event)
     try:
@@ -114,10 +170,63 @@ def _feed(ctx: Auditor, event: Event) -> None:
     ctx.last_event = event
 
 
+def _log_findings(
+    ctx: Auditor, undecodable: Sequence[UndecodableEntry], dead_letters: Sequence[DeadLetterEntry]
+) -> None:
+    """Every entry that is not an event is a finding; one that names a decision is a violation (the run decided
+    something the log no longer says); every dead letter is a finding; events after RunFinished are violations."""
+    for u in undecodable:
+        ctx.checked[LOG_INTEGRITY] += 1
+        what = u.event_type or "entry of unknown type"
+        if u.event_type in DECISION_TYPES:
+            ctx.violations.append(
+                Violation(
+                    LOG_INTEGRITY,
+                    f"log entry {u.stream_id} is a decision ({u.event_type}) that cannot be decoded: {u.reason}",
+                    (u.stream_id,),
+                )
+            )
+        else:
+            ctx.warnings.append(
+                AuditWarning(
+                    WarningKind.UNDECODABLE,
+                    f"log entry {u.stream_id} ({what}) cannot be decoded and was not checked: {u.reason}",
+                    (u.stream_id,),
+                )
+            )
+    for d in dead_letters:
+        ctx.warnings.append(
+            AuditWarning(
+                WarningKind.DEAD_LETTER,
+                f"dead letter {d.dead_letter_id} from {d.consumer} (source {d.source or '?'}): {d.reason}",
+                (d.dead_letter_id,) + ((d.source,) if d.source else ()),
+            )
+        )
+    if ctx.run_finished is not None:
+        ctx.checked[LOG_INTEGRITY] += 1
+    if ctx.after_end and ctx.run_finished is not None:
+        named = ", ".join(f"{e.type} {e.event_id}" for e in ctx.after_end[:AFTER_END_NAMED])
+        more = len(ctx.after_end) - AFTER_END_NAMED
+        ctx.violations.append(
+            Violation(
+                LOG_INTEGRITY,
+                f"{len(ctx.after_end)} events after RunFinished {ctx.run_finished.event_id}: {named}"
+                + (f" and {more} more" if more > 0 else ""),
+                (ctx.run_finished.event_id, *(e.event_id for e in ctx.after_end[:AFTER_END_NAMED])),
+            )
+        )
+
+
 def _finish(
     ctx: Auditor, replay_digests: tuple[str, str] | None, snapshot_checks: Sequence[tuple[str, str, str]]
 ) -> AuditReport:
     end = ctx.run_finished
+    if end is None:
+        ctx.warn(
+            WarningKind.UNFINISHED,
+            "the log has no RunFinished: the run is still going or was killed; the report is UNFINISHED",
+            ctx.last_event,
+        )
     for kind, units in (("sample", ctx.samples), ("group", ctx.groups)):
         for uid, unit in units.items():
             ctx.checked[7] += 1
@@ -152,7 +261,7 @@ def _finish(
     return AuditReport(
         violations=tuple(ctx.violations),
         warnings=tuple(ctx.warnings),
-        checked={i: ctx.checked.get(i, 0) for i in range(1, 9)},
+        checked={i: ctx.checked.get(i, 0) for i in range(LOG_INTEGRITY, 9)},
         events=ctx.count,
         run_id=ctx.run_id,
         run_finished=end is not None,
@@ -164,10 +273,14 @@ def audit(
     *,
     replay_digests: tuple[str, str] | None = None,
     snapshot_checks: Sequence[tuple[str, str, str]] = (),
+    undecodable: Sequence[UndecodableEntry] = (),
+    dead_letters: Sequence[DeadLetterEntry] = (),
 ) -> AuditReport:
     """Check invariants 1-8 over `events` (log order). `replay_digests`: the state digests of two replays of the
-    log; `snapshot_checks`: (snapshot event id, digest stored in the snapshot, digest the replay computed)."""
+    log; `snapshot_checks`: (snapshot event id, digest stored in the snapshot, digest the replay computed);
+    `undecodable`: the log's entries that did not decode; `dead_letters`: the run's dead-letter stream."""
     auditor = Auditor()
     for event in events:
         _feed(auditor, event)
+    _log_findings(auditor, undecodable, dead_letters)
     return _finish(auditor, replay_digests, snapshot_checks)

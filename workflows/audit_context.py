@@ -83,7 +83,8 @@ class Auditor:
         self.run_finished: Event | None = None
         self.run_id: str | None = None
         self.count = 0
-        self.seen: dict[str, Event] = {}
+        self.seen: dict[str, Event] = {}  # every event id of the whole log: duplicates are found however far apart
+        self.after_end: list[Event] = []  # events appended after RunFinished
         self.max_id_by_producer: dict[str, str] = {}
         self.groups: dict[str, GroupUnit] = {}
         self.samples: dict[str, Unit] = {}

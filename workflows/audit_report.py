@@ -7,7 +7,10 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
+LOG_INTEGRITY = 0  # the pseudo-invariant of the log itself: whole, decodable, nothing after its end
+
 INVARIANTS: dict[int, str] = {
+    LOG_INTEGRITY: "the log is whole: every decision decodes, no event after RunFinished",
     1: "no sample holds tokens from two policy versions (unless interruptible, and then each span is stamped)",
     2: "no admission and no generation between an update's pause and its PolicyPublished/UpdateAborted",
     3: "every UpdateCommitted is preceded by RankPrepared from every rank (same version and manifest); "
@@ -34,6 +37,17 @@ class WarningKind(StrEnum):
     UNRESOLVED_UPDATE = "unresolved_update"  # an update neither committed nor aborted, or committed and not published
     QUEUED_BYTES = "queued_bytes"  # the log's queued bytes above the cap at an admission
     INTERNAL = "internal"  # the auditor could not check an event
+    UNDECODABLE = "undecodable"  # a log entry that is not an event (garbage, unknown type, newer schema)
+    DEAD_LETTER = "dead_letter"  # an entry some consumer could not process and copied to the dead-letter stream
+    UNFINISHED = "unfinished"  # the log has no RunFinished
+
+
+class Verdict(StrEnum):
+    """The headline of a report: OK only for a finished run whose every invariant holds."""
+
+    OK = "OK"
+    VIOLATED = "VIOLATED"  # at least one violation
+    UNFINISHED = "UNFINISHED"  # no violation, but the run never finished: open work is not proven lost or done
 
 
 @dataclass(frozen=True)
@@ -66,14 +80,28 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
+        """No invariant is violated (so far: see `passed` for a finished run)."""
         return not self.violations
+
+    @property
+    def verdict(self) -> Verdict:
+        if self.violations:
+            return Verdict.VIOLATED
+        return Verdict.OK if self.run_finished else Verdict.UNFINISHED
+
+    @property
+    def passed(self) -> bool:
+        """What `rolledger audit` exits 0 on: a finished run with no violation."""
+        return self.verdict is Verdict.OK
 
     def for_invariant(self, invariant: int) -> tuple[Violation, ...]:
         return tuple(v for v in self.violations if v.invariant == invariant)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok,
+            "ok": self.passed,
+            "verdict": str(self.verdict),
+            "invariants_hold": self.ok,
             "run_id": self.run_id,
             "events": self.events,
             "run_finished": self.run_finished,
@@ -87,8 +115,13 @@ class AuditReport:
 
     def render(self) -> str:
         """Human text: one line per invariant, then the violations and warnings."""
-        lines = [f"audit of run {self.run_id or '?'}: {self.events} events, {'OK' if self.ok else 'VIOLATED'}"]
-        for inv in range(1, 9):
+        lines = [f"audit of run {self.run_id or '?'}: {self.events} events, {self.verdict}"]
+        if self.verdict is Verdict.UNFINISHED:
+            lines.append(
+                "  UNFINISHED: the log has no RunFinished (still running, or killed): units in flight are neither "
+                "proven done nor lost, and invariant 7 is only checked at the end"
+            )
+        for inv in sorted(INVARIANTS):
             bad = len(self.for_invariant(inv))
             mark = "ok " if bad == 0 else "FAIL"
             lines.append(f"  [{mark}] {inv}. {INVARIANTS[inv]} ({self.checked.get(inv, 0)} checked, {bad} violated)")

@@ -5,10 +5,16 @@ are produced here and nowhere else. Workers append facts (`TrainStepRefused`: th
 that did not arrive; `WorkerLost`: a crashed worker nothing restarts), and `decide_terminal` turns them into the
 run's end; the coordinator worker appends that under its lease with `append_if`, like every other decision.
 
-- `decide_terminal(state, now)`: the run ends now (failed: a refused step, a lost worker, ranks that never joined;
-  aborted: the run deadline `config.run_deadline_s` after RunStarted passed). A driver that must finish a run
+- `decide_terminal(state, now)`: the run ends now (failed: a refused step, a lost worker, ranks that never joined,
+  `update.max_consecutive_aborts` updates aborted in a row with none published between, or no rank in service for
+  `recovery.no_rank_in_service_s` since the last one was quarantined; aborted: the run deadline
+  `config.run_deadline_s` after RunStarted passed). Each reason names its cause (the aborted versions and why, the
+  quarantined ranks). With the lag gate measured against settled progress (workflows/admission.py), quarantine of
+  the ranks that made an update abort (workflows/update.py) and these two terminals, every RUNNING state has a way
+  forward: the next update, a rank rejoining, or the run's end (tests/test_liveness_properties.py checks it). A driver that must finish a run
   without a live coordinator uses this part alone, through the same fenced path.
 - `decide_run_end(state)`: the orderly end once the last step is taken: cancel what is in flight, then completed.
+- `decide_cancel(state, reason)`: the operator stopped the run (SIGTERM/SIGINT of `rolledger run`): cancelled now.
 - `decide(state, now, fence, inputs)`: every decision on this state, in priority order.
 - `DURABLE_DECISIONS`: decisions whose loss in a host crash would let a restarted coordinator decide differently.
 """
@@ -16,11 +22,11 @@ run's end; the coordinator worker appends that under its lease with `append_if`,
 from __future__ import annotations
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import AdmissionReason, EngineStatus, RunStatus, SampleStatus
+from rolledger.schemas.statuses import AdmissionReason, EngineStatus, RunStatus, SampleStatus, UpdateStatus
 from rolledger.workflows.admission import AdmissionInputs, decide_admission
 from rolledger.workflows.groups import decide_groups
 from rolledger.workflows.handoff import decide_handoff
-from rolledger.workflows.state import RunState
+from rolledger.workflows.state import RunState, UpdateState
 from rolledger.workflows.update import decide_update
 
 DURABLE_DECISIONS: tuple[type[ev.Payload], ...] = (ev.UpdateCommitted, ev.UpdateAborted, ev.PolicyPublished)
@@ -50,9 +56,43 @@ def decide_terminal(state: RunState, now: float) -> list[ev.Payload]:
         return [
             ev.RunFinished(status="failed", reason=f"ranks {missing} did not join within {cfg.join_deadline_s:g} s")
         ]
+    aborts = consecutive_aborts(state)
+    if len(aborts) >= cfg.update.max_consecutive_aborts:
+        causes = "; ".join(f"v{u.version}: {u.abort_reason}" for u in aborts)
+        return _halt(state, f"{len(aborts)} updates aborted in a row ({causes})")
+    if not missing and not any(r.status.in_service for r in state.ranks.values()):
+        since = max(r.quarantined_at for r in state.ranks.values())
+        if now > since + cfg.recovery.no_rank_in_service_s:
+            ranks = sorted(state.ranks)
+            return _halt(
+                state, f"no rank in service for {cfg.recovery.no_rank_in_service_s:g} s (ranks {ranks} quarantined)"
+            )
     if now > state.first_wall_time + cfg.run_deadline_s:
         return [ev.RunFinished(status="aborted", reason="run deadline passed", steps=state.trainer.step)]
     return []
+
+
+def decide_cancel(state: RunState, reason: str) -> list[ev.Payload]:
+    """The run is stopped from outside (a signal to its driver): close admission, then RunFinished(cancelled)."""
+    if state.status != RunStatus.RUNNING:
+        return []
+    out: list[ev.Payload] = []
+    if AdmissionReason.MANUAL not in state.admission.paused:
+        out.append(ev.AdmissionPaused(reason="manual", detail=reason))
+    out.append(ev.RunFinished(status="cancelled", reason=reason, steps=state.trainer.step))
+    return out
+
+
+def consecutive_aborts(state: RunState) -> list[UpdateState]:
+    """The aborted updates since the last published one, oldest first (an open transaction is not counted)."""
+    run: list[UpdateState] = []
+    for v in sorted(state.updates, reverse=True):
+        u = state.updates[v]
+        if u.status == UpdateStatus.ABORTED:
+            run.append(u)
+        elif u.status == UpdateStatus.PUBLISHED:
+            break
+    return run[::-1]
 
 
 def decide_run_end(state: RunState) -> list[ev.Payload]:

@@ -6,7 +6,7 @@ caller gives the old state up (use `evolve` to keep it). An impossible transitio
 group, a commit without every rank prepared, a duplicate event id) is recorded in `state.anomalies`, never raised:
 audit reports anomalies, and a live run keeps going on the part of the log that makes sense.
 
-`fold` (the envelope bookkeeping: duplicates, counts, wall times) is here; the handlers of each event family are in
+`fold` (the envelope bookkeeping: duplicates, events after the end, counts, wall times) is here; the handlers of each event family are in
 their own module (reducer_run, reducer_rollout, reducer_trainer, reducer_update, reducer_engine), registered with
 workflows.dispatch and merged into one table here.
 """
@@ -37,10 +37,14 @@ _TABLE = HANDLERS.table  # fold looks its handler up here directly: one dict loo
 
 
 def fold(state: RunState, event: ev.Event) -> RunState:
-    """Apply one event. A duplicate event id (within the recent window) is recorded and not applied twice."""
+    """Apply one event. A duplicate event id (within the recent window) is recorded and not applied twice; an older
+    duplicate reaches its handler, whose fold is idempotent by its own key (a step, a group, a sample, a version).
+    An event after RunFinished is recorded as an anomaly (and applied: the log says it happened)."""
     if event.event_id in state.recent_ids:
         anomaly(state, event, "duplicate event id; not applied again")
         return state
+    if state.status.is_terminal and type(event.payload) is not ev.RunFinished:
+        anomaly(state, event, f"{event.type} after RunFinished ({state.status})")
     state.recent_ids[event.event_id] = None
     if len(state.recent_ids) > _RECENT_IDS:
         del state.recent_ids[next(iter(state.recent_ids))]

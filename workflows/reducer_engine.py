@@ -79,7 +79,7 @@ def _rank_joined(s: RunState, e: ev.Event, p: ev.RankJoined) -> None:
 def _rank_quarantined(s: RunState, e: ev.Event, p: ev.RankQuarantined) -> None:
     r = find_rank(s, e, p.rank)
     if r is not None:
-        r.status, r.quarantined_event = EngineStatus.QUARANTINED, e.event_id
+        r.status, r.quarantined_event, r.quarantined_at = EngineStatus.QUARANTINED, e.event_id, e.wall_time
     u = s.updates.get(p.version)
     if u is not None and p.rank not in u.quarantined:
         u.quarantined.append(p.rank)

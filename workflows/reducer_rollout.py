@@ -1,4 +1,12 @@
-"""The reducer's rollout and reward events: samples starting and ending, groups completing or cancelled, scores."""
+"""The reducer's rollout and reward events: samples starting and ending, groups completing or cancelled, scores.
+
+Late results. Rollout work is delivered at least once: a rank whose heartbeat stopped (a stopped process, a long
+pause) loses its group to another rank, which closes the samples still running with SampleFailed ("worker lost";
+`state.reclaimed` records each such sample and the rank that started it). If the first rank comes back and appends
+results for those samples before it sees it lost its claim, they are the expected leftovers of at-least-once
+delivery, not impossible transitions: each is counted in `state.late_results` and otherwise ignored (no anomaly).
+The same event from any other rank, or for a sample that was not reclaimed, is still an anomaly.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +40,11 @@ def _sample_started(s: RunState, e: ev.Event, p: ev.SampleStarted) -> None:
 
 
 def _sample(
-    s: RunState, e: ev.Event, group_id: str, index: int, sample_id: str
+    s: RunState, e: ev.Event, group_id: str, index: int, sample_id: str, rank: int | None
 ) -> tuple[GroupState, SampleState] | None:
+    """The sample an end event is for, while it is still running; None (recorded) otherwise. `rank`: the rank the
+    event comes from, when it says (a late result from the rank that lost the sample's group is counted, not an
+    anomaly)."""
     g = find_group(s, e, group_id)
     if g is None:
         return None
@@ -42,7 +53,10 @@ def _sample(
         anomaly(s, e, f"sample {sample_id} has no SampleStarted")
         smp = g.samples[index] = SampleState(sample_id, index, SampleStatus.STARTED, -1, e.policy_version)
     elif smp.status.is_terminal:
-        anomaly(s, e, f"sample {sample_id} already {smp.status}")
+        if rank is not None and s.reclaimed.get(sample_id) == rank:
+            s.late_results += 1
+        else:
+            anomaly(s, e, f"sample {sample_id} already {smp.status}")
         return None
     return g, smp
 
@@ -50,7 +64,7 @@ def _sample(
 @handlers.on(ev.SampleFinished)
 def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
     t = p.trajectory
-    found = _sample(s, e, t.group_id, t.index, t.trajectory_id)
+    found = _sample(s, e, t.group_id, t.index, t.trajectory_id, t.rank)
     if found is None:
         return
     g, smp = found
@@ -66,9 +80,12 @@ def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
 
 @handlers.on(ev.SampleFailed)
 def _sample_failed(s: RunState, e: ev.Event, p: ev.SampleFailed) -> None:
-    found = _sample(s, e, p.group_id, p.index, p.sample_id)
+    found = _sample(s, e, p.group_id, p.index, p.sample_id, p.rank)
     if found is not None:
-        found[1].status = SampleStatus.FAILED
+        smp = found[1]
+        smp.status = SampleStatus.FAILED
+        if smp.rank >= 0 and p.rank != smp.rank:  # another rank closed it: it reclaimed the group
+            s.reclaimed[p.sample_id] = smp.rank
 
 
 @handlers.on(ev.SampleCancelled)
@@ -80,7 +97,10 @@ def _sample_cancelled(s: RunState, e: ev.Event, p: ev.SampleCancelled) -> None:
     if smp is None:  # cancelled before it started: a legal end for a never-started sample
         g.samples[p.index] = SampleState(p.sample_id, p.index, SampleStatus.CANCELLED, -1, e.policy_version)
     elif smp.status.is_terminal:
-        anomaly(s, e, f"sample {p.sample_id} already {smp.status}")
+        if p.sample_id in s.reclaimed:  # the rank that lost the group cut its late copy short (SampleCancelled
+            s.late_results += 1  # carries no rank; only that rank still holds a reclaimed sample)
+        else:
+            anomaly(s, e, f"sample {p.sample_id} already {smp.status}")
     else:
         smp.status = SampleStatus.CANCELLED
 
@@ -132,6 +152,9 @@ def _sample_scored(s: RunState, e: ev.Event, p: ev.SampleScored) -> None:
     if g is None:
         return
     smp = g.samples.get(sample_index(p.sample_id))
+    if smp is not None and smp.status == SampleStatus.FAILED and p.sample_id in s.reclaimed:
+        s.late_results += 1  # the score of a late result (the reward worker scored it before seeing the reclaim)
+        return
     if smp is None or smp.status != SampleStatus.FINISHED:
         anomaly(s, e, f"score for {p.sample_id}, which did not finish")
         return

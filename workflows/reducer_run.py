@@ -22,6 +22,9 @@ def _run_started(s: RunState, e: ev.Event, p: ev.RunStarted) -> None:
 
 @handlers.on(ev.RunFinished)
 def _run_finished(s: RunState, e: ev.Event, p: ev.RunFinished) -> None:
+    if s.status.is_terminal:  # a second end (a duplicate, or two deciders) does not rewrite the first
+        anomaly(s, e, f"a second end ({p.status}) after the run already finished ({s.status}); not applied")
+        return
     if s.status != RunStatus.RUNNING:
         anomaly(s, e, f"RunFinished while the run is {s.status}")
     s.status = p.status

@@ -130,6 +130,7 @@ class RankState:
     wake_on_abort: bool = False  # an update aborted while it slept: it wakes on the published weights
     abort_event: str = ""  # the UpdateAborted that set wake_on_abort (its wake answers it)
     quarantined_event: str = ""  # the last RankQuarantined of this rank (its rejoin answers it)
+    quarantined_at: float = 0.0  # wall time of that RankQuarantined (the no-rank-in-service deadline runs from it)
 
 
 @dataclass(slots=True)
@@ -181,6 +182,9 @@ class RunState:
     admission: AdmissionState = field(default_factory=AdmissionState)
     trainer: TrainerState = field(default_factory=TrainerState)
     workers_lost: dict[str, str] = field(default_factory=dict)  # WorkerLost: worker name -> its error
+    # samples another rank closed as "worker lost" (it reclaimed their group): sample id -> the rank that started them
+    reclaimed: dict[str, int] = field(default_factory=dict)
+    late_results: int = 0  # events of that first rank for such samples after the reclaim: expected, counted, ignored
     anomalies: list[Anomaly] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # events applied, per type
     events_applied: int = 0

@@ -6,7 +6,11 @@ The transaction for version v, one at a time:
   reports EnginePaused -> UpdateCommitted -> each rank swaps, invalidates caches, runs its health probe ->
   PolicyPublished -> AdmissionResumed(update).
 Any RankPrepareFailed, or a missed prepare or drain deadline, gives UpdateAborted: nothing was swapped, every rank
-keeps v-1. After the commit the decision stands (roll forward): a rank that fails its swap or health probe, reports
+keeps v-1. The abort names the ranks that caused it (`failed_ranks`: those that failed their prepare, or missed the
+prepare or the drain deadline), and each of them still in service is quarantined in the same decision
+(RankQuarantined): the next update goes ahead on the ranks in service, so one dead rank cannot make every update
+abort. A quarantined rank that is alive rejoins by the Rejoin path (workflows/rank.py: it loads the published
+version through the verified path and announces itself with RankJoined) and takes part again from the next update. After the commit the decision stands (roll forward): a rank that fails its swap or health probe, reports
 a digest other than the manifest's, or misses the commit deadline is quarantined, and v is published on the rest.
 Every decision carries the fencing token of the coordinator's lease. A coordinator that takes over (a larger token)
 finds an open transaction prepared under another token with no decision logged: it aborts it at its deadline, never
@@ -23,6 +27,18 @@ from rolledger.workflows.state import RunState, UpdateState
 def in_service(state: RunState) -> tuple[int, ...]:
     """Ranks that take part in updates: joined and not quarantined."""
     return tuple(sorted(r.rank for r in state.ranks.values() if r.status.in_service))
+
+
+def about_to_be_quarantined(state: RunState, rank: int, now: float, margin_s: float = 1.0) -> bool:
+    """Should this rank start no new group because the open update is about to quarantine it? It failed its prepare,
+    or has not prepared and the prepare deadline is less than `margin_s` away (a clock skew allowance): the abort will
+    name it and quarantine it, and a group it started meanwhile would run on a rank the log already quarantined.
+    The rank's rollout asks this beside `workflows.rank.may_serve`; it narrows that window to the time the rank takes
+    to fold its own failure, since a rank can never fence its appends against the coordinator's."""
+    u = state.open_update
+    if u is None or u.status != UpdateStatus.PREPARING or rank not in u.ranks or rank in u.quarantined:
+        return False
+    return rank in u.failed or (rank not in u.prepared and now > u.deadline - margin_s)
 
 
 def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
@@ -52,6 +68,18 @@ def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
                         reason=f"on v{r.committed_version}, behind the published v{state.policy_version}",
                     )
                 )
+    return out
+
+
+def _abort_naming(
+    state: RunState, u: UpdateState, reason: str, culprits: tuple[int, ...], fence: int
+) -> list[ev.Payload]:
+    """Abort v naming the ranks that caused it, and quarantine those still in service, in one decision."""
+    out: list[ev.Payload] = [ev.UpdateAborted(version=u.version, reason=reason, failed_ranks=culprits, fence=fence)]
+    for r in culprits:
+        rank = state.ranks.get(r)
+        if rank is not None and rank.status.in_service and r not in u.quarantined:
+            out.append(ev.RankQuarantined(rank=r, version=u.version, reason=f"v{u.version} aborted: {reason}"))
     return out
 
 
@@ -88,20 +116,11 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
             return []
         if u.failed:
             reasons = "; ".join(f"rank {r}: {why}" for r, why in sorted(u.failed.items()))
-            return [
-                ev.UpdateAborted(version=u.version, reason=reasons, failed_ranks=tuple(sorted(u.failed)), fence=fence)
-            ]
+            return _abort_naming(state, u, reasons, tuple(sorted(u.failed)), fence)
         if not u.all_prepared:
             if now > u.deadline:
                 late = tuple(r for r in u.ranks if r not in u.prepared)
-                return [
-                    ev.UpdateAborted(
-                        version=u.version,
-                        reason=f"prepare deadline passed for ranks {list(late)}",
-                        failed_ranks=late,
-                        fence=fence,
-                    )
-                ]
+                return _abort_naming(state, u, f"prepare deadline passed for ranks {list(late)}", late, fence)
             return []
         if AdmissionReason.UPDATE not in state.admission.paused:
             return [
@@ -124,7 +143,8 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
                 )
             ]
         if u.paused_at and now > u.paused_at + up.drain_deadline_s:
-            return [ev.UpdateAborted(version=u.version, reason="drain deadline passed", fence=fence)]
+            undrained = tuple(r for r in u.ranks if r in state.ranks and not state.ranks[r].status.is_stopped)
+            return _abort_naming(state, u, f"drain deadline passed for ranks {list(undrained)}", undrained, fence)
         return []
     # committed -> roll forward
     out: list[ev.Payload] = []
