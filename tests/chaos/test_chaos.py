@@ -1,0 +1,218 @@
+"""The chaos suite's pytest entry, and the tests of its parts.
+
+* `test_chaos_schedules` (marker `chaos`, out of the default run): ROLLEDGER_CHAOS_SCHEDULES schedules (default 20)
+  from ROLLEDGER_CHAOS_SEED (default 0), with ROLLEDGER_CHAOS_FAULTS (default all); asserts 0 violations and 0 lost
+  events and prints the summary line. `test_fault_free_schedules_finish` (also `chaos`): the control, no faults.
+* The rest run in the main suite (fast, no processes but one small one): the checks catch what they claim to catch on
+  the committed clean run log, schedules replay exactly from their seed or their printed JSON, and the ack hook
+  records exactly the appends the server acknowledged.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import redis
+
+from rolledger.events.codec import decode
+from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import RunStatus
+
+from .checks import Ack, Ending, judge, parse_ack_log, served_versions
+from .harness import HOOK_DIR
+from .run_chaos import run_many
+from .schedule import FAULT_KINDS, Schedule, draw, parse_kinds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+import history  # tests/fixtures: the committed run logs
+
+
+def clean_log() -> list[ev.Event]:
+    _, entries = history.load_entries("clean")
+    return [decode(data) for _, data in entries]
+
+
+def renamed(e: ev.Event, suffix: str) -> ev.Event:
+    return e.model_copy(update={"event_id": e.event_id[:-4] + suffix})
+
+
+# ---------------------------------------------------------------- the checks
+def test_the_clean_run_passes_every_check() -> None:
+    events = clean_log()
+    acks = [Ack(e.event_id, "-", e.type, "p") for e in events]
+    verdict = judge(events, acks)
+    assert verdict.ok, verdict.violations
+    assert verdict.ending is Ending.FINISHED
+
+
+def test_an_acknowledged_id_missing_from_the_log_is_lost() -> None:
+    events = clean_log()
+    gone = events[len(events) // 2]
+    acks = [Ack(e.event_id, "-", e.type, "rank0.1") for e in events]
+    verdict = judge([e for e in events if e is not gone], acks)
+    assert [a.event_id for a in verdict.lost] == [gone.event_id]
+
+
+def test_a_run_without_runfinished_is_a_violation() -> None:
+    events = [e for e in clean_log() if not isinstance(e.payload, ev.RunFinished)]
+    verdict = judge(events, [])
+    assert verdict.ending is Ending.NOT_ENDED
+    assert any("neither finished nor failed closed" in v for v in verdict.violations)
+
+
+def test_a_failure_must_name_its_reason() -> None:
+    events = clean_log()
+    i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.RunFinished))
+    failed = events[i].model_copy(update={"payload": ev.RunFinished(status=RunStatus.FAILED, reason="")})
+    verdict = judge([*events[:i], failed, *events[i + 1 :]], [])
+    assert verdict.ending is Ending.FAILED_CLOSED
+    assert any("names no reason" in v for v in verdict.violations)
+    named = failed.model_copy(update={"payload": ev.RunFinished(status=RunStatus.FAILED, reason="no rank left")})
+    assert not any("names no reason" in v for v in judge([*events[:i], named, *events[i + 1 :]], []).violations)
+
+
+def test_a_run_that_ends_only_at_its_run_deadline_stalled() -> None:
+    events = clean_log()
+    started = next(e for e in events if isinstance(e.payload, ev.RunStarted))
+    i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.RunFinished))
+    assert isinstance(started.payload, ev.RunStarted)
+    limit = started.payload.config.run_deadline_s
+    late = events[i].model_copy(
+        update={
+            "payload": ev.RunFinished(status=RunStatus.ABORTED, reason="run deadline passed"),
+            "wall_time": started.wall_time + limit + 1,
+        }
+    )
+    log = [*events[:i], late]
+    assert any("stalled until its deadline" in v for v in judge(log, []).violations)
+    assert not any("stalled" in v for v in judge(log, [], deadline_is_violation=False).violations)
+    early = late.model_copy(update={"wall_time": started.wall_time + 5})
+    assert not any("stalled" in v for v in judge([*events[:i], early], []).violations)
+
+
+def test_a_trajectory_trained_twice_and_a_duplicated_event_are_violations() -> None:
+    events = clean_log()
+    i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.BatchConsumed))
+    again = renamed(events[i], "ZZZZ")
+    verdict = judge([*events[: i + 1], again, *events[i + 1 :]], [])
+    assert any("trained 2 times" in v for v in verdict.violations)
+    verdict = judge([*events[: i + 1], events[i], *events[i + 1 :]], [])
+    assert any(f"event {events[i].event_id} is in the log 2 times" in v for v in verdict.violations)
+
+
+def test_an_impossible_transition_in_the_log_is_a_violation() -> None:
+    events = clean_log()
+    i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.SampleFinished))
+    late = renamed(events[i], "XXXX")  # a second result for a finished sample: a late one after a reclaim
+    verdict = judge([*events[:-1], late, events[-1]], [])
+    assert any("reducer anomaly" in v and "already finished" in v for v in verdict.violations), verdict.violations
+
+
+def test_a_rank_that_announces_an_old_version_is_not_serving_the_published_one() -> None:
+    events = clean_log()
+    assert served_versions(events) == []
+    i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.RunFinished))
+    joined = next(e for e in events if isinstance(e.payload, ev.RankJoined))
+    assert isinstance(joined.payload, ev.RankJoined)
+    stale = renamed(joined, "YYYY")  # the rank came back on v0 after the last publication
+    problems = served_versions([*events[:i], stale, *events[i:]])
+    assert any(f"rank {joined.payload.rank}" in p and "v0" in p for p in problems), problems
+
+
+def test_a_process_without_the_hook_or_one_that_hangs_fails_the_schedule() -> None:
+    events = clean_log()
+    verdict = judge(events, [], hooks_missing=["rank1.2"], hung=["trainer.1"])
+    assert any("rank1.2" in v for v in verdict.violations)
+    assert any("trainer.1 did not exit" in v for v in verdict.violations)
+
+
+def test_ack_log_lines_and_header() -> None:
+    header, acks = parse_ack_log("# hook pid=1 wrapped=append\n01ABC 1-0 RankJoined append\n", "rank0.1")
+    assert header and acks == [Ack("01ABC", "1-0", "RankJoined", "rank0.1")]
+    assert parse_ack_log("01ABC 1-0 RankJoined append\n", "x")[0] is False
+
+
+# ---------------------------------------------------------------- schedules
+def test_a_schedule_is_a_function_of_its_seed_and_replays_from_its_json() -> None:
+    for seed in range(50):
+        s = draw(seed)
+        assert s == draw(seed)
+        assert Schedule.from_json(s.to_json()) == s
+        assert 1 <= len(s.faults) <= 3 and 2 <= s.steps <= 3 and 2 <= s.group_size <= 4
+        assert all(step.fault.proc in ("", *s.processes) for step in s.faults)
+    assert {step.fault.kind for seed in range(200) for step in draw(seed).faults} == set(FAULT_KINDS)
+    assert draw(7, parse_kinds("none")).faults == ()
+    assert {st.fault.kind for seed in range(30) for st in draw(seed, parse_kinds("stop")).faults} == {"stop"}
+    with pytest.raises(ValueError, match="unknown kind"):
+        parse_kinds("kill,nuke")
+
+
+# ---------------------------------------------------------------- the ack hook, in a real process
+_PRODUCER = """
+from rolledger.events.connection import connect
+from rolledger.events.envelope import make_event
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+import sys
+log = EventLog(connect(sys.argv[1]), sys.argv[2])
+def e(w):
+    return make_event(ev.WorkerLost(worker=w), run_id=sys.argv[2], producer="t", policy_version=0)
+log.append(e("a"))
+log.append_many([e("b"), e("c")])
+first = e("d")
+log.append_idempotent(first)
+log.append_idempotent(first)
+assert log.append_once([e("won")], ["k1"]) is not None
+assert log.append_once([e("lost")], ["k1"]) is None
+"""
+
+
+def test_the_hook_records_every_acknowledged_append_and_nothing_else(redis_url: str, run_id: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ack = Path(tmp) / "acks.log"
+        env = {**os.environ, "PYTHONPATH": str(HOOK_DIR), "ROLLEDGER_ACK_LOG": str(ack)}
+        subprocess.run([sys.executable, "-c", _PRODUCER, redis_url, run_id], env=env, check=True, timeout=60)
+        header, acks = parse_ack_log(ack.read_text(), "p")
+    assert header
+    client = redis.Redis.from_url(redis_url)
+    from rolledger.events.store import EventLog
+
+    in_log = [s.event for s in EventLog(client, run_id).read()]
+    client.close()
+    workers = [e.payload.worker for e in in_log if isinstance(e.payload, ev.WorkerLost)]
+    assert workers == ["a", "b", "c", "d", "won"]
+    assert sorted({a.event_id for a in acks}) == sorted(e.event_id for e in in_log)  # "d" acknowledged twice
+    assert judge(in_log, acks).lost == []
+
+
+# ---------------------------------------------------------------- the suite itself
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+@pytest.mark.chaos
+def test_fault_free_schedules_finish(tmp_path: Path) -> None:
+    schedules = [draw(_env_int("ROLLEDGER_CHAOS_SEED", 0) + i, ()) for i in range(2)]
+    totals, results = run_many(schedules, tmp_path, faults="none")
+    print(totals.line())
+    assert totals.finished == totals.schedules, [r.verdict.violations for r in results]
+    assert totals.violations == 0 and totals.lost == 0
+
+
+@pytest.mark.chaos
+def test_chaos_schedules(tmp_path: Path) -> None:
+    n = _env_int("ROLLEDGER_CHAOS_SCHEDULES", 20)
+    seed = _env_int("ROLLEDGER_CHAOS_SEED", 0)
+    faults = os.environ.get("ROLLEDGER_CHAOS_FAULTS", "all")
+    schedules = [draw(seed + i, parse_kinds(faults)) for i in range(n)]
+    lines: list[str] = []
+    totals, _ = run_many(
+        schedules, tmp_path, parallel=_env_int("ROLLEDGER_CHAOS_PARALLEL", 1), faults=faults, out=lines.append
+    )
+    print("\n".join(lines))
+    assert totals.violations == 0 and totals.lost == 0, "\n".join(lines)
