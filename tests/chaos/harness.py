@@ -345,6 +345,9 @@ class Harness:
             if self.finished:
                 continue
             p.exit_codes.append(code)
+            if code == 0:  # Restart=on-failure: a clean exit is a process done with its part (the trainer after its
+                p.popen = None  # last step); one that left too early shows as a stalled run, a violation
+                continue
             p.crashes.append(f"{p.name}.{p.incarnation} exited {code} at t+{now - self.t0:.1f}s:\n{self._log_tail(p)}")
             if len(p.crashes) <= CRASH_RESTARTS:
                 p.restart_at = now + CRASH_RESTART_S
