@@ -28,7 +28,6 @@ coordinator lease and appends the decision through the same conditional path (`f
 from __future__ import annotations
 
 import contextlib
-
 import errno
 import json
 import os
