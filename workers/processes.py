@@ -102,7 +102,7 @@ def run_worker(
 
 
 def _run_worker(
-    kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int = 5000
+    kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int | None = None
 ) -> int:
     from rolledger.workers.policy_model import load_policy
 
