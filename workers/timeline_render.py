@@ -190,7 +190,7 @@ def _png_lanes(ax: Axes, tl: Timeline) -> None:
         if tl.rows[i].split()[0] != tl.rows[i - 1].split()[0] and "rank" in (tl.rows[i - 1].split()[0], "admission:"):
             ax.axhline(i - 0.5, color="#999999", linewidth=0.6)
     ax.set_yticks(range(len(tl.rows)), [lane_name(r) for r in tl.rows], fontsize=9.5)
-    ax.set_ylim(len(tl.rows) + (0.4 if "updates" in index else -0.5), -0.6)
+    ax.set_ylim(len(tl.rows) + (0.1 if "updates" in index else -0.5), -0.6)
     ax.set_xlabel(TIME_LABEL)
     ax.xaxis.grid(True, color="#EEEEEE", linewidth=0.8)
     ax.set_axisbelow(True)
@@ -342,7 +342,7 @@ def _png_agreement(ax: Axes, tl: Timeline) -> None:
         "exactly 0 ",
         transform=ax.get_yaxis_transform(),
         ha="right",
-        va="bottom",
+        va="top",
         fontsize=7.5,
         color="#666666",
     )
@@ -604,12 +604,16 @@ def _html_agreement(tl: Timeline, width: int) -> str:
     floor = gap_floor(tl.steps)
     gaps = [g for s in tl.steps if s.measured or s.refused for g in (s.gap_median, s.gap_p99) if math.isfinite(g)]
     top = 10 ** (math.ceil(math.log10(max(gaps + [floor * 10]))) + 1)  # a decade of headroom for the key
-    svg.domain(0, 1, floor, top, log=True)
+    svg.domain(0, 1, floor / 3, top, log=True)  # an exact 0 sits on the floor, above the axis
     decades = range(round(math.log10(floor)), round(math.log10(top)) + 1)
     yticks = [10.0**k for k in decades][:: max(1, len(decades) // 6)]
     xticks = _step_axis(svg, tl.steps)
     svg.axes(xticks, yticks, "train step (steps with no on-policy tokens are left out)", "|Δ logprob| (nats)")
-    svg.add(f'<text class="note" x="{svg.w - svg.r - 4}" y="{svg.y(floor) - 4:.1f}" text-anchor="end">exactly 0</text>')
+    svg.add(
+        f'<line class="grid" x1="{svg.l}" x2="{svg.w - svg.r}" y1="{svg.y(floor):.1f}" y2="{svg.y(floor):.1f}" '
+        f'stroke-dasharray="2 2"/><text class="note" x="{svg.w - svg.r - 4}" y="{svg.y(floor) + 12:.1f}" '
+        'text-anchor="end">exactly 0</text>'
+    )
     measured = [s for s in tl.steps if s.measured and not s.refused]
     for attr, cls in (("gap_median", "median"), ("gap_p99", "p99")):
         if measured:
