@@ -83,10 +83,13 @@ def _live_url(run_dir: Path) -> str | None:
         if not password:
             return None
         url = with_password(url, password)
-    try:
-        client = connect(url)
-        client.ping()
-        client.close()
+    try:  # one probe, no outage retry: a finished run's socket file outlives its server, and riding out an
+        # "outage" there would cost the retry deadline (a minute) before the AOF is opened
+        probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        try:
+            probe.ping()
+        finally:
+            probe.close()
         return url
     except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError):
         return None
