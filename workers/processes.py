@@ -17,6 +17,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 import structlog
@@ -26,8 +27,10 @@ from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog, RunClosed
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
-from rolledger.workers.engine import Engine
-from rolledger.workers.runtime import Worker
+
+if TYPE_CHECKING:  # torch comes in with the worker a process builds, after the finished-run check
+    from rolledger.workers.engine import Engine
+    from rolledger.workers.runtime import Worker
 
 log = structlog.get_logger("process")
 EXIT_REDIS_UNAVAILABLE = 3
@@ -38,6 +41,16 @@ def _run_started(client: redis.Redis, run_id: str) -> ev.RunStarted:
         if isinstance(stored.event.payload, ev.RunStarted):
             return stored.event.payload
     raise SystemExit(f"run {run_id} has no RunStarted event yet; start it with `rolledger run` first")
+
+
+def finished_already(client: redis.Redis, run_id: str, who: str) -> bool:
+    """A process started after its run's RunFinished (a restart that came too late, a supervisor's retry) has
+    nothing to do: it says so in one line and exits 0 before loading a model or importing torch."""
+    at = EventLog(client, run_id).finished_at()
+    if at is None:
+        return False
+    print(f"rolledger {who}: run {run_id} already finished (RunFinished at {at}); nothing to do", file=sys.stderr)
+    return True
 
 
 def _serve(worker: Worker) -> int:
@@ -78,11 +91,13 @@ def run_coordinator(redis_url: str, run_id: str) -> int:
 
 
 def _run_coordinator(redis_url: str, run_id: str, name: str) -> int:
+    client = connect(redis_url)
+    if finished_already(client, run_id, "coordinator"):
+        return 0
     from rolledger.workers.coordinator import Coordinator
     from rolledger.workers.local_run import prompt_items
     from rolledger.workers.policy_model import load_policy
 
-    client = connect(redis_url)
     started = _run_started(client, run_id)
     _, tokenizer = load_policy(Path(started.model_dir))
     return _serve(Coordinator(client, run_id, name, prompt_items(started.config, tokenizer)))
@@ -104,9 +119,11 @@ def run_worker(
 def _run_worker(
     kind: str, redis_url: str, run_id: str, *, rank: int = 0, name: str | None = None, claim_idle_ms: int | None = None
 ) -> int:
+    client = connect(redis_url)
+    if finished_already(client, run_id, f"worker {kind}"):
+        return 0
     from rolledger.workers.policy_model import load_policy
 
-    client = connect(redis_url)
     started = _run_started(client, run_id)
     cfg: RunConfig = started.config
     model, tokenizer = load_policy(Path(started.model_dir))
