@@ -20,6 +20,8 @@ from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.redact import MASK, with_password
 
+LIVE_PROBE_DEADLINE_S = 0.5  # how long the run directory's recorded server may take to answer before it counts as gone
+
 
 class NoSuchRun(LookupError):
     """The reference names no run directory and no Redis was given to look the run up in."""
@@ -83,8 +85,10 @@ def _live_url(run_dir: Path) -> str | None:
         if not password:
             return None
         url = with_password(url, password)
-    try:
-        client = connect(url)
+    if url.startswith("unix://") and not Path(url.removeprefix("unix://").split("?")[0]).exists():
+        return None  # the server of a finished run: its socket went with it
+    try:  # a probe: a finished run's socket is gone, and the outage retry (60 s by default) would wait on it
+        client = connect(url, retry_deadline=LIVE_PROBE_DEADLINE_S)
         client.ping()
         client.close()
         return url
