@@ -4,6 +4,7 @@ redis; the incident fold over the same log; the summary's `incidents`; and the f
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from rolledger.workflows.incidents import IncidentFold, incidents, render_incide
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
 from rolledger.workflows.summary import summarize
-from tests.fixtures.history import load_entries
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from history import load_entries  # tests/fixtures is not a package (as in test_replay_fixtures.py)
 
 ABORT_ID = "01M8SKT0D669PTCK9G6DDXYW7P"  # the fixture's UpdateAborted (version 1, rank 1, transfer)
 ABORT_SID = "1796155965864-0"
