@@ -274,3 +274,13 @@ def test_the_fault_demo_logs_the_abort_as_it_happens(tmp_path: Path, capfd: pyte
     assert "update aborted v" in err  # the end-of-run list
     summary = json.loads((runs / "demo" / "summary.json").read_text())
     assert [(i["type"], i["rank"], i["phase"]) for i in summary["incidents"]][:1] == [("UpdateAborted", 3, "transfer")]
+
+
+def test_a_finished_runs_recorded_server_is_not_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`events`/`audit` on a finished run: its `redis_url` names a socket that went with its server; the probe says
+    "not live" at once (the outage retry would have waited ROLLEDGER_REDIS_DEADLINE_S on it), so the AOF is read."""
+    from rolledger.events.open_run import _live_url
+
+    monkeypatch.setenv("ROLLEDGER_REDIS_DEADLINE_S", "3600")  # were the probe to retry, this test would hang
+    (tmp_path / "redis_url").write_text(f"unix://{tmp_path / 'redis.sock'}\n")
+    assert _live_url(tmp_path) is None
