@@ -83,6 +83,8 @@ def _live_url(run_dir: Path) -> str | None:
         if not password:
             return None
         url = with_password(url, password)
+    if url.startswith("unix://") and not Path(url.removeprefix("unix://").split("?")[0]).exists():
+        return None  # the server of a finished run: its socket went with it
     try:  # one probe, no outage retry: a finished run's socket file outlives its server, and riding out an
         # "outage" there would cost the retry deadline (a minute) before the AOF is opened
         probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)

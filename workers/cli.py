@@ -110,6 +110,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"rolledger run: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(summary.to_dict(), indent=2))
+    from rolledger.workflows.incidents import render_incidents
+
+    print("\n".join(render_incidents(summary.incidents)), file=sys.stderr)
     print(f"run {run.run_id}: {run.run_dir / 'summary.json'}", file=sys.stderr)
     if run.signalled is not None:
         return 128 + run.signalled
@@ -338,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     run_ref(timeline)
     timeline.add_argument("--out", required=True, help="FILE.png or FILE.html")
     timeline.set_defaults(func=cmd_timeline)
+
+    from rolledger.workers.cli_events import register as register_events
+
+    register_events(sub, run_ref)
 
     status = sub.add_parser("status", help="live state of a running run")
     run_ref(status)

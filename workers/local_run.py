@@ -52,7 +52,7 @@ from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
 from rolledger.events.redact import redact
 from rolledger.events.snapshots import take_snapshot
-from rolledger.events.store import EventLog, RunClosed
+from rolledger.events.store import EventLog, RunClosed, read_dead_letters
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import Injection, check_injections
@@ -60,6 +60,7 @@ from rolledger.workers.coordinator import Coordinator, finish_as_coordinator
 from rolledger.workers.engines.factory import build_engines
 from rolledger.workers.faults import Injector, mortal_coordinator, mortal_scorer, slow_and_mortal_trainer, wrap_engine
 from rolledger.workers.grpo import warm_start
+from rolledger.workers.incident_log import IncidentLog
 from rolledger.workers.metrics import RunMetrics
 from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
 from rolledger.workers.rank import RankWorker
@@ -70,6 +71,7 @@ from rolledger.workers.tasks import make_prompts, supervised_examples
 from rolledger.workers.trainer import TrainerWorker
 from rolledger.workers.weights import state_digest
 from rolledger.workflows.coordinator import decide_cancel
+from rolledger.workflows.incidents import dead_letter_incident
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.summary import Summary, summarize
 
@@ -321,13 +323,17 @@ class LocalRun:
         metrics = RunMetrics()
         if self.opts.metrics_port is not None:
             metrics.serve(self.opts.metrics_port)
+        incidents = IncidentLog(client, self.run_id)  # each abort, quarantine, halt, refusal... as a warning line
         give_up = time.monotonic() + self.cfg.run_deadline_s + DEADLINE_GRACE_S
         while not follower.state.status.is_terminal:
             if self._signal_seen.is_set():
                 self._cancel(client)
-                follower.catch_up()
+                incidents.events(s.event for s in follower.catch_up())
                 break
-            metrics.observe(follower.state, (s.event for s in follower.poll(block_ms=200)))
+            got = [s.event for s in follower.poll(block_ms=200)]
+            incidents.events(got)
+            incidents.poll_dead_letters()
+            metrics.observe(follower.state, got)
             if self.opts.on_progress is not None:
                 self.opts.on_progress(follower)
             self._restart_dead()
@@ -347,7 +353,10 @@ class LocalRun:
         events = [s.event for s in follower.log.read()]
         if keep_events is not None:
             keep_events["events"] = events
-        summary = summarize(follower.state, events)
+        dead = [
+            dead_letter_incident(d.dead_letter_id, d.source, d.reason) for d in read_dead_letters(client, self.run_id)
+        ]
+        summary = summarize(follower.state, events, dead)
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
         return summary
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus, UpdateStatus
 from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.incidents import Incident, incidents
 from rolledger.workflows.state import RunState
 
 EDGE_STEPS = 5  # reward_first / reward_last average this many steps
@@ -41,6 +42,9 @@ class Summary:
     anomalies: int
     state_digest: str
     littles_law: dict[str, float]
+    # aborts, quarantines, halts, refusals, lost workers, dead letters: each {event_id, type, version, rank, ranks,
+    # phase, tensor, reason} (workflows/incidents.py), in log order, dead letters last
+    incidents: list[dict[str, object]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -157,7 +161,8 @@ def _sample_finished(g: _Generation, e: ev.Event, p: ev.SampleFinished) -> None:
     g.group_ms[key] = max(g.group_ms.get(key, 0.0), p.gen_ms)
 
 
-def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
+def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterable[Incident] = ()) -> Summary:
+    """`dead_letters`: the run's dead-letter entries as incidents (they are not in the log; the caller reads them)."""
     events = list(events)
     gen = _Generation()
     for e in events:
@@ -191,4 +196,5 @@ def summarize(state: RunState, events: Iterable[ev.Event]) -> Summary:
         anomalies=len(state.anomalies),
         state_digest=state.digest(),
         littles_law=queue_dynamics(events),
+        incidents=[i.to_dict() for i in [*incidents(events), *dead_letters]],
     )
