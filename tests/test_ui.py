@@ -383,3 +383,20 @@ def test_the_page_follows_a_running_run_until_it_finishes(
     page.wait_for("document.querySelector('#status').dataset.status === 'completed'")
     page.wait_for("document.querySelectorAll('#reward-chart circle.pt').length === 3")
     assert s.get("/api/view")[1]["status"]["finished"] is True
+
+
+def test_a_live_run_whose_redis_went_away_is_read_again_through_a_reopened_client(
+    redis_client: redis.Redis, run_id: str
+) -> None:
+    rest = load(redis_client, run_id, "clean", upto=50)
+    gone = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)  # nothing listens there
+    live = LiveLog(redis_client, run_id, scan_log, reopen=lambda: redis_client)
+    live.refresh()
+    xadd(redis_client, run_id, rest)
+    live.client = gone  # the run ended and its embedded server stopped; reopening finds its AOF (here: the same log)
+    live.refresh()
+    assert live.client is redis_client and live.view.status()["status"] == "completed"
+    assert live.view.cursor == "188"
+    without = LiveLog(gone, run_id, scan_log)
+    with pytest.raises(redis.ConnectionError):
+        without.refresh()

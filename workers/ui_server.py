@@ -23,21 +23,20 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
+import redis
 import structlog
 
 from rolledger.events.redact import MASK, redact
 from rolledger.workflows.ui_view import RunView, parse_filter
 
 if TYPE_CHECKING:
-    import redis
-
     from rolledger.events.scan import LogScan
 
 log = structlog.get_logger("rolledger.ui")
@@ -58,10 +57,13 @@ def _stream_key(stream_id: str) -> tuple[int, int]:
 class LiveLog:
     """A run's log as read so far, and the view of it; `refresh` reads what was appended since (thread-safe)."""
 
-    def __init__(self, client: redis.Redis, run_id: str, scan: Scan) -> None:
+    def __init__(
+        self, client: redis.Redis, run_id: str, scan: Scan, reopen: Callable[[], redis.Redis] | None = None
+    ) -> None:
         self.client = client
         self.run_id = run_id
         self.scan = scan
+        self.reopen = reopen  # a fresh client when this one's Redis went away (a live run that ended: its AOF)
         self.view = RunView()
         self.last_id: str | None = None
         self.lock = threading.Lock()
@@ -71,7 +73,13 @@ class LiveLog:
             if self.view.state.status.is_terminal:
                 return  # nothing is appended after RunFinished (and a finished run's Redis may be gone)
             start = "-" if self.last_id is None else "(" + self.last_id
-            found = self.scan(self.client, self.run_id, start)
+            try:
+                found = self.scan(self.client, self.run_id, start)
+            except redis.ConnectionError:
+                if self.reopen is None:
+                    raise
+                self.client = self.reopen()
+                found = self.scan(self.client, self.run_id, start)
             ids: list[str] = [u.stream_id for u in found.undecodable]
             for entry in found.entries:
                 self.view.add(entry.stream_id, entry.event)
@@ -247,16 +255,13 @@ def serve(
     port: int,
     scan: Scan,
     allow_remote: bool = False,
-    on_ready: Callable[[str], None] | None = None,
+    reopen: Callable[[], redis.Redis] | None = None,
 ) -> UiServer:
-    """Bind the page's server over an opened run (an OSError if the port is busy), report its URL to `on_ready`
-    and return it; the caller runs `serve_forever` and closes it."""
-    live = LiveLog(client, run_id, scan)
+    """Bind the page's server over an opened run (an OSError if the port is busy) and return it; the caller runs
+    `serve_forever` and closes it."""
+    live = LiveLog(client, run_id, scan, reopen)
     live.refresh()
-    server = UiServer(live, host, port, allow_remote=allow_remote)
-    if on_ready is not None:
-        on_ready(server.url)
-    return server
+    return UiServer(live, host, port, allow_remote=allow_remote)
 
 
 class _Terminated(Exception):
@@ -278,9 +283,14 @@ def run_ui(
     or SIGTERM (143). A refused host or a busy port is a UiRefused."""
     address = bind_host(host, allow_remote)
     try:
-        with opened() as (client, run_id):
+        with ExitStack() as stack:
+            client, run_id = stack.enter_context(opened())
+
+            def reopen() -> redis.Redis:  # the run's own Redis stopped with the run: open it again (its AOF)
+                return stack.enter_context(opened())[0]
+
             try:
-                server = serve(client, run_id, address, port, scan, allow_remote=allow_remote)
+                server = serve(client, run_id, address, port, scan, allow_remote=allow_remote, reopen=reopen)
             except OSError as exc:
                 raise UiRefused(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
             if threading.current_thread() is threading.main_thread():
