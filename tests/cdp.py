@@ -3,7 +3,8 @@ websocket, no Python dependency. The browser reads commands on its fd 3 and writ
 message ended by a NUL byte. Enough of the protocol for the UI test: open a page, evaluate JavaScript (waiting for a
 condition inside the page), click an element with real mouse events, collect the page's uncaught errors.
 
-`find_chromium()` names the browser (ROLLEDGER_CHROMIUM, else chromium / chromium-browser / google-chrome on PATH).
+`find_chromium()` names the browser (ROLLEDGER_CHROMIUM, else chromium / chromium-browser / google-chrome on PATH;
+None when there is none).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class BrowserError(RuntimeError):
 def find_chromium() -> str | None:
     explicit = os.environ.get("ROLLEDGER_CHROMIUM")
     if explicit:
-        return explicit
+        return shutil.which(explicit)
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         found = shutil.which(name)
         if found:

@@ -400,3 +400,10 @@ def test_a_live_run_whose_redis_went_away_is_read_again_through_a_reopened_clien
     without = LiveLog(gone, run_id, scan_log)
     with pytest.raises(redis.ConnectionError):
         without.refresh()
+
+
+def test_answers_mask_passwords_and_carry_no_nan() -> None:
+    from rolledger.workers.ui_server import _redacted
+
+    data = {"a": ["uri redis://u:hunter2@h:6379/0 x", float("nan")], "b": 1.5, "c": "plain@text"}
+    assert _redacted(data) == {"a": ["uri redis://u:***@h:6379/0 x", None], "b": 1.5, "c": "plain@text"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import re
 import signal
 import socket
@@ -99,9 +100,12 @@ _USERINFO = re.compile(r"(//[^/@:\s]*):[^@/\s]*@")
 
 
 def _redacted(obj: Any) -> Any:
-    """Every string with every `//user:secret@` userinfo masked (events.redact's rule, applied inside free text)."""
+    """Every string with every `//user:secret@` userinfo masked (events.redact's rule, applied inside free text);
+    a NaN or infinite number becomes null (JSON has none)."""
     if isinstance(obj, str):
         return _USERINFO.sub(rf"\1:{MASK}@", obj) if "@" in obj else obj
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
     if isinstance(obj, dict):
         return {k: _redacted(v) for k, v in obj.items()}
     if isinstance(obj, list):
