@@ -260,6 +260,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    from rolledger.workers.ui_server import UiRefused, run_ui
+
+    try:
+        return run_ui(args.host, args.port, args.allow_remote, lambda: _open(args), _scan)
+    except UiRefused as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from rolledger.workers.processes import run_coordinator
 
@@ -349,6 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="live state of a running run")
     run_ref(status)
     status.set_defaults(func=cmd_status)
+
+    ui = sub.add_parser("ui", help="a live web page for one run, served from its log (loopback only by default)")
+    run_ref(ui)
+    ui.add_argument("--host", default="127.0.0.1", help="address to serve on (default: %(default)s)")
+    ui.add_argument("--port", type=int, default=8765, help="port (default: %(default)s; 0: any free one)")
+    ui.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="serve on a non-loopback --host (the page has no authentication)",
+    )
+    ui.set_defaults(func=cmd_ui)
 
     coord = sub.add_parser("coordinator", help="run the coordinator process")
     coord.add_argument("--redis", required=True)
