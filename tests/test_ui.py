@@ -360,7 +360,7 @@ def test_the_page_shows_the_aborted_update_and_honours_a_lineage_link(
     aborted = page.evaluate(
         "[...document.querySelectorAll('#timeline rect.span.abort')].map(r => r.querySelector('title').textContent)"
     )
-    assert len(aborted) == 1 and aborted[0].startswith("v1 aborted: rank 1: transfer")
+    assert len(aborted) == 1 and aborted[0].startswith("v1 aborted (rank 1, transfer): rank 1: transfer")
     outcomes = page.evaluate(
         "[...document.querySelectorAll('#updates tbody tr')].map(r => [+r.dataset.version, r.dataset.outcome])"
     )
