@@ -84,6 +84,18 @@ CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
     ("inject-garbage", args("run", "--inject", "boom", "--runs-dir", "TMP/runs"), 2, ("'boom'", "KIND=VALUE")),
     ("inject-rank", args("run", "--inject", "fail-rank=3@transfer", "--runs-dir", "TMP/runs"), 2, ("rank 3",)),
     ("run-id", args("run", "--run-id", "../x", "--runs-dir", "TMP/runs"), 2, ("run id '../x'",)),
+    (
+        "vllm-url-scheme",
+        args("run", "--engine", "vllm", "--vllm-url", "ftp://u:hunter2@127.0.0.1:80", "--runs-dir", "TMP/runs"),
+        2,
+        ("scheme must be http or https", "u:***@"),
+    ),
+    (
+        "vllm-url-count",
+        args("run", "--engine", "vllm", "--ranks", "2", "--vllm-url", "http://127.0.0.1:8000", "--runs-dir", "TMP/r"),
+        2,
+        ("1 server(s) for 2 rank(s)",),
+    ),
 ]
 
 
@@ -108,7 +120,7 @@ def test_each_error_is_one_line_with_its_exit_code(
     for needle in needles:
         assert needle.replace("TMP", str(tmp_path)) in lines[0], lines[0]
     assert lines[0].startswith("rolledger"), lines[0]
-    assert out == ""
+    assert out == "" and "hunter2" not in err
     assert not (tmp_path / "runs").exists()  # refused before anything was created
 
 

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, get_args
@@ -92,7 +92,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _option_hint(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
-    """ "; did you mean --steps?" for the first unrecognized option that is close to one of `parser`'s."""
+    """The hint for the first unrecognized option that is close to one of `parser`'s: `; did you mean --steps?`."""
     options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     for extra in extras:
         if extra.startswith("--"):
@@ -171,9 +171,26 @@ def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
             check_reuse(args.run_id, Path(args.runs_dir), args.resume)
         if args.metrics_port is not None:
             check_port_free(args.metrics_port)
-    except ValueError as exc:  # RunRefused included
+        _check_engine_urls(cfg, in_process=not args.external_workers)
+    except ValueError as exc:  # RunRefused and EngineAddressError included
         raise CliError(" ".join(str(exc).split())) from None
     return cfg, injections
+
+
+def _check_engine_urls(cfg: RunConfig, in_process: bool) -> None:
+    """The vLLM servers this process will drive: one per rank, each on an address the run may drive
+    (workers/netguard.py), refused here rather than after the warm start. With --external-workers the rank
+    processes check their own (they may resolve names this process cannot)."""
+    if cfg.engine != "vllm" or not cfg.vllm_urls or not in_process:
+        return
+    from rolledger.workers.netguard import check_engine_address  # (light: the standard library and events.redact)
+
+    if len(cfg.vllm_urls) != cfg.ranks:
+        raise ValueError(
+            f"--vllm-url/vllm_urls gives {len(cfg.vllm_urls)} server(s) for {cfg.ranks} rank(s): give one per rank"
+        )
+    for url in cfg.vllm_urls:
+        check_engine_address(url, cfg.allow_remote_engines)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -407,18 +424,19 @@ def _inject_vocabulary() -> str:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= low, refused in one line naming the value."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, not {value}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -554,12 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--redis", required=True, help="the run's Redis URL")
     worker.add_argument("--run", required=True, metavar="RUN_ID", help="the run id (started by `rolledger run`)")
     worker.add_argument(
-        "--rank", type=_non_negative_int, default=0, help="rank of a rollout/rank worker (default: %(default)s)"
+        "--rank", type=_int_at_least(0), default=0, help="rank of a rollout/rank worker (default: %(default)s)"
     )
     worker.add_argument("--name", help="consumer name (default: KIND-RANK or KIND)")
     worker.add_argument(
         "--claim-idle-ms",
-        type=_positive_int,
+        type=_int_at_least(1),
         default=None,
         help="reclaim work whose owner missed its heartbeats this long (ms; default: the run's recovery.lost_after_s)",
     )
