@@ -50,6 +50,10 @@ CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
     ("lineage-missing-run", args("lineage", "nonexistent-run", "g000001/0", "--runs-dir", "TMP/runs"), 2, ("TMP",)),
     ("status-missing-run", args("status", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("ROLLEDGER_RUNS",)),
     ("timeline-missing-run", args("timeline", "gone", "--runs-dir", "TMP", "--out", "TMP/t.png"), 2, ("'gone'",)),
+    ("events-missing-run", args("events", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("no run directory",)),
+    ("events-type", args("events", "x", "--type", "UpdateAbortd"), 2, ("did you mean UpdateAborted?",)),
+    ("ui-missing-run", args("ui", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("TMP/runs/nonexistent-run",)),
+    ("ui-port", args("ui", "x", "--port", "http"), 2, ("--port", "invalid int value: 'http'")),
     ("timeline-svg", args("timeline", "gone", "--runs-dir", "TMP", "--out", "x.svg"), 2, ("'x.svg'", ".png or .html")),
     (
         "config-nested-typo",
@@ -269,10 +273,11 @@ def test_help_documents_exit_codes_defaults_and_the_inject_vocabulary(capsys: py
         assert f"overrides the config's {option}; default: {getattr(defaults, option)})" in run, option
     for kind in InjectionKind.__args__:  # type: ignore[attr-defined]
         assert f"{kind}=" in run, kind
-    for command in ("", "run", "replay", "audit", "lineage", "timeline", "status", "coordinator", "worker"):
+    reads_a_run = ("replay", "audit", "lineage", "timeline", "status", "events", "ui")
+    for command in ("", "run", *reads_a_run, "coordinator", "worker"):
         text = help_of(*([command] if command else []), capsys=capsys)
         assert "DESIGN" not in text, command
-        if command in ("replay", "audit", "lineage", "timeline", "status", "run"):
+        if command in (*reads_a_run, "run"):
             assert "--runs-dir" in text and "ROLLEDGER_RUNS" in text, command
 
 
