@@ -55,7 +55,9 @@ def open_run(
             client.close()
         return
     if run.run_dir is None:
-        raise NoSuchRun(f"no run directory for {ref!r} (looked in {runs_dir}/) and no --redis/REDIS_URL given")
+        raise NoSuchRun(
+            f"no run {ref!r}: no run directory {(runs_dir / ref).absolute()} and no --redis/REDIS_URL to look it up in"
+        )
     live = _live_url(run.run_dir)
     if live is not None:
         client = connect(live)

@@ -8,12 +8,14 @@ without pyyaml, an invalid field) into one `ConfigError` line naming the file an
 
 from __future__ import annotations
 
+import difflib
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rolledger.schemas.base import Model
 from rolledger.schemas.statuses import LogprobMode, PolicyKind
@@ -54,13 +56,66 @@ class ConfigModel(Model):
         return value
 
 
-def one_line(exc: ValidationError, source: str | None = None) -> str:
-    """A ValidationError as one line: `source: field.path: message` (the first error, and how many more)."""
+def one_line(exc: ValidationError, source: str | None = None, model: type[BaseModel] | None = None) -> str:
+    """A ValidationError as one line: `source: field.path: message` (the first error, and how many more).
+
+    With the `model` that was validated, an unknown field gets a hint naming the closest valid one
+    (`trainer.warm_start_step: unknown field; did you mean warm_start_steps?`), and so does a value outside a
+    field's choices (`engine: Input should be 'torch' or 'vllm' (got 'vlm'); did you mean 'vllm'?`).
+    """
     errors = exc.errors()
     first = errors[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    loc = tuple(first["loc"])
+    where = ".".join(str(p) for p in loc) or "(top level)"
+    msg = first["msg"]
+    hint = ""
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field"
+        suggestion = suggest_field(model, loc) if model is not None else None
+        hint = f"; did you mean {suggestion}?" if suggestion else ""
+    elif first["type"] in ("literal_error", "enum") and isinstance(first.get("input"), str):
+        given = first["input"]
+        msg = f"{msg} (got {given!r})"
+        allowed = re.findall(r"'([^']*)'", str((first.get("ctx") or {}).get("expected", "")))
+        close = difflib.get_close_matches(given, allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+    elif isinstance(first.get("input"), int | float) and not isinstance(first.get("input"), bool):
+        msg = f"{msg} (got {first['input']!r})"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{source + ': ' if source else ''}{where}: {first['msg']}{more}"
+    return f"{source + ': ' if source else ''}{where}: {msg}{hint}{more}"
+
+
+def _sections(model: type[BaseModel], prefix: str = "") -> dict[str, type[BaseModel]]:
+    """Every (nested) model section of `model` by its dotted path ("" for the model itself)."""
+    found: dict[str, type[BaseModel]] = {prefix: model}
+    for name, info in model.model_fields.items():
+        sub = info.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            found.update(_sections(sub, f"{prefix}{name}."))
+    return found
+
+
+def suggest_field(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
+    """The valid field closest to the unknown one at `loc`: a close spelling in the same section (its name), else
+    the same name in another section (its dotted path, e.g. `trainer.warm_start_steps` for a top-level
+    `warm_start_steps`); None when nothing is close."""
+    if not loc:
+        return None
+    sections = _sections(model)
+    parent = "".join(f"{p}." for p in loc[:-1])
+    name = str(loc[-1])
+    here = sections.get(parent)
+    if here is not None:
+        close = difflib.get_close_matches(name, list(here.model_fields), n=1)
+        if close:
+            return close[0]
+    elsewhere = [f"{path}{f}" for path, section in sections.items() for f in section.model_fields if path != parent]
+    leaf = {p: p.rsplit(".", 1)[-1] for p in elsewhere}
+    exact = [p for p, f in leaf.items() if f == name]
+    if exact:
+        return exact[0]
+    close = difflib.get_close_matches(name, list(leaf.values()), n=1, cutoff=0.8)
+    return next((p for p, f in leaf.items() if close and f == close[0]), None)
 
 
 class SamplingParams(ConfigModel):
@@ -251,4 +306,4 @@ class RunConfig(ConfigModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(one_line(exc, str(p))) from None
+            raise ConfigError(one_line(exc, str(p), cls)) from None

@@ -13,6 +13,7 @@ have, a non-finite or negative delay, a kill after zero units, a fault for a wor
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Iterable
@@ -81,7 +82,10 @@ def parse_injection(spec: str) -> Injection:
             return Injection("delay-trainer", seconds=float(value))
     except ValueError as exc:
         raise ValueError(f"--inject {spec!r}: {exc}") from None
-    raise ValueError(f"--inject {spec!r}: unknown kind {kind!r}")
+    kinds = get_args(InjectionKind)
+    close = difflib.get_close_matches(kind, kinds, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"the kinds: {', '.join(kinds)}"
+    raise ValueError(f"--inject {spec!r}: unknown kind {kind!r}; {hint}")
 
 
 def check_injections(injections: Iterable[Injection], config: RunConfig, *, in_process: bool = True) -> None:

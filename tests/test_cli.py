@@ -40,7 +40,7 @@ def test_commands_reopen_a_finished_embedded_run_from_its_directory(
     assert main(["lineage", run_dir, "g000000/0", "--json"]) == 0
     chain = json.loads(capsys.readouterr().out)
     assert chain["trajectory_id"] == "g000000/0" and chain["sample"]["policy_version"] == 0
-    assert main(["lineage", run_dir, "g999999/0"]) == 1
+    assert main(["lineage", run_dir, "g999999/0"]) == 2  # a trajectory the run does not have: an input error
     assert main(["status", run_dir]) == 0
     out = tmp_path / "t.html"
     assert main(["timeline", run_dir, "--out", str(out)]) == 0 and out.stat().st_size > 0

@@ -1,23 +1,40 @@
-"""The `rolledger` command line (the contract of DESIGN.md): run, replay, audit, lineage, timeline, status,
-coordinator, worker. Each subcommand is a thin edge over the modules that do the work."""
+"""The `rolledger` command line: run, replay, audit, lineage, timeline, status, coordinator, worker. Each subcommand
+is a thin edge over the modules that do the work.
+
+Every error of the command line is one line on stderr naming the thing (file, field, option, run) with a hint where
+one helps, and a documented exit code (`EXIT_CODES`). Options and configs are checked before anything heavy is
+imported (torch, transformers, matplotlib, vllm): each subcommand imports what it uses only once its inputs are valid.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, NoReturn, get_args
 
 import structlog
 from pydantic import ValidationError
 
-from rolledger.schemas.config import RunConfig
+from rolledger.schemas import injection
+from rolledger.schemas.config import RunConfig, one_line
+from rolledger.schemas.injection import Injection, check_injections, parse_injection
 from rolledger.schemas.statuses import RunStatus
+from rolledger.workers.run_inputs import (
+    RUNS_DIR_HELP,
+    RUNS_ENV,
+    RunRefused,
+    check_port_free,
+    check_reuse,
+    check_run_id,
+    default_runs_dir,
+)
 
 if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolledger --help` stays fast
     import redis
@@ -27,8 +44,62 @@ if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolled
     from rolledger.workflows.replay import ReplayReport
 
 
+EXIT_OK = 0
+EXIT_VIOLATED = 1  # audit/replay: an invariant is violated (or a log entry does not decode)
+EXIT_USAGE = 2  # a bad option, config, run id or injection; a run or trajectory that does not exist
+EXIT_RUN_FAILED = 3  # the run ended failed or aborted, or Redis stayed away past its deadline
+
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}       ok
+  {EXIT_VIOLATED}       an invariant is violated (audit, replay: the violating events are listed)
+  {EXIT_USAGE}       a usage or input error: a bad option, config, run id or --inject; a run or trajectory that
+          does not exist
+  {EXIT_RUN_FAILED}       the run ended failed or aborted, a worker process stopped on an error, or Redis stayed
+          away past ROLLEDGER_REDIS_DEADLINE_S (60 s)
+  128+N   `rolledger run` cancelled by signal N (130: SIGINT, 143: SIGTERM)
+
+runs: RUN is a run directory, or a run id looked up in the runs directory
+({RUNS_DIR_HELP}); with --redis URL (or REDIS_URL) the id is looked up in that Redis."""
+
+DESCRIPTION = """\
+The control plane of an asynchronous RL loop, event-sourced on Redis Streams: `run` runs it; `replay`, `audit`,
+`lineage`, `timeline` and `status` read a run back from its log. `rolledger COMMAND --help` lists a command's
+options. Errors are one line naming the thing, with the exit codes below."""
+
+
 class CliError(Exception):
     """A refused input or a run that does not exist: `main` prints the message as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`rolledger run: argument --ranks: ... (see 'rolledger run --help')`, exit 2)
+    and a "did you mean" for a misspelt subcommand or choice."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {' '.join(message.split())} (see '{self.prog} --help')\n")
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = [str(c) for c in action.choices]
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            listed = ", ".join(repr(c) for c in choices)
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {listed}){hint}")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilogs' tables as written."""
+
+
+def _option_hint(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """The hint for the first unrecognized option that is close to one of `parser`'s: `; did you mean --steps?`."""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], options, n=1)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 class _CurrentStderr:
@@ -59,35 +130,74 @@ def configure_logging(json_logs: bool) -> None:
     )
 
 
+_OVERRIDES = ("engine", "ranks", "mode", "steps", "seed")  # the RunConfig fields `rolledger run` takes as options
+
+
 def _config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run's config: the --config file, then the options over it; a CliError names the file and the field, or
+    the option, that is wrong."""
     data: dict[str, object] = {}
     if args.config:
-        data = RunConfig.load(args.config).model_dump(exclude_unset=True)
-    for field in ("engine", "ranks", "mode", "steps", "seed"):
+        data = RunConfig.load(args.config).model_dump(exclude_unset=True)  # ConfigError: one line naming both
+    given: dict[str, object] = {}
+    for field in _OVERRIDES:
         value = getattr(args, field, None)
         if value is not None:
-            data[field] = value
+            given[field] = data[field] = value
     if getattr(args, "vllm_url", None):
         data["vllm_urls"] = tuple(args.vllm_url)
-    return RunConfig.model_validate(data)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
+        if field in given:
+            raise CliError(f"--{field.replace('_', '-')} {given[field]}: {first['msg']}") from None
+        raise CliError(f"invalid configuration: {one_line(exc, args.config, RunConfig)}") from None
+
+
+def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
+    """Everything `rolledger run` is given, checked before torch is imported: the config, the injections, the run id,
+    its reuse, the metrics port. A CliError (one line, exit 2) for the first that is wrong."""
+    try:
+        cfg = _config_from_args(args)
+    except ValueError as exc:  # ConfigError: already one line naming the file and field
+        raise CliError(f"invalid configuration: {' '.join(str(exc).split())}") from None
+    try:
+        injections = [parse_injection(s) for s in args.inject]
+        check_injections(injections, cfg, in_process=not args.external_workers)
+        if args.run_id is not None:
+            check_run_id(args.run_id)
+            check_reuse(args.run_id, Path(args.runs_dir), args.resume)
+        if args.metrics_port is not None:
+            check_port_free(args.metrics_port)
+        _check_engine_urls(cfg, in_process=not args.external_workers)
+    except ValueError as exc:  # RunRefused and EngineAddressError included
+        raise CliError(" ".join(str(exc).split())) from None
+    return cfg, injections
+
+
+def _check_engine_urls(cfg: RunConfig, in_process: bool) -> None:
+    """The vLLM servers this process will drive: one per rank, each on an address the run may drive
+    (workers/netguard.py), refused here rather than after the warm start. With --external-workers the rank
+    processes check their own (they may resolve names this process cannot)."""
+    if cfg.engine != "vllm" or not cfg.vllm_urls or not in_process:
+        return
+    from rolledger.workers.netguard import check_engine_address  # (light: the standard library and events.redact)
+
+    if len(cfg.vllm_urls) != cfg.ranks:
+        raise ValueError(
+            f"--vllm-url/vllm_urls gives {len(cfg.vllm_urls)} server(s) for {cfg.ranks} rank(s): give one per rank"
+        )
+    for url in cfg.vllm_urls:
+        check_engine_address(url, cfg.allow_remote_engines)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rolledger.schemas.config import one_line
-    from rolledger.schemas.injection import check_injections, parse_injection
-    from rolledger.workers.local_run import LocalRun, RunOptions, RunRefused
+    cfg, injections = _run_inputs(args)
+    from rolledger.workers.local_run import LocalRun, RunOptions  # torch: only once the inputs are known good
     from rolledger.workers.progress import LiveProgress
 
-    try:
-        cfg = _config_from_args(args)
-        injections = [parse_injection(s) for s in args.inject]
-        check_injections(injections, cfg, in_process=not args.external_workers)
-    except ValidationError as exc:
-        print(f"rolledger run: invalid configuration: {one_line(exc)}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # ConfigError included: already one line naming the file and field
-        print(f"rolledger run: invalid configuration: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
     progress = LiveProgress()
     opts = RunOptions(
         config=cfg,
@@ -107,16 +217,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         with progress:
             summary = run.execute()
     except RunRefused as exc:
-        print(f"rolledger run: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc)) from None
     print(json.dumps(summary.to_dict(), indent=2))
     from rolledger.workflows.incidents import render_incidents
 
     print("\n".join(render_incidents(summary.incidents)), file=sys.stderr)
     print(f"run {run.run_id}: {run.run_dir / 'summary.json'}", file=sys.stderr)
-    if run.signalled is not None:
-        return 128 + run.signalled
-    return 0 if summary.status == RunStatus.COMPLETED else 1
+    code = run_exit_code(summary.status, run.signalled)
+    if code == EXIT_RUN_FAILED:
+        print(f"rolledger run: run {run.run_id} ended {summary.status} (exit {code})", file=sys.stderr)
+    return code
+
+
+def run_exit_code(status: RunStatus, signalled: int | None) -> int:
+    """`rolledger run`'s exit code: 128 + N when signal N cancelled it, 0 when it completed, else 3 (it failed or
+    was aborted)."""
+    if signalled is not None:
+        return 128 + signalled
+    return EXIT_OK if status == RunStatus.COMPLETED else EXIT_RUN_FAILED
 
 
 @contextmanager
@@ -134,7 +252,7 @@ def _open(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str]]:
                 raise CliError(f"run {args.run!r} has no events (no log {run_id!r} at {where}): no such run")
             yield client, run_id
     except NoSuchRun as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(f"{exc}; the runs directory is {RUNS_DIR_HELP}") from None
 
 
 def _scan(client: redis.Redis, run_id: str, start: str = "-") -> LogScan:
@@ -223,9 +341,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         events = _events(client, run_id)
     try:
         chain = lineage(events, args.trajectory_id)
-    except KeyError as exc:
-        print(f"rolledger lineage: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 1
+    except KeyError as exc:  # a trajectory the run does not have: an input error
+        raise CliError(str(exc.args[0] if exc.args else exc)) from None
     print(chain.to_json() if args.json else chain.render())
     return 0
 
@@ -235,8 +352,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     from rolledger.workflows.timeline import build_timeline
 
     if Path(args.out).suffix not in SUFFIXES:  # refused before the run is opened
-        print(f"rolledger timeline: --out must end in {' or '.join(SUFFIXES)}, not {args.out!r}", file=sys.stderr)
-        return 2
+        raise CliError(f"--out must end in {' or '.join(SUFFIXES)}, not {args.out!r}")
     with _open(args) as (client, run_id):
         events = _events(client, run_id)
     out = Path(args.out)
@@ -270,15 +386,23 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from rolledger.workers.processes import run_coordinator
+    from rolledger.workers.processes import RunNotStarted, run_coordinator
 
-    return run_coordinator(args.redis, args.run)
+    try:
+        return run_coordinator(args.redis, args.run)
+    except RunNotStarted as exc:
+        raise CliError(str(exc)) from None
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from rolledger.workers.processes import run_worker
+    from rolledger.workers.processes import RunNotStarted, run_worker
 
-    return run_worker(args.kind, args.redis, args.run, rank=args.rank, name=args.name, claim_idle_ms=args.claim_idle_ms)
+    try:
+        return run_worker(
+            args.kind, args.redis, args.run, rank=args.rank, name=args.name, claim_idle_ms=args.claim_idle_ms
+        )
+    except RunNotStarted as exc:
+        raise CliError(str(exc)) from None
 
 
 def _choices(field: str) -> tuple[str, ...]:
@@ -286,31 +410,83 @@ def _choices(field: str) -> tuple[str, ...]:
     return get_args(RunConfig.model_fields[field].annotation)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rolledger", description=__doc__)
-    parser.add_argument("--json-logs", action="store_true", help="structured JSON logs (default when not a terminal)")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _override(field: str, what: str) -> str:
+    """Help for an option that overrides a RunConfig field: what it is, and the config's default."""
+    return f"{what} (overrides the config's {field}; default: {RunConfig.model_fields[field].default})"
 
-    run = sub.add_parser("run", help="run the RL loop (embedded Redis and the torch engine by default)")
-    run.add_argument("--config", help="TOML, JSON or YAML run config")
+
+def _inject_vocabulary() -> str:
+    """The --inject specs, as schemas/injection.py documents them (the one vocabulary of faults)."""
+    kinds = get_args(injection.InjectionKind)
+    lines = [ln for ln in (injection.__doc__ or "").splitlines() if ln.startswith(kinds)]
+    return "fault injection (--inject SPEC, repeatable; each fires once, at its first opportunity):\n" + "\n".join(
+        f"  {ln}" for ln in lines
+    )
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= low, refused in one line naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, not {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rolledger", description=DESCRIPTION, epilog=EXIT_CODES, formatter_class=_Formatter)
+    parser.add_argument(
+        "--json-logs", action="store_true", help="structured JSON logs (default: JSON when stderr is not a terminal)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="run the RL loop (embedded Redis and the torch engine by default)",
+        description="Run the RL loop: every role as a thread of this process, all talking through the run's log\n"
+        "(or, with --external-workers, as their own processes). Options override the --config file's fields.",
+        epilog=_inject_vocabulary() + "\n\n" + EXIT_CODES,
+        formatter_class=_Formatter,
+    )
+    run.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML run config (see examples/; default: none)")
     run.add_argument(
         "--redis", help="Redis URL (redis://, rediss://, unix://); default: REDIS_URL or an embedded server"
     )
-    run.add_argument("--engine", choices=_choices("engine"))
-    run.add_argument("--ranks", type=int)
-    run.add_argument("--mode", choices=_choices("mode"))
-    run.add_argument("--steps", type=int)
-    run.add_argument("--seed", type=int)
-    run.add_argument("--run-id", help="[A-Za-z0-9][A-Za-z0-9._-]{0,127}; an existing one is refused without --resume")
+    run.add_argument("--engine", choices=_choices("engine"), help=_override("engine", "inference engine"))
+    run.add_argument("--ranks", type=int, metavar="N", help=_override("ranks", "inference ranks"))
+    run.add_argument(
+        "--mode",
+        choices=_choices("mode"),
+        help=_override("mode", "trainer and engines take turns on one device, or run side by side"),
+    )
+    run.add_argument("--steps", type=int, metavar="N", help=_override("steps", "trainer steps, i.e. policy versions"))
+    run.add_argument("--seed", type=int, metavar="N", help=_override("seed", "random seed"))
+    run.add_argument(
+        "--run-id",
+        help="[A-Za-z0-9][A-Za-z0-9._-]{0,127}; an existing one is refused without --resume (default: a new one, "
+        "date-time-random)",
+    )
     run.add_argument(
         "--resume",
         action="store_true",
         help="continue an existing run id: reopen its log and start fresh workers that carry on from it",
     )
-    run.add_argument("--runs-dir", default="runs")
-    run.add_argument("--inject", action="append", default=[], metavar="SPEC", help="fault injection, see DESIGN.md")
-    run.add_argument("--vllm-url", action="append", help="an already running vLLM server (one per rank)")
-    run.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    run.add_argument(
+        "--runs-dir",
+        default=str(default_runs_dir()),
+        help=f"the run's directory goes here (default: ${RUNS_ENV} if set, else ./runs; now: %(default)s)",
+    )
+    run.add_argument(
+        "--inject", action="append", default=[], metavar="SPEC", help="a fault to inject (repeatable; specs below)"
+    )
+    run.add_argument("--vllm-url", action="append", metavar="URL", help="an already running vLLM server (one per rank)")
+    run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this loopback port")
     run.add_argument(
         "--external-workers",
         action="store_true",
@@ -320,35 +496,49 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--model-dir",
         help="an existing policy directory to start from (no warm start); "
-        "with --external-workers every process must see the same path",
+        "with --external-workers every process must see the same path (default: warm-start a new one)",
     )
     run.set_defaults(func=cmd_run)
 
     def run_ref(p: argparse.ArgumentParser) -> None:
-        p.add_argument("run", metavar="RUN", help="run id or run directory")
+        """The arguments of every command that reads a run: RUN, --redis, --runs-dir (one default, one help)."""
+        p.add_argument("run", metavar="RUN", help="run id (looked up in --runs-dir) or run directory")
         p.add_argument("--redis", help="Redis URL; default: REDIS_URL, the run directory's server or its AOF")
-        p.add_argument("--runs-dir", default="runs")
+        p.add_argument(
+            "--runs-dir",
+            default=str(default_runs_dir()),
+            help=f"where run ids are looked up (default: ${RUNS_ENV} if set, else ./runs; now: %(default)s)",
+        )
 
     replay = sub.add_parser("replay", help="rebuild a run's state from its log; check snapshots and determinism")
     run_ref(replay)
     replay.add_argument("--until", metavar="EVENT_ID", help="stop after this event id (or stream id)")
-    replay.add_argument("--json", action="store_true")
+    replay.add_argument("--json", action="store_true", help="the report as JSON")
     replay.set_defaults(func=cmd_replay)
 
-    audit = sub.add_parser("audit", help="check the invariants of DESIGN.md over a run's log (exit 1 on violations)")
+    audit = sub.add_parser(
+        "audit",
+        help="check the 8 invariants over a run's log (exit 1 on violations)",
+        description="Check a run's log against its invariants: the log is whole; one version per sample; no admission\n"
+        "or generation during an update; fail-closed commits; one published state; consumption within the lag and\n"
+        "partial-policy bounds; bytes under the cap; nothing silently lost; deterministic replay. Exit 1 names the\n"
+        "violating event ids; a run without RunFinished is UNFINISHED.",
+        epilog=EXIT_CODES,
+        formatter_class=_Formatter,
+    )
     run_ref(audit)
-    audit.add_argument("--json", action="store_true")
+    audit.add_argument("--json", action="store_true", help="the report as JSON")
     audit.set_defaults(func=cmd_audit)
 
     lineage = sub.add_parser("lineage", help="the provenance chain of one trajectory")
     run_ref(lineage)
-    lineage.add_argument("trajectory_id", metavar="TRAJECTORY_ID")
-    lineage.add_argument("--json", action="store_true")
+    lineage.add_argument("trajectory_id", metavar="TRAJECTORY_ID", help="GROUP/INDEX, e.g. g000012/3")
+    lineage.add_argument("--json", action="store_true", help="the chain as JSON")
     lineage.set_defaults(func=cmd_lineage)
 
     timeline = sub.add_parser("timeline", help="draw the run: groups, updates, handoffs, bubbles")
     run_ref(timeline)
-    timeline.add_argument("--out", required=True, help="FILE.png or FILE.html")
+    timeline.add_argument("--out", required=True, metavar="FILE", help="FILE.png or FILE.html")
     timeline.set_defaults(func=cmd_timeline)
 
     from rolledger.workers.cli_events import register as register_events
@@ -371,19 +561,23 @@ def build_parser() -> argparse.ArgumentParser:
     ui.set_defaults(func=cmd_ui)
 
     coord = sub.add_parser("coordinator", help="run the coordinator process")
-    coord.add_argument("--redis", required=True)
-    coord.add_argument("--run", required=True)
+    coord.add_argument("--redis", required=True, help="the run's Redis URL")
+    coord.add_argument("--run", required=True, metavar="RUN_ID", help="the run id (started by `rolledger run`)")
     coord.set_defaults(func=cmd_coordinator)
 
     worker = sub.add_parser("worker", help="run one worker process")
-    worker.add_argument("kind", choices=["rollout", "rank", "reward", "trainer"])
-    worker.add_argument("--redis", required=True)
-    worker.add_argument("--run", required=True)
-    worker.add_argument("--rank", type=int, default=0, help="rank of a rollout/rank worker")
+    worker.add_argument(
+        "kind", metavar="KIND", choices=["rollout", "rank", "reward", "trainer"], help="the role this process plays"
+    )
+    worker.add_argument("--redis", required=True, help="the run's Redis URL")
+    worker.add_argument("--run", required=True, metavar="RUN_ID", help="the run id (started by `rolledger run`)")
+    worker.add_argument(
+        "--rank", type=_int_at_least(0), default=0, help="rank of a rollout/rank worker (default: %(default)s)"
+    )
     worker.add_argument("--name", help="consumer name (default: KIND-RANK or KIND)")
     worker.add_argument(
         "--claim-idle-ms",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help="reclaim work whose owner missed its heartbeats this long (ms; default: the run's recovery.lost_after_s)",
     )
@@ -393,23 +587,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # what parse_args would refuse, with a hint when an option is misspelt
+        commands: dict[str, argparse.ArgumentParser] = next(
+            (a.choices for a in parser._actions if isinstance(a.choices, dict)), {}
+        )
+        command = commands.get(args.command, parser)
+        command.error(f"unrecognized arguments: {' '.join(extras)}{_option_hint(command, extras)}")
     configure_logging(args.json_logs or not sys.stderr.isatty() and os.environ.get("ROLLEDGER_PRETTY_LOGS") is None)
     try:
         code: int = args.func(args)
     except CliError as exc:
-        print(f"rolledger {args.command}: {exc}", file=sys.stderr)
-        return 2
+        print(f"rolledger {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:  # `rolledger audit RUN | head`: the reader left; not an error of ours
         sys.stderr.close()
-        return 0
+        return EXIT_OK
     except Exception as exc:
         from rolledger.events.connection import RedisUnavailable  # (imported late: `rolledger --help` stays fast)
 
         if not isinstance(exc, RedisUnavailable):
             raise
         print(f"rolledger {args.command}: {exc}", file=sys.stderr)  # the outage outlasted the retry deadline
-        return 3
+        return EXIT_RUN_FAILED
     return code
 
 

@@ -7,7 +7,7 @@ Steps: start Redis; build the tokenizer and the tiny policy, warm-start it (supe
 the reward worker and the trainer (each wrapped by its injected faults, workers/faults.py); follow the log with a
 live display until RunFinished; write summary.json.
 
-Inputs are refused before anything starts (`RunRefused`): a run id outside `RUN_ID_PATTERN` (no path separators,
+Inputs are refused before anything starts (`RunRefused`, workers/run_inputs.py): a run id outside `RUN_ID_PATTERN` (no path separators,
 no `..`, no braces), a run id that already has a run (directory with a Redis URL, AOF or summary) or a log (unless `resume`: then the run's log is
 reopened and fresh workers continue it from the log; a finished run just gets its summary again), a busy metrics
 port. `runs/<id>/redis_url` holds the URL with its password redacted, mode 0600.
@@ -28,12 +28,9 @@ coordinator lease and appends the decision through the same conditional path (`f
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import re
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -65,6 +62,7 @@ from rolledger.workers.metrics import RunMetrics
 from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
+from rolledger.workers.run_inputs import RunRefused, check_port_free, check_reuse, check_run_id
 from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_store import DirectoryStagingStore
 from rolledger.workers.tasks import make_prompts, supervised_examples
@@ -78,42 +76,6 @@ from rolledger.workflows.summary import Summary, summarize
 log = structlog.get_logger("run")
 
 DEADLINE_GRACE_S = 30.0  # how long past the run deadline the driver waits for the coordinator to end the run
-RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-class RunRefused(ValueError):
-    """An input the run cannot start with (a bad or reused run id, a busy port): one line, nothing started."""
-
-
-def check_run_id(run_id: str) -> None:
-    """Refuse a run id that is empty, has path separators, `..`, braces, or characters outside RUN_ID_PATTERN."""
-    if not run_id:
-        raise RunRefused("run id is empty")
-    if "/" in run_id or "\\" in run_id or ".." in run_id or "{" in run_id or "}" in run_id:
-        raise RunRefused(f"run id {run_id!r} may not contain '/', '\\', '..' or braces")
-    if RUN_ID_PATTERN.fullmatch(run_id) is None:
-        raise RunRefused(f"run id {run_id!r} must match {RUN_ID_PATTERN.pattern}")
-
-
-def has_run(run_dir: Path) -> bool:
-    """Whether a directory already holds a run (its Redis URL, an AOF, a summary); a directory seeded with only a
-    policy (`model/`, as the vLLM tier prepares it) is not one."""
-    return run_dir.is_dir() and any(
-        (run_dir / name).exists() for name in ("redis_url", "summary.json", "appendonly.aof", "appendonlydir")
-    )
-
-
-def check_port_free(port: int, addr: str = "127.0.0.1") -> None:
-    """Refuse a metrics port something already listens on (or one out of range), before any worker starts."""
-    if not 0 < port < 65536:
-        raise RunRefused(f"--metrics-port {port} is not a port (1-65535)")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((addr, port))
-        except OSError as exc:
-            why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-            raise RunRefused(f"--metrics-port {port} on {addr}: {why}") from None
 
 
 @dataclass
@@ -184,9 +146,7 @@ class LocalRun:
         check_run_id(self.run_id)
         if opts.metrics_port is not None:
             check_port_free(opts.metrics_port)
-        self.run_dir = (opts.runs_dir / self.run_id).absolute()
-        if has_run(self.run_dir) and not opts.resume:
-            raise RunRefused(f"run {self.run_id!r} already exists ({self.run_dir}); pass --resume to continue it")
+        self.run_dir = check_reuse(self.run_id, opts.runs_dir, opts.resume)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.embedded: EmbeddedRedis | None = None
         self.client: redis.Redis | None = None

@@ -34,13 +34,18 @@ if TYPE_CHECKING:  # torch comes in with the worker a process builds, after the 
 
 log = structlog.get_logger("process")
 EXIT_REDIS_UNAVAILABLE = 3
+EXIT_WORKER_FAILED = 3  # the worker stopped on an error: "the run failed" of the CLI's exit codes
+
+
+class RunNotStarted(LookupError):
+    """The run has no RunStarted in its log: nothing for this process to do (the CLI: one line, exit 2)."""
 
 
 def _run_started(client: redis.Redis, run_id: str) -> ev.RunStarted:
     for stored in EventLog(client, run_id).read():
         if isinstance(stored.event.payload, ev.RunStarted):
             return stored.event.payload
-    raise SystemExit(f"run {run_id} has no RunStarted event yet; start it with `rolledger run` first")
+    raise RunNotStarted(f"run {run_id!r} has no RunStarted event yet; start it with `rolledger run` first")
 
 
 def finished_already(client: redis.Redis, run_id: str, who: str) -> bool:
@@ -62,7 +67,7 @@ def _serve(worker: Worker) -> int:
     worker._main()
     if isinstance(worker.error, RedisUnavailable):
         raise worker.error
-    return 0 if worker.error is None else 1
+    return 0 if worker.error is None else EXIT_WORKER_FAILED
 
 
 def gave_up(redis_url: str, run_id: str, name: str, kind: str, exc: RedisUnavailable) -> int:
@@ -94,11 +99,11 @@ def _run_coordinator(redis_url: str, run_id: str, name: str) -> int:
     client = connect(redis_url)
     if finished_already(client, run_id, "coordinator"):
         return 0
+    started = _run_started(client, run_id)  # before torch is imported: a run that is not there is refused at once
     from rolledger.workers.coordinator import Coordinator
     from rolledger.workers.local_run import prompt_items
     from rolledger.workers.policy_model import load_policy
 
-    started = _run_started(client, run_id)
     _, tokenizer = load_policy(Path(started.model_dir))
     return _serve(Coordinator(client, run_id, name, prompt_items(started.config, tokenizer)))
 
@@ -122,9 +127,9 @@ def _run_worker(
     client = connect(redis_url)
     if finished_already(client, run_id, f"worker {kind}"):
         return 0
+    started = _run_started(client, run_id)  # before torch is imported
     from rolledger.workers.policy_model import load_policy
 
-    started = _run_started(client, run_id)
     cfg: RunConfig = started.config
     model, tokenizer = load_policy(Path(started.model_dir))
     worker: Worker

@@ -1,0 +1,290 @@
+"""Errors people can act on: every error of the command line is one line on stderr naming the thing (file, field,
+option, run, trajectory) with a hint where one helps, no traceback, and the documented exit code; config and option
+errors appear before torch, transformers, matplotlib or vllm is imported; run ids resolve in the runs directory
+(--runs-dir, else $ROLLEDGER_RUNS, else ./runs) and a run not found names where it was looked for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from rolledger.events.codec import decode
+from rolledger.events.embedded import EmbeddedRedis
+from rolledger.events.store import EventLog
+from rolledger.schemas.config import RunConfig, suggest_field
+from rolledger.schemas.injection import InjectionKind
+from rolledger.schemas.statuses import RunStatus
+from rolledger.workers.cli import EXIT_RUN_FAILED, EXIT_USAGE, build_parser, main, run_exit_code
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+import history  # tests/fixtures is not a package: it holds data and the scripts that make it
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "transformers", "matplotlib", "vllm")
+
+Case = Callable[[Path], list[str]]
+
+
+def bad_config(text: str, name: str = "bad.toml") -> Case:
+    def argv(tmp: Path) -> list[str]:
+        (tmp / name).write_text(text)
+        return ["run", "--config", str(tmp / name), "--runs-dir", str(tmp / "runs")]
+
+    return argv
+
+
+def args(*argv: str) -> Case:
+    return lambda tmp: [a.replace("TMP", str(tmp)) for a in argv]
+
+
+# (name, argv, exit code, what the one line must say): the issue's error cases and the option errors
+CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
+    ("audit-missing-run", args("audit", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("TMP/runs/nonexistent-run",)),
+    ("replay-missing-run", args("replay", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("no run directory",)),
+    ("lineage-missing-run", args("lineage", "nonexistent-run", "g000001/0", "--runs-dir", "TMP/runs"), 2, ("TMP",)),
+    ("status-missing-run", args("status", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("ROLLEDGER_RUNS",)),
+    ("timeline-missing-run", args("timeline", "gone", "--runs-dir", "TMP", "--out", "TMP/t.png"), 2, ("'gone'",)),
+    ("events-missing-run", args("events", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("no run directory",)),
+    ("events-type", args("events", "x", "--type", "UpdateAbortd"), 2, ("did you mean UpdateAborted?",)),
+    ("ui-missing-run", args("ui", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("TMP/runs/nonexistent-run",)),
+    ("ui-port", args("ui", "x", "--port", "http"), 2, ("--port", "invalid int value: 'http'")),
+    ("timeline-svg", args("timeline", "gone", "--runs-dir", "TMP", "--out", "x.svg"), 2, ("'x.svg'", ".png or .html")),
+    (
+        "config-nested-typo",
+        bad_config("[trainer]\nwarm_start_step = 2\n"),
+        2,
+        ("bad.toml", "trainer.warm_start_step", "unknown field", "did you mean warm_start_steps?"),
+    ),
+    (
+        "config-section-misplaced",
+        bad_config("warm_start_steps = 2\n"),
+        2,
+        ("bad.toml", "warm_start_steps", "did you mean trainer.warm_start_steps?"),
+    ),
+    ("config-top-typo", bad_config('{"rnaks": 2}', "c.json"), 2, ("c.json", "rnaks", "did you mean ranks?")),
+    ("config-choice", bad_config('engine = "vlm"\n'), 2, ("bad.toml", "engine", "did you mean 'vllm'?")),
+    ("config-missing", args("run", "--config", "TMP/nope.toml"), 2, ("TMP/nope.toml", "cannot read the config file")),
+    ("ranks-0", args("run", "--ranks", "0", "--runs-dir", "TMP/runs"), 2, ("--ranks 0", "greater than or equal to 1")),
+    ("steps--1", args("run", "--steps", "-1", "--runs-dir", "TMP/runs"), 2, ("--steps -1", "greater than or equal")),
+    ("ranks-text", args("run", "--ranks", "two"), 2, ("--ranks", "invalid int value: 'two'", "rolledger run --help")),
+    ("engine-choice", args("run", "--engine", "vlm"), 2, ("--engine", "did you mean 'vllm'?")),
+    ("option-typo", args("run", "--stpes", "3"), 2, ("--stpes", "did you mean --steps?")),
+    ("command-typo", args("audt", "x"), 2, ("'audt'", "did you mean 'audit'?")),
+    ("no-command", args(), 2, ("COMMAND",)),
+    ("worker-kind", args("worker", "rnak", "--redis", "redis://x", "--run", "r"), 2, ("did you mean 'rank'?",)),
+    ("worker-rank", args("worker", "rank", "--redis", "redis://x", "--run", "r", "--rank", "-1"), 2, ("--rank",)),
+    (
+        "inject-unknown",
+        args("run", "--inject", "fail-rnk=1@prepare", "--runs-dir", "TMP/runs"),
+        2,
+        ("'fail-rnk=1@prepare'", "did you mean 'fail-rank'?"),
+    ),
+    ("inject-garbage", args("run", "--inject", "boom", "--runs-dir", "TMP/runs"), 2, ("'boom'", "KIND=VALUE")),
+    ("inject-rank", args("run", "--inject", "fail-rank=3@transfer", "--runs-dir", "TMP/runs"), 2, ("rank 3",)),
+    ("run-id", args("run", "--run-id", "../x", "--runs-dir", "TMP/runs"), 2, ("run id '../x'",)),
+    (
+        "vllm-url-scheme",
+        args("run", "--engine", "vllm", "--vllm-url", "ftp://u:hunter2@127.0.0.1:80", "--runs-dir", "TMP/runs"),
+        2,
+        ("scheme must be http or https", "u:***@"),
+    ),
+    (
+        "vllm-url-count",
+        args("run", "--engine", "vllm", "--ranks", "2", "--vllm-url", "http://127.0.0.1:8000", "--runs-dir", "TMP/r"),
+        2,
+        ("1 server(s) for 2 rank(s)",),
+    ),
+]
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("ROLLEDGER_RUNS", raising=False)
+
+
+@pytest.mark.parametrize(("argv", "code", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_each_error_is_one_line_with_its_exit_code(
+    argv: Case, code: int, needles: tuple[str, ...], tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        got = main(argv(tmp_path))
+    except SystemExit as exc:  # argparse's own exit, through our one-line `error`
+        got = exc.code  # type: ignore[assignment]
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert got == code, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle.replace("TMP", str(tmp_path)) in lines[0], lines[0]
+    assert lines[0].startswith("rolledger"), lines[0]
+    assert out == "" and "hunter2" not in err
+    assert not (tmp_path / "runs").exists()  # refused before anything was created
+
+
+# ---------------------------------------------------------------- before the heavy imports
+PROBE = """
+import contextlib, io, json, sys
+from rolledger.workers.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {heavy!r})
+    results.append({{"argv": argv, "code": code, "err": err.getvalue(), "heavy": heavy}})
+print(json.dumps(results))
+"""
+
+
+def test_config_and_option_errors_come_before_torch_is_imported(tmp_path: Path) -> None:
+    """Every case above, in one fresh interpreter (not this one: conftest imports torch), checked after each one:
+    none imported torch, transformers, matplotlib or vllm, so each appears in well under the 2 s asked."""
+    argvs = [argv(tmp_path) for _, argv, _, _ in CASES]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=set(HEAVY)), json.dumps(argvs)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    for (name, _, code, _), r in zip(CASES, results, strict=True):
+        assert r["heavy"] == [], f"{name}: {r['argv']} imported {r['heavy']}"
+        assert r["code"] == code and len(r["err"].strip().splitlines()) == 1, (name, r)
+
+
+def test_a_misspelt_config_field_from_the_real_entry_point(tmp_path: Path) -> None:
+    """`python -m rolledger.workers.cli run --config bad.toml`, as a user runs it: stderr is exactly one line, exit 2,
+    and at exit torch (and the rest) was never imported."""
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[trainer]\nwarm_start_step = 2\n")
+    probe = (
+        "import atexit, json, runpy, sys\n"
+        f"atexit.register(lambda: print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))))\n"
+        "sys.argv = ['rolledger', *sys.argv[1:]]\n"
+        "runpy.run_module('rolledger.workers.cli', run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "run", "--config", str(cfg), "--runs-dir", str(tmp_path / "runs")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.endswith("\n"), done.stderr
+    assert f"{cfg}: trainer.warm_start_step: unknown field; did you mean warm_start_steps?" in done.stderr
+    assert json.loads(done.stdout) == []
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- the runs directory
+@pytest.fixture
+def run_dir_with_log(tmp_path: Path) -> tuple[Path, str]:
+    """A finished run's directory (the clean fixture log in an embedded Redis's AOF), as `rolledger run` leaves it."""
+    run_id, entries = history.load_entries("clean")
+    runs = tmp_path / "store"
+    with EmbeddedRedis(runs / run_id) as server:
+        client = redis.Redis.from_url(server.url)
+        EventLog(client, run_id).append_many([decode(data) for _, data in entries])
+        client.close()
+    return runs, run_id
+
+
+def test_run_ids_resolve_in_rolledger_runs_not_the_working_directory(
+    run_dir_with_log: tuple[Path, str],
+    tmp_path: Path,
+    clean_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    runs, run_id = run_dir_with_log
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["audit", run_id]) == 2  # ./runs is the last fallback, and there is no ./runs here
+    assert str(elsewhere / "runs" / run_id) in capsys.readouterr().err
+    monkeypatch.setenv("ROLLEDGER_RUNS", str(runs))
+    assert build_parser().parse_args(["status", run_id]).runs_dir == str(runs)
+    assert main(["audit", run_id, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    empty = tmp_path / "empty"
+    assert main(["audit", run_id, "--runs-dir", str(empty)]) == 2  # --runs-dir wins over $ROLLEDGER_RUNS
+    line = capsys.readouterr().err.strip()
+    assert str(empty / run_id) in line and "\n" not in line, line
+
+
+def test_an_unknown_trajectory_is_an_input_error(
+    run_dir_with_log: tuple[Path, str], clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs, run_id = run_dir_with_log
+    assert main(["lineage", run_id, "g999999/0", "--runs-dir", str(runs)]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'g999999/0'" in err[0] and err[0].startswith("rolledger lineage: "), err
+
+
+def test_a_worker_for_a_run_that_never_started_is_one_line(
+    redis_url: str, run_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["worker", "reward", "--redis", redis_url, "--run", run_id]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no RunStarted" in err[0] and run_id in err[0], err
+
+
+# ---------------------------------------------------------------- exit codes and help
+def test_a_run_that_did_not_complete_exits_3_and_a_signal_128_plus_n() -> None:
+    assert run_exit_code(RunStatus.COMPLETED, None) == 0
+    assert run_exit_code(RunStatus.FAILED, None) == EXIT_RUN_FAILED == 3
+    assert run_exit_code(RunStatus.ABORTED, None) == 3
+    assert run_exit_code(RunStatus.CANCELLED, 15) == 143
+
+
+def help_of(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_documents_exit_codes_defaults_and_the_inject_vocabulary(capsys: pytest.CaptureFixture[str]) -> None:
+    top = help_of(capsys=capsys)
+    for code, meaning in (("0", "ok"), ("1", "invariant"), ("2", "usage or input error"), ("3", "failed")):
+        assert any(ln.split()[:1] == [code] and meaning in ln for ln in top.splitlines()), (code, top)
+    assert "ROLLEDGER_RUNS" in top
+    run = " ".join(help_of("run", capsys=capsys).split())
+    defaults = RunConfig()
+    for option in ("engine", "ranks", "mode", "steps", "seed"):
+        assert f"overrides the config's {option}; default: {getattr(defaults, option)})" in run, option
+    for kind in InjectionKind.__args__:  # type: ignore[attr-defined]
+        assert f"{kind}=" in run, kind
+    reads_a_run = ("replay", "audit", "lineage", "timeline", "status", "events", "ui")
+    for command in ("", "run", *reads_a_run, "coordinator", "worker"):
+        text = help_of(*([command] if command else []), capsys=capsys)
+        assert "DESIGN" not in text, command
+        if command in (*reads_a_run, "run"):
+            assert "--runs-dir" in text and "ROLLEDGER_RUNS" in text, command
+
+
+def test_suggestions_reach_every_level_of_the_config() -> None:
+    assert suggest_field(RunConfig, ("trainer", "warm_start_step")) == "warm_start_steps"
+    assert suggest_field(RunConfig, ("admission", "max_lags")) == "max_lag"
+    assert suggest_field(RunConfig, ("recovery", "heartbeat")) == "heartbeat_s"
+    assert suggest_field(RunConfig, ("max_lag",)) == "admission.max_lag"
+    assert suggest_field(RunConfig, ("partial_policy", "deadline")) == "deadline_s"
+    assert suggest_field(RunConfig, ("zzzz",)) is None
