@@ -88,13 +88,12 @@ def test_progress_line_names_what_a_person_needs() -> None:
     line = progress_line(state)
     assert line.startswith("step 2/40 v0  reward 0.375 -> 0.375")
     assert "agreement 1.0e-07" in line
+    assert "agreement 0  " in progress_line(_state([0.5], gap=0.0))
     assert state.admission.queued_bytes > 0
     assert f"queue 1 groups, {format_bytes(state.admission.queued_bytes)}  lag" in line
     assert "lag 0/1" in line
     # the trainer setting the pace reads as waiting, with why, not as an alarm
-    assert line.endswith(
-        "admission waiting: generation is max_lag versions ahead of the trainer; 2 batches already wait for the trainer"
-    )
+    assert line.endswith("admission: waiting for the trainer (lag cap, rate throttle)")
     assert "PAUSED" not in line
 
 
@@ -104,10 +103,14 @@ def test_bytes_read_at_a_glance() -> None:
 
 def test_admission_words_alarm_only_on_a_halt() -> None:
     assert admission_words([]) == ("open", False)
-    assert admission_words([AdmissionReason.RATE]) == ("waiting: 2 batches already wait for the trainer", False)
-    assert admission_words([AdmissionReason.UPDATE])[1] is False
+    assert admission_words([AdmissionReason.RATE]) == ("waiting for the trainer (rate throttle)", False)
+    assert admission_words([AdmissionReason.UPDATE]) == ("weight update in progress", False)
+    assert admission_words([AdmissionReason.BYTES, AdmissionReason.HANDOFF]) == (
+        "waiting for the trainer (byte cap); engines handed to the trainer (colocated)",
+        False,
+    )
     words, alarm = admission_words([AdmissionReason.RATE, AdmissionReason.MANUAL])
-    assert alarm and words == "PAUSED: 2 batches already wait for the trainer; the run is halted"
+    assert alarm and words == "PAUSED: run halted; waiting for the trainer (rate throttle)"
 
 
 def test_the_live_display_prints_one_line_per_step_when_not_a_terminal() -> None:
@@ -137,5 +140,5 @@ def test_warm_start_says_why_then_prints_a_bar_every_tenth_when_not_a_terminal()
     )
     bars = lines[1:]
     assert len(bars) == 10  # every 40 steps
-    assert bars[0].startswith("warm start [###...") and " 40/400 " in bars[0]
+    assert bars[0].startswith("warm start [###...") and " 40/400 " in bars[0] and " s left" in bars[0]
     assert bars[-1].startswith("warm start [" + "#" * 30 + "] 400/400  loss 0.003")

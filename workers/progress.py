@@ -29,7 +29,9 @@ def _max_lag(state: RunState) -> int | None:
 def _agreement(state: RunState) -> str:
     """The last step's median |trainer - engine| logprob gap on on-policy tokens, or `-` before there is one."""
     gaps = state.trainer.logprob_gaps
-    return f"{gaps[-1]:.1e}" if gaps else "-"
+    if not gaps:
+        return "-"
+    return "0" if gaps[-1] == 0 else f"{gaps[-1]:.1e}"
 
 
 def _queue(state: RunState) -> str:
@@ -44,13 +46,13 @@ def _lag(state: RunState) -> str:
 def progress_line(state: RunState) -> str:
     """One line per trainer step when stdout is not a terminal, e.g.
     `step 3/40 v2  reward 0.537 -> 0.590 (mean of the first/last 5 steps)  agreement 0.0e+00  queue 2 groups, 5.2 kB
-    lag 0/1  admission waiting: 2 batches already wait for the trainer`."""
+    lag 0/1  admission: waiting for the trainer (lag cap, rate throttle)`."""
     cfg = state.config
     admission, _alarm = admission_words(state.admission.paused)
     return (
         f"step {state.trainer.step}/{cfg.steps if cfg else '?'} v{state.policy_version}  "
         f"reward {format_reward_edges(state.trainer.rewards)} ({REWARD_EDGES_LABEL})  "
-        f"agreement {_agreement(state)}  queue {_queue(state)}  lag {_lag(state)}  admission {admission}"
+        f"agreement {_agreement(state)}  queue {_queue(state)}  lag {_lag(state)}  admission: {admission}"
     )
 
 
@@ -112,15 +114,18 @@ class LiveProgress:
         def on_step(step: int, loss: float) -> None:
             if not started:
                 started.append(time.monotonic())
-                self.console.print(warm_start_intro(steps), markup=False, highlight=False)
+                self.console.print(warm_start_intro(steps), markup=False, highlight=False, soft_wrap=True)
                 if step == 0:
                     return
             elapsed = time.monotonic() - started[0]
-            text = f"warm start {_bar(step / max(steps, 1))} {step}/{steps}  loss {loss:.3f}  {elapsed:.0f} s"
+            left = elapsed / max(step, 1) * (steps - step)
+            text = f"warm start {_bar(step / max(steps, 1))} {step}/{steps}  loss {loss:.3f}  {elapsed:.0f} s" + (
+                f", ~{left:.0f} s left" if step < steps else ""
+            )
             if self.live is not None:
                 self.live.update(Text(text))
             elif step % every == 0 or step == steps:
-                self.console.print(text, markup=False, highlight=False)
+                self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
         return on_step
 

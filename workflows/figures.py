@@ -31,32 +31,36 @@ def format_reward_edges(rewards: Sequence[float]) -> str:
     return "-" if edges is None else f"{edges[0]:.3f} -> {edges[1]:.3f}"
 
 
-# Why admission is not admitting, in words. Flow control (the trainer sets the pace) is the normal state of a run
-# whose generation is faster than its training; only a manual pause (a halt) is an alarm.
-ADMISSION_WHY: dict[AdmissionReason, str] = {
-    AdmissionReason.RATE: "2 batches already wait for the trainer",
-    AdmissionReason.LAG: "generation is max_lag versions ahead of the trainer",
-    AdmissionReason.BYTES: "the queue is at its byte cap",
-    AdmissionReason.UPDATE: "a weight update is in progress",
-    AdmissionReason.HANDOFF: "the engines are handed to the trainer (colocated)",
-    AdmissionReason.MANUAL: "the run is halted",
+# Why admission is not admitting, in words. The trainer setting the pace (the lag cap, the rate throttle, the byte
+# cap) is the normal state of a run whose generation is faster than its training, and an update or a colocated
+# handoff is a phase of every step: neither is an alarm. Only a manual pause (a halt) is.
+TRAINER_PACE: dict[AdmissionReason, str] = {
+    AdmissionReason.LAG: "lag cap",
+    AdmissionReason.RATE: "rate throttle",
+    AdmissionReason.BYTES: "byte cap",
 }
-FLOW_CONTROL: frozenset[AdmissionReason] = frozenset(
-    {AdmissionReason.RATE, AdmissionReason.LAG, AdmissionReason.BYTES, AdmissionReason.UPDATE, AdmissionReason.HANDOFF}
-)
+PHASES: dict[AdmissionReason, str] = {
+    AdmissionReason.UPDATE: "weight update in progress",
+    AdmissionReason.HANDOFF: "engines handed to the trainer (colocated)",
+}
 
 
 def admission_words(paused: Sequence[AdmissionReason]) -> tuple[str, bool]:
     """What admission is doing, in words, and whether it is an alarm.
 
-    Open: ("open", False). Held only by flow control (the rate throttle, the lag cap, the byte cap, an update or a
-    handoff): ("waiting: <why>; <why>", False), which happens nearly every step and is how the trainer sets the
-    pace. Anything else (a halt): ("PAUSED: <why>", True)."""
+    ("open", False); ("waiting for the trainer (lag cap, rate throttle)", False) while only the trainer's pace holds
+    it, as it does nearly every step; ("weight update in progress", False) for an update or a handoff (both joined
+    by "; " when both hold); ("PAUSED: run halted", True) once anything else holds it (a halt)."""
     if not paused:
         return "open", False
-    why = "; ".join(ADMISSION_WHY.get(r, str(r)) for r in paused)
-    alarm = any(r not in FLOW_CONTROL for r in paused)
-    return (f"PAUSED: {why}" if alarm else f"waiting: {why}"), alarm
+    pace = [TRAINER_PACE[r] for r in paused if r in TRAINER_PACE]
+    words = [f"waiting for the trainer ({', '.join(pace)})"] if pace else []
+    words += [PHASES[r] for r in paused if r in PHASES]
+    other = [r for r in paused if r not in TRAINER_PACE and r not in PHASES]
+    if other:
+        halted = ", ".join("run halted" if r == AdmissionReason.MANUAL else str(r) for r in other)
+        return "; ".join([f"PAUSED: {halted}", *words]), True
+    return "; ".join(words), False
 
 
 def format_bytes(n: int) -> str:

@@ -15,10 +15,8 @@ from dataclasses import asdict, dataclass, field
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus, UpdateStatus
 from rolledger.workflows.dispatch import Handlers
-from rolledger.workflows.figures import EDGE_STEPS, reward_edges
+from rolledger.workflows.figures import reward_edges
 from rolledger.workflows.state import RunState
-
-__all__ = ["EDGE_STEPS", "Summary", "queue_check", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -52,51 +50,57 @@ class Summary:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Mark:
+    """The queue's running totals at one PolicyPublished (the boundary of an update period)."""
+
+    t: float
+    queue: int  # length at the publish
+    area: float  # integral of the length over time, from the first event to here
+    arrivals: int  # groups completed so far
+    departures: int  # groups that left the queue so far
+    wait_s: float  # their summed waits
+    peak: int  # the longest the queue was since the previous publish
+
+
 @dataclass
 class _Queue:
-    """queue_check's fold: the queue of completed-but-untrained groups as a step function of time, each group's
-    completion and departure, and the publishes that delimit update periods."""
+    """queue_check's fold, one pass: the queue of completed-but-untrained groups as a step function of time, with
+    running totals marked at every publish (windows between publishes are differences of two marks)."""
 
     completed_at: dict[str, float] = field(default_factory=dict)  # groups in the queue -> when they completed
-    arrivals: list[float] = field(default_factory=list)  # completion times
-    departures: list[tuple[float, float]] = field(default_factory=list)  # (time, how long the group waited)
-    changes: list[tuple[float, int]] = field(default_factory=list)  # (time, queue length from then on)
+    last_t: float | None = None
     queue: int = 0
-    publishes: list[float] = field(default_factory=list)
+    area: float = 0.0
+    arrivals: int = 0
+    departures: int = 0
+    wait_s: float = 0.0
+    peak: int = 0  # since the last publish
+    max_queue: int = 0
+    marks: list[_Mark] = field(default_factory=list)
+
+    def advance(self, t: float) -> None:
+        if self.last_t is not None:
+            self.area += self.queue * max(t - self.last_t, 0.0)  # wall clocks of two producers may disagree a little
+        self.last_t = t if self.last_t is None else max(self.last_t, t)
 
     def step(self, t: float, delta: int) -> None:
+        self.advance(t)
         self.queue += delta
-        self.changes.append((t, self.queue))
+        self.peak = max(self.peak, self.queue)
+        self.max_queue = max(self.max_queue, self.queue)
 
     def left(self, group_id: str, t: float) -> None:
         """A completed group left the queue (consumed, dropped or cancelled)."""
         if group_id in self.completed_at:
-            self.departures.append((t, t - self.completed_at.pop(group_id)))
+            self.departures += 1
+            self.wait_s += t - self.completed_at.pop(group_id)
             self.step(t, -1)
 
-    def length_at(self, t: float) -> int:
-        """The queue length just after time t (every change at or before t applied)."""
-        n = 0
-        for when, length in self.changes:
-            if when > t:
-                break
-            n = length
-        return n
-
-    def mean_length(self, a: float, b: float) -> float:
-        """The time-averaged queue length over (a, b]."""
-        area, length, last = 0.0, self.length_at(a), a
-        for when, after in self.changes:
-            if a < when <= b:
-                area += length * (when - last)
-                length, last = after, when
-        area += length * (b - last)
-        return area / (b - a)
-
-    def max_growth(self, a: float, b: float) -> int:
-        """How far the queue rose above its length at a, at any time in (a, b]."""
-        base = self.length_at(a)
-        return max([length - base for when, length in self.changes if a < when <= b] + [0])
+    def mark(self, t: float) -> None:
+        self.advance(t)
+        self.marks.append(_Mark(t, self.queue, self.area, self.arrivals, self.departures, self.wait_s, self.peak))
+        self.peak = self.queue
 
 
 _QUEUE: Handlers[_Queue, None] = Handlers("summary: queue dynamics")
@@ -104,7 +108,7 @@ _QUEUE: Handlers[_Queue, None] = Handlers("summary: queue dynamics")
 
 @_QUEUE.on(ev.GroupCompleted)
 def _q_completed(q: _Queue, e: ev.Event, p: ev.GroupCompleted) -> None:
-    q.arrivals.append(e.wall_time)
+    q.arrivals += 1
     q.completed_at[p.group_id] = e.wall_time
     q.step(e.wall_time, +1)
 
@@ -125,7 +129,7 @@ _QUEUE.on(ev.GroupCancelled)(_q_withdrawn)
 
 @_QUEUE.on(ev.PolicyPublished)
 def _q_published(q: _Queue, e: ev.Event, p: ev.PolicyPublished) -> None:
-    q.publishes.append(e.wall_time)
+    q.mark(e.wall_time)
 
 
 def queue_check(events: list[ev.Event], throttle_cap_groups: int | None = None) -> dict[str, float | None]:
@@ -153,7 +157,7 @@ def queue_check(events: list[ev.Event], throttle_cap_groups: int | None = None) 
     for e in events:
         _QUEUE.apply(q, e)
     out: dict[str, float | None] = {
-        "measured_max_queue_groups": float(max([n for _, n in q.changes] + [0])),
+        "measured_max_queue_groups": float(q.max_queue),
         "throttle_cap_groups": float(throttle_cap_groups) if throttle_cap_groups is not None else None,
     }
     keys = (
@@ -168,29 +172,31 @@ def queue_check(events: list[ev.Event], throttle_cap_groups: int | None = None) 
         "measured_mean_queue_groups",
         "measured_max_growth_in_period_groups",
     )
-    pubs = q.publishes
-    periods = len(pubs) - 1
+    marks = q.marks
+    periods = len(marks) - 1
     if periods < 2:
         return {**dict.fromkeys(keys), **out}
     mid = periods // 2
-    a, m, b = pubs[0], pubs[mid], pubs[-1]
-    fit = max(m - a, 1e-9)
-    arrival = sum(1 for t in q.arrivals if a < t <= m) / fit
-    drain = sum(1 for t, _ in q.departures if a < t <= m) / fit
-    waits = [w for t, w in q.departures if a < t <= m]
+    a, m, b = marks[0], marks[mid], marks[-1]
+    fit, check = max(m.t - a.t, 1e-9), max(b.t - m.t, 1e-9)
+    arrival = (m.arrivals - a.arrivals) / fit
+    left = m.departures - a.departures
+    drain = left / fit
+    mean_wait = (m.wait_s - a.wait_s) / left if left else 0.0
     period = fit / mid
-    growth = [q.max_growth(x, y) for x, y in itertools.pairwise(pubs[mid:])]
     return {
         "fit_window_s": fit,
-        "check_window_s": b - m,
+        "check_window_s": check,
         "arrival_rate_groups_s": arrival,
         "drain_rate_groups_s": drain,
         "update_period_s": period,
         "predicted_growth_per_period_groups": (arrival - drain) * period,
-        "measured_growth_per_period_groups": (q.length_at(b) - q.length_at(m)) / (periods - mid),
-        "predicted_mean_queue_groups": arrival * statistics.fmean(waits) if waits else 0.0,
-        "measured_mean_queue_groups": q.mean_length(m, b) if b > m else float(q.length_at(m)),
-        "measured_max_growth_in_period_groups": float(max(growth)),
+        "measured_growth_per_period_groups": (b.queue - m.queue) / (periods - mid),
+        "predicted_mean_queue_groups": arrival * mean_wait,
+        "measured_mean_queue_groups": (b.area - m.area) / check,
+        "measured_max_growth_in_period_groups": float(
+            max(after.peak - before.queue for before, after in itertools.pairwise(marks[mid:]))
+        ),
         **out,
     }
 
