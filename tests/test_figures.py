@@ -102,15 +102,35 @@ def test_bytes_read_at_a_glance() -> None:
 
 
 def test_admission_words_alarm_only_on_a_halt() -> None:
-    assert admission_words([]) == ("open", False)
-    assert admission_words([AdmissionReason.RATE]) == ("waiting for the trainer (rate throttle)", False)
-    assert admission_words([AdmissionReason.UPDATE]) == ("weight update in progress", False)
-    assert admission_words([AdmissionReason.BYTES, AdmissionReason.HANDOFF]) == (
+    def words(*paused: AdmissionReason) -> tuple[str, bool]:
+        return admission_words(_state([0.5], paused=paused))
+
+    assert words() == ("open", False)
+    assert words(AdmissionReason.RATE) == ("waiting for the trainer (rate throttle)", False)
+    assert words(AdmissionReason.UPDATE) == ("weight update in progress", False)
+    assert words(AdmissionReason.BYTES, AdmissionReason.HANDOFF) == (
         "waiting for the trainer (byte cap); engines handed to the trainer (colocated)",
         False,
     )
-    words, alarm = admission_words([AdmissionReason.RATE, AdmissionReason.MANUAL])
-    assert alarm and words == "PAUSED: run halted; waiting for the trainer (rate throttle)"
+    # a manual pause while the run still has steps to go is a halt: the one alarm
+    assert words(AdmissionReason.RATE, AdmissionReason.MANUAL) == (
+        "PAUSED: run halted; waiting for the trainer (rate throttle)",
+        True,
+    )
+
+
+def test_the_manual_pause_that_ends_a_run_is_not_an_alarm() -> None:
+    for status, expected in (
+        ("completed", "closed: the run reached its last step"),
+        ("cancelled", "closed: the run was stopped"),
+    ):
+        b = LogBuilder().start_run()
+        b.pause(AdmissionReason.MANUAL).finish_run(status)
+        state = RunState()
+        for e in b.build():
+            state = fold(state, e)
+        assert admission_words(state) == (expected, False)
+        assert progress_line(state).endswith(f"admission: {expected}")
 
 
 def test_the_live_display_prints_one_line_per_step_when_not_a_terminal() -> None:

@@ -48,7 +48,7 @@ def progress_line(state: RunState) -> str:
     `step 3/40 v2  reward 0.537 -> 0.590 (mean of the first/last 5 steps)  agreement 0.0e+00  queue 2 groups, 5.2 kB
     lag 0/1  admission: waiting for the trainer (lag cap, rate throttle)`."""
     cfg = state.config
-    admission, _alarm = admission_words(state.admission.paused)
+    admission, _alarm = admission_words(state)
     return (
         f"step {state.trainer.step}/{cfg.steps if cfg else '?'} v{state.policy_version}  "
         f"reward {format_reward_edges(state.trainer.rewards)} ({REWARD_EDGES_LABEL})  "
@@ -63,7 +63,7 @@ def status_table(state: RunState) -> Table:
     t = Table(title=f"rolledger run {state.run_id}", show_header=False, expand=False)
     t.add_column("what", style="bold cyan")
     t.add_column("value")
-    admission, alarm = admission_words(state.admission.paused)
+    admission, alarm = admission_words(state)
     t.add_row("status", state.status)
     t.add_row("step", f"{state.trainer.step} / {steps}")
     t.add_row(f"reward ({REWARD_EDGES_LABEL})", format_reward_edges(state.trainer.rewards))

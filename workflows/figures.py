@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from rolledger.schemas.statuses import AdmissionReason
+from rolledger.schemas.statuses import AdmissionReason, RunStatus
+from rolledger.workflows.state import RunState
 
 EDGE_STEPS = 5  # reward_first / reward_last average this many trainer steps
 REWARD_EDGES_LABEL = f"mean of the first/last {EDGE_STEPS} steps"  # what reward_first -> reward_last are, everywhere
@@ -33,7 +34,8 @@ def format_reward_edges(rewards: Sequence[float]) -> str:
 
 # Why admission is not admitting, in words. The trainer setting the pace (the lag cap, the rate throttle, the byte
 # cap) is the normal state of a run whose generation is faster than its training, and an update or a colocated
-# handoff is a phase of every step: neither is an alarm. Only a manual pause (a halt) is.
+# handoff is a phase of every step: neither is an alarm. The coordinator's manual pause closes admission at the end
+# of a run (last step, cancel) and for a halt: only the halt is an alarm.
 TRAINER_PACE: dict[AdmissionReason, str] = {
     AdmissionReason.LAG: "lag cap",
     AdmissionReason.RATE: "rate throttle",
@@ -45,22 +47,38 @@ PHASES: dict[AdmissionReason, str] = {
 }
 
 
-def admission_words(paused: Sequence[AdmissionReason]) -> tuple[str, bool]:
+def _manual(state: RunState) -> tuple[str, bool]:
+    """The manual pause in words: the run's end (not an alarm) or a halt (an alarm)."""
+    cfg = state.config
+    if state.status == RunStatus.COMPLETED or (
+        state.status == RunStatus.RUNNING and cfg is not None and state.trainer.step >= cfg.steps
+    ):
+        return "closed: the run reached its last step", False
+    if state.status in (RunStatus.CANCELLED, RunStatus.ABORTED):
+        return "closed: the run was stopped", False
+    why = f" ({state.trainer.refused})" if state.trainer.refused else ""
+    return f"PAUSED: run halted{why}", True
+
+
+def admission_words(state: RunState) -> tuple[str, bool]:
     """What admission is doing, in words, and whether it is an alarm.
 
     ("open", False); ("waiting for the trainer (lag cap, rate throttle)", False) while only the trainer's pace holds
-    it, as it does nearly every step; ("weight update in progress", False) for an update or a handoff (both joined
-    by "; " when both hold); ("PAUSED: run halted", True) once anything else holds it (a halt)."""
+    it, as it does nearly every step; ("weight update in progress", False) for an update or a handoff (joined by
+    "; " when several hold); ("closed: the run reached its last step", False) at the end; ("PAUSED: run halted",
+    True) only for a halt."""
+    paused = state.admission.paused
     if not paused:
         return "open", False
     pace = [TRAINER_PACE[r] for r in paused if r in TRAINER_PACE]
     words = [f"waiting for the trainer ({', '.join(pace)})"] if pace else []
     words += [PHASES[r] for r in paused if r in PHASES]
-    other = [r for r in paused if r not in TRAINER_PACE and r not in PHASES]
-    if other:
-        halted = ", ".join("run halted" if r == AdmissionReason.MANUAL else str(r) for r in other)
-        return "; ".join([f"PAUSED: {halted}", *words]), True
-    return "; ".join(words), False
+    alarm = False
+    if AdmissionReason.MANUAL in paused:
+        manual, alarm = _manual(state)
+        words.insert(0, manual)
+    words += [str(r) for r in paused if r not in TRAINER_PACE and r not in PHASES and r != AdmissionReason.MANUAL]
+    return "; ".join(words), alarm
 
 
 def format_bytes(n: int) -> str:
