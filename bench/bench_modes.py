@@ -1,9 +1,11 @@
 """Colocated versus disaggregated on the same workload, in one run of this script.
 
 For each mode: a full `rolledger run` (embedded Redis, torch engine, the same config and seed), then from its log:
-rollout-idle fraction (the duty-cycle tax: wall time the engines were not generating), trainer-idle fraction (wall
-time the trainer was not in a step), generated tokens/s. Printed side by side with the ratios, and the colocated tax
-next to the 10-20% that published analyses of colocated RL estimate.
+rollout-idle fraction (summary.engine_idle_fraction: wall time the engines were not generating, for any reason),
+trainer-idle fraction (wall time the trainer was not in a step), generated tokens/s, and in colocated mode the
+handoff tax (summary.handoff_tax: wall time the engines were handed to the trainer, EngineSlept -> EngineResumed).
+Printed side by side with the ratios, and the colocated handoff tax next to the 10-20% that published analyses of
+colocated RL estimate.
 
     python bench/bench_modes.py [--steps 20] [--ranks 1]
 """
@@ -30,7 +32,8 @@ def measure(mode: str, steps: int, ranks: int, root: Path) -> dict[str, float]:
     tokens = sum(len(e.payload.trajectory.token_ids) for e in events if isinstance(e.payload, ev.SampleFinished))
     return {
         "wall_s": wall,
-        "rollout_idle": summary.handoff_tax,
+        "rollout_idle": summary.engine_idle_fraction,
+        "handoff_tax": summary.handoff_tax if summary.handoff_tax is not None else 0.0,
         "trainer_idle": 1 - min(train_s / wall, 1.0),
         "tokens_per_s": tokens / wall,
         "reward_last": summary.reward_last,
@@ -49,7 +52,7 @@ def main() -> None:
     for k in ("wall_s", "rollout_idle", "trainer_idle", "tokens_per_s", "reward_last"):
         ratio = col[k] / dis[k] if dis[k] else float("nan")
         print(f"{k:22}{dis[k]:>15.3f}{col[k]:>12.3f}{ratio:>13.2f}")
-    print(f"colocated duty-cycle tax {col['rollout_idle']:.1%} (published estimates for colocated RL: 10-20%)")
+    print(f"colocated handoff tax {col['handoff_tax']:.1%} (published estimates for colocated RL: 10-20%)")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import threading
@@ -90,7 +91,7 @@ class RunOptions:
     external_workers: bool = False  # start the run and follow it; the coordinator and workers are other processes
     model_dir: Path | None = None  # an existing policy directory (no warm start); default runs/<run-id>/model
     on_progress: Callable[[Follower], None] | None = None
-    on_warm_start: Callable[[int, float], None] | None = None  # (step, loss) of the supervised warm start
+    on_warm_start: Callable[[int, float], None] | None = None  # (step, loss) of the warm start; (0, nan) before it
     resume: bool = False  # continue the log of an existing run id instead of refusing it
     handle_signals: bool = True  # SIGTERM/SIGINT cancel the run (only where the driver runs in the main thread)
 
@@ -118,6 +119,8 @@ def prepare_policy(
     tokenizer = build_tokenizer()
     model = build_model(cfg.model, len(tokenizer), cfg.seed)
     if cfg.trainer.warm_start_steps:
+        if on_step is not None:
+            on_step(0, math.nan)  # step 0: the display says what is coming before the first step's wait
         examples = supervised_examples(cfg.task, cfg.seed, 4096)
         warm_start(
             model,

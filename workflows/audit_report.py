@@ -43,6 +43,42 @@ class WarningKind(StrEnum):
     RACED_QUARANTINE = "raced_quarantine"  # a group started on untouched weights before the rank read its quarantine
 
 
+# One sentence per kind, printed once above its warnings: what it means and why it is a warning, not a violation.
+WARNING_MEANING: dict[WarningKind, str] = {
+    WarningKind.OPEN: "work still in flight in a run that has not finished; it becomes a violation (7) only if "
+    "RunFinished comes while it is still open.",
+    WarningKind.DUPLICATE: "the same event (or the same terminal, consumption or commit) appears twice, as a retried "
+    "append can leave it; every fold counts it once, so no invariant is affected.",
+    WarningKind.CONFLICTING_DUPLICATE: "one event id names two different events; the first is kept and the second "
+    "ignored, so look at which producer wrote the second.",
+    WarningKind.OUT_OF_ORDER: "one producer's event ids (stamped when an event is created) go backwards in the log "
+    "(the order of appends): a rank's rollout thread and its control thread share the producer name and may append "
+    "an event created earlier after one created later; the log's order is the truth, so nothing is mis-checked.",
+    WarningKind.ORPHAN: "an event about a unit the log never started (such as a result for a group never admitted); it "
+    "is not counted, and invariant 7 still checks every unit that was started.",
+    WarningKind.RESTART: "a sample started again before its first attempt ended (a reclaimed or restarted rank redid "
+    "it); the attempts are checked like any other.",
+    WarningKind.PROVENANCE: "the provenance a trajectory records differs from what the log says; the log's account "
+    "is the one checked.",
+    WarningKind.MALFORMED: "an event out of place (before RunStarted, from another run, a second RunStarted); the "
+    "audit assumes what it says and checks the rest.",
+    WarningKind.UNRESOLVED_UPDATE: "an update neither committed nor aborted, or committed and not published, when "
+    "the log ends; no rank served it unpublished, or invariants 2-4 would say so.",
+    WarningKind.QUEUED_BYTES: "the completed untrained groups recomputed from the log hold more bytes than the cap "
+    "at an admission: the controller decided on a state one event older; invariant 6 checks the bytes it recorded.",
+    WarningKind.INTERNAL: "the auditor could not check an event (a bug in the audit, not in the run); the rest of "
+    "the log is still checked.",
+    WarningKind.UNDECODABLE: "a log entry that is not an event this code can read (garbage, unknown type, newer "
+    "schema); a decision would be a violation, a fact is reported and skipped.",
+    WarningKind.DEAD_LETTER: "an entry some consumer could not process and set aside in the dead-letter stream; the "
+    "log itself is unchanged, so read the reason.",
+    WarningKind.UNFINISHED: "the log has no RunFinished (still running, or killed), so the verdict is UNFINISHED, "
+    "not OK.",
+    WarningKind.RACED_QUARANTINE: "a rank started a group after its quarantine for an aborted update was logged but "
+    "before it read it, on the published weights it still held untouched; the samples are sound.",
+}
+
+
 class Verdict(StrEnum):
     """The headline of a report: OK only for a finished run whose every invariant holds."""
 
@@ -109,6 +145,7 @@ class AuditReport:
             "checked": {str(k): v for k, v in sorted(self.checked.items())},
             "violations": [asdict(v) for v in self.violations],
             "warnings": [asdict(w) for w in self.warnings],
+            "warning_kinds": {str(k): WARNING_MEANING[k] for k in self.warning_kinds()},
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -128,6 +165,13 @@ class AuditReport:
             lines.append(f"  [{mark}] {inv}. {INVARIANTS[inv]} ({self.checked.get(inv, 0)} checked, {bad} violated)")
         for v in self.violations:
             lines.append(f"  violation {v.invariant}: {v.message} [{', '.join(v.event_ids)}]")
-        for w in self.warnings:
-            lines.append(f"  warning {w.kind}: {w.message} [{', '.join(w.event_ids)}]")
+        for kind in self.warning_kinds():
+            of_kind = [w for w in self.warnings if w.kind == kind]
+            lines.append(f"  {len(of_kind)} warning(s) {kind}: {WARNING_MEANING[kind]}")
+            for w in of_kind:
+                lines.append(f"  warning {w.kind}: {w.message} [{', '.join(w.event_ids)}]")
         return "\n".join(lines)
+
+    def warning_kinds(self) -> list[WarningKind]:
+        """The kinds of warning in this report, in the order they first occur."""
+        return list(dict.fromkeys(w.kind for w in self.warnings))

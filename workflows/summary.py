@@ -1,7 +1,9 @@
 """The run summary (`runs/<run-id>/summary.json`), computed from the rebuilt state and the log: pure.
 
 Two folds of the log, each a workflows.dispatch registry: the queue of completed-but-untrained groups over time
-(Little's law, `queue_dynamics`), and the finished samples with their generation time per rank (`summarize`)."""
+(`queue_check`: predicted against measured), and the finished samples with their generation time per rank and each
+rank's colocated sleeps (`summarize`). The reward pair is `workflows.figures.reward_edges`, the one definition every
+view uses."""
 
 from __future__ import annotations
 
@@ -13,10 +15,9 @@ from dataclasses import asdict, dataclass, field
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus, UpdateStatus
 from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.figures import reward_edges
 from rolledger.workflows.incidents import Incident, incidents
 from rolledger.workflows.state import RunState
-
-EDGE_STEPS = 5  # reward_first / reward_last average this many steps
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,16 @@ class Summary:
     policy_version: int
     events: int
     trajectories: int
-    reward_first: float
-    reward_last: float
+    reward_first: float  # mean reward of the first EDGE_STEPS trainer steps (workflows.figures.reward_edges)
+    reward_last: float  # mean reward of the last EDGE_STEPS trainer steps
     max_lag: int
     max_queued_bytes: int
     updates_committed: int
     updates_aborted: int
-    handoff_tax: float  # fraction of wall time the engines were not generating (mean over ranks)
+    engine_idle_fraction: float  # fraction of wall time the engines were not generating (mean over ranks), any mode
+    # colocated only (None otherwise): fraction of wall time the engines were handed to the trainer, from each rank's
+    # EngineSlept to its EngineResumed (asleep, training, waking, the update, the probe), mean over ranks
+    handoff_tax: float | None
     logprob_agreement: float  # median over steps of the median |trainer - engine| logprob gap (on-policy tokens)
     agreement_steps: int  # steps whose batch had on-policy tokens to measure it on
     wall_s: float
@@ -41,7 +45,7 @@ class Summary:
     trajectories_dropped: int
     anomalies: int
     state_digest: str
-    littles_law: dict[str, float]
+    queue_check: dict[str, float | None]  # the queue of completed-but-untrained groups: predicted vs measured
     # aborts, quarantines, halts, refusals, lost workers, dead letters: each {event_id, type, version, rank, ranks,
     # phase, tensor, reason} (workflows/incidents.py), in log order, dead letters last
     incidents: list[dict[str, object]] = field(default_factory=list)
@@ -50,30 +54,57 @@ class Summary:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class _Mark:
+    """The queue's running totals at one PolicyPublished (the boundary of an update period)."""
+
+    t: float
+    queue: int  # length at the publish
+    area: float  # integral of the length over time, from the first event to here
+    arrivals: int  # groups completed so far
+    departures: int  # groups that left the queue so far
+    wait_s: float  # their summed waits
+    peak: int  # the longest the queue was since the previous publish
+
+
 @dataclass
 class _Queue:
-    """queue_dynamics' fold: the queue of completed-but-untrained groups over time."""
+    """queue_check's fold, one pass: the queue of completed-but-untrained groups as a step function of time, with
+    running totals marked at every publish (windows between publishes are differences of two marks)."""
 
-    last_t: float
-    completed_at: dict[str, float] = field(default_factory=dict)
-    waits: list[float] = field(default_factory=list)
+    completed_at: dict[str, float] = field(default_factory=dict)  # groups in the queue -> when they completed
+    last_t: float | None = None
     queue: int = 0
-    area: float = 0.0  # integral of the queue length over time
+    area: float = 0.0
+    arrivals: int = 0
+    departures: int = 0
+    wait_s: float = 0.0
+    peak: int = 0  # since the last publish
     max_queue: int = 0
-    consumed: int = 0
-    completed_total: int = 0
-    publishes: list[float] = field(default_factory=list)
+    marks: list[_Mark] = field(default_factory=list)
+
+    def advance(self, t: float) -> None:
+        if self.last_t is not None:
+            self.area += self.queue * max(t - self.last_t, 0.0)  # wall clocks of two producers may disagree a little
+        self.last_t = t if self.last_t is None else max(self.last_t, t)
 
     def step(self, t: float, delta: int) -> None:
-        self.area += self.queue * (t - self.last_t)
-        self.last_t, self.queue = t, self.queue + delta
+        self.advance(t)
+        self.queue += delta
+        self.peak = max(self.peak, self.queue)
         self.max_queue = max(self.max_queue, self.queue)
 
     def left(self, group_id: str, t: float) -> None:
         """A completed group left the queue (consumed, dropped or cancelled)."""
         if group_id in self.completed_at:
-            self.waits.append(t - self.completed_at.pop(group_id))
+            self.departures += 1
+            self.wait_s += t - self.completed_at.pop(group_id)
             self.step(t, -1)
+
+    def mark(self, t: float) -> None:
+        self.advance(t)
+        self.marks.append(_Mark(t, self.queue, self.area, self.arrivals, self.departures, self.wait_s, self.peak))
+        self.peak = self.queue
 
 
 _QUEUE: Handlers[_Queue, None] = Handlers("summary: queue dynamics")
@@ -81,7 +112,7 @@ _QUEUE: Handlers[_Queue, None] = Handlers("summary: queue dynamics")
 
 @_QUEUE.on(ev.GroupCompleted)
 def _q_completed(q: _Queue, e: ev.Event, p: ev.GroupCompleted) -> None:
-    q.completed_total += 1
+    q.arrivals += 1
     q.completed_at[p.group_id] = e.wall_time
     q.step(e.wall_time, +1)
 
@@ -89,9 +120,7 @@ def _q_completed(q: _Queue, e: ev.Event, p: ev.GroupCompleted) -> None:
 @_QUEUE.on(ev.BatchConsumed)
 def _q_consumed(q: _Queue, e: ev.Event, p: ev.BatchConsumed) -> None:
     for gid in p.group_ids:
-        if gid in q.completed_at:
-            q.consumed += 1
-            q.left(gid, e.wall_time)
+        q.left(gid, e.wall_time)
 
 
 def _q_withdrawn(q: _Queue, e: ev.Event, p: ev.TrajectoryDropped | ev.GroupCancelled) -> None:
@@ -104,50 +133,87 @@ _QUEUE.on(ev.GroupCancelled)(_q_withdrawn)
 
 @_QUEUE.on(ev.PolicyPublished)
 def _q_published(q: _Queue, e: ev.Event, p: ev.PolicyPublished) -> None:
-    q.publishes.append(e.wall_time)
+    q.mark(e.wall_time)
 
 
-def queue_dynamics(events: list[ev.Event]) -> dict[str, float]:
-    """Little's law on the queue of completed-but-untrained groups, measured from the log.
+def queue_check(events: list[ev.Event], throttle_cap_groups: int | None = None) -> dict[str, float | None]:
+    """The queue of completed-but-untrained groups: what the first half of the run predicts about the second,
+    against what the second half measured. `predicted_*` and `measured_*` come from disjoint windows, so an
+    agreement is a finding, not an identity.
 
-    arrival_rate = groups completed per second; mean_wait_s = completion -> consumption (or drop/cancel);
-    littles_L = arrival_rate x mean_wait_s, against measured_queue (time-averaged) and max_queue. The update view:
-    surplus_rate (completion rate - consumption rate while groups waited) x update_period_s predicts how far the queue
-    grows between two trainer steps; admission's caps bound it.
-    """
-    if not events:
-        return {}
-    t0, t1 = events[0].wall_time, events[-1].wall_time
-    span = max(t1 - t0, 1e-9)
-    q = _Queue(last_t=t0)
+    The windows run between PolicyPublished events (the start-up fill before the first publish and the end after the
+    last are left out): the fit window is the first half of the update periods, the check window the second half.
+    From the fit window: arrival rate (groups completed / s), drain rate (groups leaving / s: consumed, dropped or
+    cancelled), the mean update period, and the mean wait of the groups that left in it. Then:
+
+    - predicted_growth_per_period_groups = (arrival - drain) x update period: how much the queue grows net over one
+      update period; measured_growth_per_period_groups: its net growth per period over the check window
+      (queue at the last publish - queue at the middle one, over the number of periods);
+    - predicted_mean_queue_groups = arrival x mean wait (Little's law, L = lambda W, with the fit window's rates);
+      measured_mean_queue_groups: the time-averaged queue length over the check window;
+    - measured_max_growth_in_period_groups: the most the queue rose above its length at a publish before the next
+      one, over the check window (the batch that builds up while the trainer trains on the previous one);
+    - measured_max_queue_groups over the whole run, against throttle_cap_groups (the admission's rate throttle: at
+      most 2 batches of completed-or-in-flight groups ahead of the trainer; None without the throttle), a bound.
+
+    Fewer than three publishes give no windows: those figures are None."""
+    q = _Queue()
     for e in events:
         _QUEUE.apply(q, e)
-    q.step(t1, 0)
-    arrival = q.completed_total / span
-    mean_wait = statistics.fmean(q.waits) if q.waits else 0.0
-    publishes = q.publishes
-    period = statistics.fmean(b - a for a, b in itertools.pairwise(publishes)) if len(publishes) > 1 else span
-    drain = q.consumed / span
-    surplus = arrival - drain
+    out: dict[str, float | None] = {
+        "measured_max_queue_groups": float(q.max_queue),
+        "throttle_cap_groups": float(throttle_cap_groups) if throttle_cap_groups is not None else None,
+    }
+    keys = (
+        "fit_window_s",
+        "check_window_s",
+        "arrival_rate_groups_s",
+        "drain_rate_groups_s",
+        "update_period_s",
+        "predicted_growth_per_period_groups",
+        "measured_growth_per_period_groups",
+        "predicted_mean_queue_groups",
+        "measured_mean_queue_groups",
+        "measured_max_growth_in_period_groups",
+    )
+    marks = q.marks
+    periods = len(marks) - 1
+    if periods < 2:
+        return {**dict.fromkeys(keys), **out}
+    mid = periods // 2
+    a, m, b = marks[0], marks[mid], marks[-1]
+    fit, check = max(m.t - a.t, 1e-9), max(b.t - m.t, 1e-9)
+    arrival = (m.arrivals - a.arrivals) / fit
+    left = m.departures - a.departures
+    drain = left / fit
+    mean_wait = (m.wait_s - a.wait_s) / left if left else 0.0
+    period = fit / mid
     return {
+        "fit_window_s": fit,
+        "check_window_s": check,
         "arrival_rate_groups_s": arrival,
         "drain_rate_groups_s": drain,
-        "mean_wait_s": mean_wait,
-        "littles_L_groups": arrival * mean_wait,
-        "measured_queue_groups": q.area / span,
-        "max_queue_groups": float(q.max_queue),
         "update_period_s": period,
-        "surplus_rate_groups_s": surplus,
-        "surplus_x_period_groups": max(surplus, 0.0) * period,
+        "predicted_growth_per_period_groups": (arrival - drain) * period,
+        "measured_growth_per_period_groups": (b.queue - m.queue) / (periods - mid),
+        "predicted_mean_queue_groups": arrival * mean_wait,
+        "measured_mean_queue_groups": (b.area - m.area) / check,
+        "measured_max_growth_in_period_groups": float(
+            max(after.peak - before.queue for before, after in itertools.pairwise(marks[mid:]))
+        ),
+        **out,
     }
 
 
 @dataclass
 class _Generation:
-    """summarize's fold over the log: finished samples, and each group's generate-call duration per rank."""
+    """summarize's fold over the log: finished samples, each group's generate-call duration per rank, and each
+    rank's colocated handoffs (EngineSlept -> EngineResumed)."""
 
     trajectories: int = 0
     group_ms: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, group) -> its generate call
+    slept_at: dict[int, float] = field(default_factory=dict)  # rank -> when its current handoff began
+    handoff_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds spent in handoffs so far
 
 
 _GENERATION: Handlers[_Generation, None] = Handlers("summary: generation")
@@ -159,6 +225,18 @@ def _sample_finished(g: _Generation, e: ev.Event, p: ev.SampleFinished) -> None:
     key = (p.trajectory.rank, p.trajectory.group_id)
     # one generate call per group; samples stream out as they end, so the call lasted as long as the last one
     g.group_ms[key] = max(g.group_ms.get(key, 0.0), p.gen_ms)
+
+
+@_GENERATION.on(ev.EngineSlept)
+def _engine_slept(g: _Generation, e: ev.Event, p: ev.EngineSlept) -> None:
+    g.slept_at.setdefault(p.rank, e.wall_time)
+
+
+@_GENERATION.on(ev.EngineResumed)
+def _engine_resumed(g: _Generation, e: ev.Event, p: ev.EngineResumed) -> None:
+    began = g.slept_at.pop(p.rank, None)
+    if began is not None:
+        g.handoff_s[p.rank] = g.handoff_s.get(p.rank, 0.0) + e.wall_time - began
 
 
 def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterable[Incident] = ()) -> Summary:
@@ -173,7 +251,13 @@ def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterabl
     wall = max(state.last_wall_time - state.first_wall_time, 1e-9)
     ranks = state.ranks or {}
     busy = [min(gen_ms_by_rank.get(r, 0.0) / 1e3 / wall, 1.0) for r in ranks] or [0.0]
-    rewards = state.trainer.rewards
+    for rank, began in gen.slept_at.items():  # a handoff still open at the end of the log lasts until then
+        gen.handoff_s[rank] = gen.handoff_s.get(rank, 0.0) + state.last_wall_time - began
+    handed = [min(gen.handoff_s.get(r, 0.0) / wall, 1.0) for r in ranks] or [0.0]
+    cfg = state.config
+    colocated = cfg is not None and cfg.mode == "colocated"
+    throttle = 2 * cfg.trainer.groups_per_step if cfg is not None and cfg.admission.throttle_to_drain_rate else None
+    first, last = reward_edges(state.trainer.rewards) or (0.0, 0.0)
     return Summary(
         run_id=state.run_id,
         status=state.status,
@@ -181,13 +265,14 @@ def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterabl
         policy_version=state.policy_version,
         events=state.events_applied,
         trajectories=gen.trajectories,
-        reward_first=statistics.fmean(rewards[:EDGE_STEPS]) if rewards else 0.0,
-        reward_last=statistics.fmean(rewards[-EDGE_STEPS:]) if rewards else 0.0,
+        reward_first=first,
+        reward_last=last,
         max_lag=state.trainer.max_lag,
         max_queued_bytes=state.admission.max_queued_bytes,
         updates_committed=sum(1 for u in state.updates.values() if u.status.is_decided_commit),
         updates_aborted=sum(1 for u in state.updates.values() if u.status == UpdateStatus.ABORTED),
-        handoff_tax=1.0 - statistics.fmean(busy),
+        engine_idle_fraction=1.0 - statistics.fmean(busy),
+        handoff_tax=statistics.fmean(handed) if colocated else None,
         logprob_agreement=statistics.median(state.trainer.logprob_gaps) if state.trainer.logprob_gaps else 0.0,
         agreement_steps=len(state.trainer.logprob_gaps),
         wall_s=wall,
@@ -195,6 +280,6 @@ def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterabl
         trajectories_dropped=state.trainer.dropped_trajectories,
         anomalies=len(state.anomalies),
         state_digest=state.digest(),
-        littles_law=queue_dynamics(events),
+        queue_check=queue_check(events, throttle),
         incidents=[i.to_dict() for i in [*incidents(events), *dead_letters]],
     )
