@@ -22,12 +22,17 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from rolledger.schemas.config import ModelConfig
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 TASK_CHARS = "0123456789+= "
 HEAD_DIM = 64  # vLLM's CPU attention backend supports head sizes like 64/128; keep the tiny model on 64.
+
+# transformers' per-file progress bars ('Loading weights', 'Writing model shards') for a one-file checkpoint are noise
+# in every process's log; the run's own progress says what it is doing
+hf_logging.disable_progress_bar()
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
