@@ -90,6 +90,9 @@ def test_loop_finishes_audits_clean_and_every_trajectory_carries_its_provenance(
     consumed = of(events, ev.BatchConsumed)
     assert all(lag <= 1 for b in consumed for lag in b.lags)
     assert (tmp_path / run_id / "summary.json").is_file()
+    # at the end only the published version is left staged (v3: also the trainer's weights); v1 and v2 are collected
+    staged = sorted(p.name.split("-")[0] for p in (tmp_path / run_id / "staging").iterdir())
+    assert staged == ["v000003"], staged
 
 
 @pytest.mark.parametrize("phase", ["prepare", "transfer"])

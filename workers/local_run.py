@@ -72,7 +72,9 @@ from rolledger.workers.weights import state_digest
 from rolledger.workflows.coordinator import decide_cancel
 from rolledger.workflows.incidents import dead_letter_incident
 from rolledger.workflows.scheduler import PromptItem
+from rolledger.workflows.state import RunState
 from rolledger.workflows.summary import Summary, summarize
+from rolledger.workflows.trainer import weights_version
 
 log = structlog.get_logger("run")
 
@@ -321,7 +323,21 @@ class LocalRun:
         ]
         summary = summarize(follower.state, events, dead)
         (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        self._collect_staging(follower.state)
         return summary
+
+    def _collect_staging(self, state: RunState) -> None:
+        """Once every in-process worker stopped: delete the staged versions nothing can need again. Kept: the
+        published version (what a rank of a resumed run rejoins on) and the last one staged (what a resumed trainer's
+        weights are, `weights_version`); an update still in flight is the latter. External workers stage where
+        they are, so their store is theirs to collect."""
+        if self.opts.external_workers or not self.workers:
+            return
+        store = DirectoryStagingStore(self.cfg.update.staging_dir or self.run_dir / "staging")
+        keep = {state.policy_version, weights_version(state)}
+        deleted = store.gc(keep)
+        if deleted:
+            log.info("staged versions collected", deleted=len(deleted), kept=sorted(keep))
 
     def _restart_dead(self) -> None:
         """A worker thread killed by an injection is replaced by a fresh one under a new name (a restarted process),
