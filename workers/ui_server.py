@@ -299,6 +299,9 @@ def run_ui(
                 raise UiRefused(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, _terminate)
+                # Ctrl-C stops it even where SIGINT was inherited ignored (a background job of a non-interactive
+                # shell, as CI runs it): Python installs its KeyboardInterrupt handler only over the default
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
                 print(f"{server.url}  (run {run_id}; Ctrl-C stops)", flush=True)
                 server.serve_forever(poll_interval=0.5)

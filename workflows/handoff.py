@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import AdmissionReason, EngineStatus, RunStatus
-from rolledger.workflows.state import RunState
+from rolledger.workflows.state import RunState, group_lag
 
 
 def decide_handoff(state: RunState) -> list[ev.Payload]:
@@ -23,7 +23,12 @@ def decide_handoff(state: RunState) -> list[ev.Payload]:
         return []
     ranks = [r for r in state.ranks.values() if r.status.in_service]
     if AdmissionReason.HANDOFF not in state.admission.paused:
-        ready = len(state.ready_groups()) >= cfg.trainer.groups_per_step
+        # only groups the trainer will keep: one it drops for lag during the handoff trains nothing, and a handoff
+        # whose batch is all dropped would leave every engine asleep with nothing to train on (the trainer waits for
+        # groups that no sleeping engine can generate). The lag cannot change before the step: no publish comes
+        # between the handoff's start and its training step.
+        fresh = [g for g in state.ready_groups() if group_lag(state, g) <= cfg.admission.max_lag]
+        ready = len(fresh) >= cfg.trainer.groups_per_step
         idle = state.open_update is None and all(r.status == EngineStatus.AWAKE for r in ranks)
         if ready and idle and state.trainer.step < cfg.steps:
             return [

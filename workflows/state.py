@@ -234,3 +234,13 @@ def _canonical(obj: Any) -> Any:
 
 
 _ADAPTER: TypeAdapter[RunState] = TypeAdapter(RunState)
+
+
+def group_version(g: GroupState) -> int:
+    """The oldest policy version that produced the group's tokens (its admission version before any finished)."""
+    return min(g.versions or [g.admitted_version])
+
+
+def group_lag(state: RunState, g: GroupState) -> int:
+    """How many versions the published policy is ahead of the group's tokens (the trainer drops it past max_lag)."""
+    return state.policy_version - group_version(g)

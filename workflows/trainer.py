@@ -30,7 +30,7 @@ from enum import StrEnum
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus
 from rolledger.workflows.handoff import engines_asleep
-from rolledger.workflows.state import GroupState, RunState
+from rolledger.workflows.state import GroupState, RunState, group_lag, group_version
 
 
 class WaitReason(StrEnum):
@@ -91,15 +91,6 @@ def next_version(state: RunState) -> int:
 def weights_version(state: RunState) -> int:
     """The version the trainer's weights are: the last it staged (published or not), 0 before the first."""
     return max(state.updates, default=0)
-
-
-def group_version(g: GroupState) -> int:
-    """The oldest policy version that produced the group's tokens (its admission version before any finished)."""
-    return min(g.versions or [g.admitted_version])
-
-
-def group_lag(state: RunState, g: GroupState) -> int:
-    return state.policy_version - group_version(g)
 
 
 def wait_reason(state: RunState) -> WaitReason | None:
