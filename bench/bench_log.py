@@ -1,9 +1,9 @@
 """Benchmark of the event log (run by hand): EventLog against raw redis-py on the same bytes, side by side.
 
-    python bench/bench_log.py [--n 20000] [--aof] [--repeats 3]
+    python bench/bench_log.py [--n 20000] [--aof [--fsync always|everysec]] [--repeats 3]
 
 Starts its own redis-server (events.embedded.find_redis_server) on a free loopback port, no persistence unless
---aof (then appendfsync everysec). Events are ~1 KB SampleFinished (a small trajectory). Measured, best of
+--aof (then appendfsync --fsync: always, rolledger's setting, or everysec). Events are ~1 KB SampleFinished (a small trajectory). Measured, best of
 --repeats:
 
 - unpipelined append: EventLog.append (encode + XADD) vs raw `xadd` of pre-encoded bytes; events/s and p99 latency;
@@ -103,7 +103,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20_000, help="events per pipelined/read measurement")
     ap.add_argument("--n-unpipelined", type=int, default=5_000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--aof", action="store_true", help="appendonly yes, appendfsync everysec")
+    ap.add_argument("--aof", action="store_true", help="appendonly yes (appendfsync: --fsync)")
+    ap.add_argument(
+        "--fsync",
+        choices=("always", "everysec"),
+        default="always",
+        help="with --aof (default: %(default)s, rolledger's)",
+    )
     args = ap.parse_args()
 
     binary = find_redis_server()
@@ -123,7 +129,7 @@ def main() -> None:
             "--appendonly",
             "yes" if args.aof else "no",
             "--appendfsync",
-            "everysec",
+            args.fsync,
             "--logfile",
             str(workdir / "log"),
         ],
@@ -152,7 +158,7 @@ def run(client: Any, binary: Path, args: argparse.Namespace) -> None:
     events = [sample_event(i) for i in range(1000)]
     blobs = [encode(e) for e in events]
     print(
-        f"redis-server {'.'.join(map(str, server_version(binary)))} ({binary}), aof={'everysec' if args.aof else 'off'}"
+        f"redis-server {'.'.join(map(str, server_version(binary)))} ({binary}), aof={args.fsync if args.aof else 'off'}"
     )
     print(
         f"event: SampleFinished, {len(blobs[0])} bytes encoded; n={args.n}, unpipelined n={args.n_unpipelined}, "
@@ -230,8 +236,8 @@ def run(client: Any, binary: Path, args: argparse.Namespace) -> None:
 
     # ---- read
     log = EventLog(client, "readbench")
-    for j in range(0, n, 1000):
-        log.append_many(events[: min(1000, n - j)])
+    for j in range(0, n, 1000):  # distinct event ids: append_many skips an id the log already holds
+        log.append_many([sample_event(i) for i in range(j, min(j + 1000, n))])
 
     def raw_read(rep: int) -> tuple[float, list[float]]:
         start, got, t = "-", 0, time.perf_counter()

@@ -83,7 +83,7 @@ def redis_server(aof: bool = False, deadline_s: float = 20.0) -> Iterator[tuple[
             "--appendonly",
             "yes" if aof else "no",
             "--appendfsync",
-            "everysec",
+            "no",
             "--logfile",
             str(workdir / "log"),
         ],

@@ -9,7 +9,7 @@ temperature 1, seed = group index, so both paths sample exactly the same tokens 
 Measured side by side in one process, each on a fresh TorchEngine over the same weights, warmed up the same way:
 
   direct          engine.generate(prompt, n, sampling) for every group in a loop: the baseline;
-  rolledger       a RankWorker (workers/rank.py) on its own redis-server (AOF everysec unless --no-aof), after it has
+  rolledger       a RankWorker (workers/rank.py) on its own redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), after it has
                   joined the run: the clock starts before G GroupAdmitted events are appended (one MULTI/EXEC) and
                   stops when the log holds a SampleFinished for every sample (counted on the entries' `t` field, so
                   the watcher decodes nothing). It includes everything the worker does per group: consumer-group read,
@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--fewshot", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-aof", action="store_true", help="redis without persistence (default: AOF everysec)")
+    ap.add_argument("--no-aof", action="store_true", help="redis without persistence (default: AOF, appendfsync no)")
     ap.add_argument("--deadline-s", type=float, default=600.0, help="give up waiting for the worker after this")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -195,7 +195,7 @@ def main() -> None:
 
     print(
         f"\ngroups={args.groups} n={args.n} prompt tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
-        f"max_tokens={args.max_tokens} torch threads={args.threads} redis aof={'off' if args.no_aof else 'everysec'}"
+        f"max_tokens={args.max_tokens} torch threads={args.threads} redis aof={'off' if args.no_aof else 'appendfsync no'}"
     )
     print(f"{'path':<18} {'seconds':>8} {'gen tokens':>11} {'tok/s':>8} {'vs direct':>10} {'prefill/group':>14}")
     for r in (base, ours, nocache):

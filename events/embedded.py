@@ -176,7 +176,7 @@ class EmbeddedRedis:
             "--appendonly",
             "yes",
             "--appendfsync",
-            "everysec",
+            "no",
             "--save",
             "",
             "--daemonize",

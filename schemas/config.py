@@ -187,7 +187,29 @@ class UpdateConfig(ConfigModel):
     max_consecutive_aborts: int = Field(
         3, ge=1, description="this many updates aborted in a row (none published between) fail the run, naming them"
     )
-    staging_dir: Path | None = Field(None, description="defaults to runs/<run-id>/staging")
+    staging_dir: Path | None = Field(
+        None, description="defaults to runs/<run-id>/staging; under the dist transport it is the trainer's own"
+    )
+    transport: Literal["directory", "dist"] = Field(
+        "directory",
+        description="how staged versions reach the ranks: 'directory' (a filesystem trainer and ranks share) or "
+        "'dist' (the trainer serves them over torch.distributed/gloo; nothing shared but the network)",
+    )
+    transport_host: str = Field(
+        "127.0.0.1", min_length=1, description="dist: the address the trainer's weight server listens on and announces"
+    )
+    transport_port: int = Field(
+        0, ge=0, le=65535, description="dist: its port; 0 picks a free one when the run starts, kept for the run"
+    )
+    transport_delta: bool = Field(
+        False,
+        description="dist: send a rank the XOR of the new version with the one it serves, zstd-compressed, checked "
+        "against the full tensors' checksums after applying (a rank whose base differs gets the full version)",
+    )
+    transport_bucket_mb: float = Field(64.0, gt=0, le=4096, description="dist: bytes sent per message, in MiB")
+    allow_remote_transport: bool = Field(
+        False, description="dist: allow a transport_host outside loopback and private networks (unauthenticated)"
+    )
 
 
 class RecoveryConfig(ConfigModel):

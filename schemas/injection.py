@@ -6,6 +6,7 @@ corrupt-rank=R                        rank R sees a checksum mismatch in the nex
 kill-worker=KIND@N                    the KIND worker (rollout|reward|trainer|coordinator) dies after N units
 delay-trainer=SECONDS                 the trainer sleeps SECONDS before each step
 stale-weights=R                       rank R reports the commit but keeps serving the old weights
+noop-transport=R                      rank R's next dist transfer moves nothing (a communicator that disabled itself)
 
 `check_injections` refuses, before a run starts, an injection that could never fire in it (a rank the run does not
 have, a non-finite or negative delay, a kill after zero units, a fault for a worker the run does not start here).
@@ -22,7 +23,7 @@ from typing import Literal, get_args
 
 from rolledger.schemas.config import RunConfig
 
-InjectionKind = Literal["fail-rank", "corrupt-rank", "kill-worker", "delay-trainer", "stale-weights"]
+InjectionKind = Literal["fail-rank", "corrupt-rank", "kill-worker", "delay-trainer", "stale-weights", "noop-transport"]
 WorkerKind = Literal["rollout", "reward", "trainer", "coordinator"]  # the workers kill-worker can name
 WORKER_KINDS: tuple[WorkerKind, ...] = get_args(WorkerKind)
 Phase = Literal["prepare", "transfer", "commit"]
@@ -74,6 +75,8 @@ def parse_injection(spec: str) -> Injection:
             return Injection("corrupt-rank", rank=int(value))
         if kind == "stale-weights":
             return Injection("stale-weights", rank=int(value))
+        if kind == "noop-transport":
+            return Injection("noop-transport", rank=int(value))
         if kind == "kill-worker":
             if value not in WORKER_KINDS:
                 raise ValueError("KIND must be rollout, reward, trainer or coordinator")
@@ -107,6 +110,10 @@ def _cannot_fire(inj: Injection, config: RunConfig, in_process: bool) -> str | N
         return f"rank {inj.rank} does not exist (the run has {config.ranks} rank(s), 0 to {config.ranks - 1})"
     if inj.kind == "delay-trainer" and not (math.isfinite(inj.seconds) and inj.seconds >= 0):
         return "the delay must be a finite number of seconds >= 0"
+    if inj.kind == "noop-transport" and config.update.transport != "dist":
+        return "it is a fault of the dist transport; this run's update.transport is directory"
+    if inj.kind == "noop-transport" and config.engine != "torch":
+        return "a vLLM rank's workers receive the weights themselves; this fault is armed in the torch engine only"
     if inj.kind == "kill-worker" and inj.after < 1:
         return f"a worker dies after N >= 1 units of work, not {inj.after}"
     return None

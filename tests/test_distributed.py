@@ -42,9 +42,15 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def test_a_run_across_processes_completes_and_audits_clean(redis_url: str, run_id: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["directory", "dist"])
+def test_a_run_across_processes_completes_and_audits_clean(
+    redis_url: str, run_id: str, tmp_path: Path, transport: str
+) -> None:
+    """With the dist transport the trainer process serves the weights over torch.distributed, and it is SIGKILLed once
+    after the first version is published and started again: the new process serves on the port RunStarted recorded,
+    from its own directory, and the run goes on."""
     cfg = tmp_path / "run.toml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(CONFIG + f'[update]\ntransport = "{transport}"\n')
     client = redis.Redis.from_url(redis_url)
     log = EventLog(client, run_id)
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -75,6 +81,14 @@ def test_a_run_across_processes_completes_and_audits_clean(redis_url: str, run_i
             procs[f"rank{r}"] = _spawn(["worker", "rank", *common, "--rank", str(r)], tmp_path / f"rank{r}.log")
         procs["reward"] = _spawn(["worker", "reward", *common], tmp_path / "reward.log")
         procs["trainer"] = _spawn(["worker", "trainer", *common], tmp_path / "trainer.log")
+        if transport == "dist":
+            deadline = time.monotonic() + 120
+            while not any(isinstance(s.event.payload, ev.PolicyPublished) for s in log.read()):
+                assert time.monotonic() < deadline, "no PolicyPublished within 120 s"
+                time.sleep(0.1)  # polling the log with a deadline
+            procs["trainer"].kill()
+            procs["trainer"].wait(timeout=30)
+            procs["trainer"] = _spawn(["worker", "trainer", *common], tmp_path / "trainer.log")
         assert procs["driver"].wait(timeout=240) == 0, (tmp_path / "driver.log").read_text()[-3000:]
         for name, p in procs.items():  # every process ends by itself once RunFinished is in the log
             assert p.wait(timeout=60) == 0, f"{name}: " + (tmp_path / f"{name}.log").read_text()[-2000:]
@@ -92,4 +106,6 @@ def test_a_run_across_processes_completes_and_audits_clean(redis_url: str, run_i
     assert any(p.startswith("coordinator@") for p in producers)  # a process identity, host and pid
     ranks = {e.payload.trajectory.rank for e in events if isinstance(e.payload, ev.SampleFinished)}
     assert ranks == {0, 1}
+    scheme = "dist://" if transport == "dist" else "file://"
+    assert all(e.payload.uri.startswith(scheme) for e in events if isinstance(e.payload, ev.UpdateStaged))
     client.close()

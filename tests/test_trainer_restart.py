@@ -37,7 +37,7 @@ class DiesAfterStaging(DirectoryStagingStore):
 def test_a_trainer_killed_between_staging_and_appending_restarts_and_stages_once(
     redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(local_run, "DirectoryStagingStore", DiesAfterStaging)
+    monkeypatch.setattr(local_run, "open_trainer_store", lambda cfg, root: DiesAfterStaging(root))
     events, summary = execute(redis_url, run_id, tmp_path, small())
     assert summary.status == "completed" and summary.steps == 3
     assert "trainer#2" in {e.producer for e in events}  # it died and its restart carried on

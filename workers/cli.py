@@ -23,7 +23,7 @@ import structlog
 from pydantic import ValidationError
 
 from rolledger.schemas import injection
-from rolledger.schemas.config import RunConfig, one_line
+from rolledger.schemas.config import RunConfig, UpdateConfig, one_line
 from rolledger.schemas.injection import Injection, check_injections, parse_injection
 from rolledger.schemas.statuses import RunStatus
 from rolledger.workers.run_inputs import (
@@ -146,6 +146,9 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
             given[field] = data[field] = value
     if getattr(args, "vllm_url", None):
         data["vllm_urls"] = tuple(args.vllm_url)
+    if getattr(args, "transport", None):
+        update = data.get("update")
+        data["update"] = {**(update if isinstance(update, dict) else {}), "transport": args.transport}
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
@@ -484,6 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--inject", action="append", default=[], metavar="SPEC", help="a fault to inject (repeatable; specs below)"
+    )
+    run.add_argument(
+        "--transport",
+        choices=get_args(UpdateConfig.model_fields["transport"].annotation),
+        help="how staged weights reach the ranks: a shared directory, or served by the trainer over "
+        "torch.distributed (overrides the config's update.transport; default: directory)",
     )
     run.add_argument("--vllm-url", action="append", metavar="URL", help="an already running vLLM server (one per rank)")
     run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this loopback port")

@@ -34,7 +34,7 @@ from rolledger.workers.engine import (
 )
 from rolledger.workers.runtime import WorkerKilled
 from rolledger.workers.staging_format import StagingError
-from rolledger.workers.staging_loader import load_verified
+from rolledger.workers.transport import load_verified
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,7 +67,7 @@ class Injector:
 
 
 # ---------------------------------------------------------------- engine and staging faults (rank side)
-RANK_FAULTS = ("fail-rank", "corrupt-rank", "stale-weights")
+RANK_FAULTS = ("fail-rank", "corrupt-rank", "stale-weights", "noop-transport")
 
 
 def wrap_engine(engine: Engine, rank: int, injector: Injector) -> Engine:
@@ -87,6 +87,7 @@ class FaultyEngine:
     fail-rank=R@transfer   prepare raises an unreadable-transfer StagingError (phase transfer)
     corrupt-rank=R         one byte of the first tensor flips after reading: the normal verified path reports the
                            checksum mismatch naming the tensor (a remote engine arms the same fault in its workers)
+    noop-transport=R       the dist transfer moves nothing (a disabled communicator): the checksums catch it
     fail-rank=R@commit     commit drops the staged weights and raises (HealthFailed, then quarantine)
     stale-weights=R        one commit reports the manifest's version and digest but keeps the old weights: every
                            stamp and digest claims that version until the engine's next commit (the next version,
@@ -117,6 +118,9 @@ class FaultyEngine:
             else:
                 tensors = load_verified(uri, version, manifest, corrupt=manifest.tensors[0].name)
                 return self.inner.stage_weights(version, dict(tensors))
+        if self.injector.take("noop-transport", rank=self.rank) is not None:
+            tensors = load_verified(uri, version, manifest, noop_transport=True)
+            return self.inner.stage_weights(version, dict(tensors))
         return self.inner.prepare(version, uri, manifest)
 
     def commit_weights(self, version: int) -> CommitReport:

@@ -65,16 +65,17 @@ from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
 from rolledger.workers.run_inputs import RunRefused, check_port_free, check_reuse, check_run_id
 from rolledger.workers.runtime import Follower, Worker
-from rolledger.workers.staging_store import DirectoryStagingStore
+from rolledger.workers.staging_store import StagingStore
 from rolledger.workers.tasks import make_prompts, supervised_examples
 from rolledger.workers.trainer import TrainerWorker
+from rolledger.workers.transport import close_store, fix_transport_port, open_trainer_store
 from rolledger.workers.weights import state_digest
 from rolledger.workflows.coordinator import decide_cancel
 from rolledger.workflows.incidents import dead_letter_incident
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.state import RunState
 from rolledger.workflows.summary import Summary, summarize
-from rolledger.workflows.trainer import weights_version
+from rolledger.workflows.trainer import versions_to_keep
 
 log = structlog.get_logger("run")
 
@@ -156,6 +157,7 @@ class LocalRun:
         self.embedded: EmbeddedRedis | None = None
         self.client: redis.Redis | None = None
         self.workers: list[Worker] = []
+        self._staging: StagingStore | None = None  # the trainer's store, made with the workers
         self._close_engines: Callable[[], None] = lambda: None
         self.signalled: int | None = None  # the signal that cancelled the run, if one did
         self._signal_seen = threading.Event()
@@ -187,6 +189,8 @@ class LocalRun:
             finally:
                 self._stop_workers()
                 self._close_engines()
+                if self._staging is not None:
+                    close_store(self._staging)
                 if self.embedded is not None:
                     self.embedded.stop()
         finally:
@@ -237,6 +241,7 @@ class LocalRun:
         model, tokenizer = prepare_policy(cfg, model_dir, self.opts.on_warm_start)
         logbook = EventLog(client, self.run_id)
         if logbook.length() == 0:
+            self.cfg = cfg = fix_transport_port(cfg)
             logbook.append(
                 make_event(
                     ev.RunStarted(
@@ -256,7 +261,7 @@ class LocalRun:
     ) -> None:
         cfg = self.cfg
         injector = self.injector
-        staging = DirectoryStagingStore(cfg.update.staging_dir or self.run_dir / "staging")
+        staging = self._staging = open_trainer_store(cfg, self.run_dir / "staging")
         self.workers.append(Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer)))
         initial = {k: v.clone() for k, v in policy_state(model).items()}
         engines, self._close_engines = build_engines(cfg, model_dir, tokenizer, self.run_dir)
@@ -333,8 +338,10 @@ class LocalRun:
         they are, so their store is theirs to collect."""
         if self.opts.external_workers or not self.workers:
             return
-        store = DirectoryStagingStore(self.cfg.update.staging_dir or self.run_dir / "staging")
-        keep = {state.policy_version, weights_version(state)}
+        store = self._staging
+        if store is None:
+            return
+        keep = versions_to_keep(state)
         deleted = store.gc(keep)
         if deleted:
             log.info("staged versions collected", deleted=len(deleted), kept=sorted(keep))

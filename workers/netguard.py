@@ -1,4 +1,5 @@
-"""Which engine addresses rolledger will drive: owns the loopback/private-network guard for engine URLs.
+"""Which addresses rolledger will drive or serve on: owns the loopback/private-network guard for engine URLs and the
+weight transport's host.
 
 vLLM's RL and dev routes (/pause, /collective_rpc, /update_weight_version, ...) are unauthenticated even with
 --api-key. rolledger therefore refuses to drive an engine whose address is not on the loopback range or a private
@@ -95,3 +96,17 @@ def check_engine_address(url: str, allow_remote: bool) -> CheckedAddress:
             "the risk."
         )
     return CheckedAddress(url=url, host=host, port=port, addresses=tuple(map(str, addresses)), remote=bool(outside))
+
+
+def check_host(host: str, allow_remote: bool, what: str = "weight server") -> tuple[str, ...]:
+    """The same guard for a bare host another rolledger part listens on or connects to (the weight transport's
+    server): every address it resolves to must be loopback/private unless `allow_remote`; returns the addresses."""
+    addresses = _resolve(host, None)
+    outside = [a for a in addresses if not is_allowed_ip(a)]
+    if outside and not allow_remote:
+        raise EngineAddressError(
+            f"{what} host {host!r} resolves to {', '.join(map(str, outside))}, outside loopback and private "
+            "networks; the weight transport is unauthenticated: use a private address, or set "
+            "update.allow_remote_transport=true to accept the risk"
+        )
+    return tuple(map(str, addresses))

@@ -154,10 +154,10 @@ def _run_worker(
 
         worker = RewardWorker(client, run_id, name or "reward", tokenizer, claim_idle_ms=claim_idle_ms)
     elif kind == "trainer":
-        from rolledger.workers.staging_store import DirectoryStagingStore
         from rolledger.workers.trainer import TrainerWorker
+        from rolledger.workers.transport import open_trainer_store
 
-        staging = DirectoryStagingStore(cfg.update.staging_dir or Path(started.model_dir).parent / "staging")
+        staging = open_trainer_store(cfg, Path(started.model_dir).parent / "staging")
         worker = TrainerWorker(client, run_id, name or "trainer", model, staging)
     else:
         raise SystemExit(f"unknown worker kind {kind!r}")

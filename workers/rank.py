@@ -32,7 +32,7 @@ from rolledger.workers.engine import CommitReport, Engine, IllegalEngineOrder, W
 from rolledger.workers.rollout import Rollout
 from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_format import StagingError
-from rolledger.workers.staging_store import read_manifest
+from rolledger.workers.transport import read_manifest
 from rolledger.workflows import rank as rd
 from rolledger.workflows.state import RunState
 
@@ -198,7 +198,7 @@ class RankWorker(Worker):
                 a.version, a.uri, read_manifest(a.uri, a.version, expected_digest=a.manifest_digest)
             )
         except StagingError as exc:
-            phase = "transfer" if exc.kind in ("unreadable", "truncated") else "prepare"
+            phase = "transfer" if exc.kind in ("unreadable", "truncated", "transport") else "prepare"
             self.emit(
                 ev.RankPrepareFailed(
                     version=a.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)

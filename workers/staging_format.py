@@ -45,7 +45,17 @@ _ST_TO_NAME: dict[str, str] = {
 
 
 FailureKind = Literal[
-    "missing", "extra", "shape", "dtype", "checksum", "truncated", "unreadable", "manifest", "exists", "not_found"
+    "missing",
+    "extra",
+    "shape",
+    "dtype",
+    "checksum",
+    "truncated",
+    "unreadable",
+    "manifest",
+    "exists",
+    "not_found",
+    "transport",
 ]
 
 

@@ -111,7 +111,7 @@ def read_verified(
         # update coordinator sees as a rank missing its prepare deadline: the update still aborts.
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm, memoryview(mm) as src:
             for h, want in pairs:
-                dest = _destination(want, out)
+                dest = destination(want, out)
                 buf = raw_bytes(dest)
                 flip_at = len(buf) // 2 if corrupt == h.name else -1
                 hasher = new_hasher(manifest.checksum_algo)
@@ -159,7 +159,7 @@ def load_verified(
     return read_verified(version_path(uri, version), version, manifest, corrupt=corrupt, out=out)
 
 
-def _destination(want: TensorEntry, out: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+def destination(want: TensorEntry, out: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
     dtype = _TORCH_DTYPES[want.dtype]
     if out is None:
         return torch.empty(want.shape, dtype=dtype)

@@ -28,9 +28,9 @@ from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Follower, Worker
-from rolledger.workers.staging_loader import load_verified
-from rolledger.workers.staging_store import StagingStore, read_manifest
-from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, weights_version
+from rolledger.workers.staging_store import StagingStore
+from rolledger.workers.transport import load_verified, read_manifest
+from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, versions_to_keep, weights_version
 
 
 def _stream_order(stream_id: str) -> tuple[int, int]:
@@ -136,6 +136,10 @@ class TrainerWorker(Worker):
         started = time.perf_counter()
         stats = self.train(batch, plan.rewards, cfg.trainer)
         train_ms = (time.perf_counter() - started) * 1e3
+        # versions nothing will read again go before the next is written: the store holds at most three
+        collected = self.staging.gc(versions_to_keep(self.follower.state))
+        if collected:
+            self.logger.info("staged versions collected", versions=collected)
         staged = self.staging.stage(plan.version, plan.base_version, policy_state(self.model))
         done = ev.TrainStepFinished(
             step=plan.step,

@@ -252,7 +252,7 @@ class RolledgerWorkerExtension:
     def _rolledger_prepare(self, st: _State, version: int, uri: str, manifest_json: str) -> _Buffer:
         from rolledger.schemas.weights import WeightManifest
         from rolledger.workers.staging_format import StagingError
-        from rolledger.workers.staging_loader import load_verified
+        from rolledger.workers.transport import load_verified
 
         if st.live is None:
             raise _PrepareError("*", st.init_error or "no live weights known")

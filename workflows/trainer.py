@@ -93,6 +93,16 @@ def weights_version(state: RunState) -> int:
     return max(state.updates, default=0)
 
 
+def versions_to_keep(state: RunState) -> frozenset[int]:
+    """The staged versions a store may not collect: the published one (what a rank rejoins on), the trainer's last
+    (what a restarted trainer's weights are, `weights_version`) and an update still open; older ones are never read
+    again."""
+    keep = {state.policy_version, weights_version(state)}
+    if state.open_update is not None:
+        keep.add(state.open_update.version)
+    return frozenset(keep)
+
+
 def wait_reason(state: RunState) -> WaitReason | None:
     """Why the trainer has no step now, None when it has one."""
     cfg = state.config

@@ -61,7 +61,7 @@ from rolledger.workers.engines import torch_memory, torch_weights
 from rolledger.workers.engines.torch_decode import KVDecoder, validate_request
 from rolledger.workers.engines.torch_prefix_cache import PrefixCache
 from rolledger.workers.policy_model import policy_state
-from rolledger.workers.staging_loader import load_verified
+from rolledger.workers.transport import DeltaBase, load_verified
 from rolledger.workers.weights import dtype_name, state_digest
 
 _WAKE_ORDER: tuple[WakeTag, ...] = ("weights", "kv_cache")
@@ -418,8 +418,16 @@ class TorchEngine:
         return staged.digest
 
     def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
-        """Load the update at `uri` through the verified path (every checksum), then stage it."""
-        return self.stage_weights(version, dict(load_verified(uri, version, manifest)))
+        """Load the update at `uri` through the verified path (every checksum), then stage it. The weights it serves
+        are offered as the base of a delta (a transport that sends one checks the result against the manifest)."""
+        return self.stage_weights(version, dict(load_verified(uri, version, manifest, base=self._delta_base())))
+
+    def _delta_base(self) -> DeltaBase | None:
+        """The live weights and their version, while they are valid and awake on the host; None otherwise."""
+        with self._state:
+            if self._asleep_tags or not self._weights_valid or self.device.type != "cpu":
+                return None
+            return DeltaBase(self._policy_version, policy_state(self._model))
 
     def commit_weights(self, version: int) -> CommitReport:
         with self._model_lock, self._state:

@@ -1,0 +1,260 @@
+"""The torch.distributed weight transport on its own: a real WeightServer (TCPStore + gloo) in this process, receivers
+on threads, the real directory store as the trainer's copy. What a rank receives is verified byte for byte against
+the manifest, so a transport that moves nothing, stops short or sends another version is a StagingError naming the
+tensor; a receiver that dies mid-transfer ends only its own session."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolledger.workers import transport_dist as td
+from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=g),
+        "layer.0.bias": torch.randn(32, generator=g).to(torch.bfloat16),
+        "layer.0.weight": torch.randn(32, 32, generator=g),
+        "scale": torch.tensor(1.5),
+        "empty": torch.empty(0, 4),
+    }
+
+
+@pytest.fixture
+def staged(tmp_path: Path) -> tuple[DirectoryStagingStore, StagedUpdate, StagedUpdate, dict[str, torch.Tensor]]:
+    store = DirectoryStagingStore(tmp_path / "trainer-staging", fsync=False)
+    v1 = store.stage(1, 0, _state(1))
+    want = _state(2)
+    v2 = store.stage(2, 1, want)
+    return store, v1, v2, want
+
+
+def _dirname(u: StagedUpdate) -> str:
+    return Path(u.uri.removeprefix("file://")).name
+
+
+# small buckets: tensors span buckets and buckets hold several tensors
+@pytest.mark.parametrize("bucket_bytes", [1000, 1 << 20])
+def test_a_rank_receives_every_byte_verified(staged, bucket_bytes: int) -> None:
+    store, _, v2, want = staged
+    with td.WeightServer(store.root, bucket_bytes=bucket_bytes, timeout_s=10) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, expected_digest=v2.manifest_digest, timeout_s=10)
+        got = td.receive_verified(uri, 2, manifest, timeout_s=10)
+    assert list(got) == list(manifest.names)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    assert got.manifest_digest == v2.manifest_digest
+
+
+def test_into_the_ranks_own_buffers(staged) -> None:
+    store, _, v2, want = staged
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    with td.WeightServer(store.root, timeout_s=10) as server:
+        uri = server.uri(_dirname(v2))
+        got = td.receive_verified(uri, 2, td.read_manifest(uri, 2, timeout_s=10), out=out, timeout_s=10)
+    assert all(got[k] is out[k] for k in out)
+    assert torch.equal(out["layer.0.weight"], want["layer.0.weight"])
+
+
+def test_several_receivers_at_once_each_get_the_version(staged) -> None:
+    store, _, v2, want = staged
+    results: list[object] = []
+    with td.WeightServer(store.root, bucket_bytes=4096, timeout_s=10) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=10)
+
+        def fetch() -> None:
+            try:
+                results.append(td.receive_verified(uri, 2, manifest, timeout_s=10))
+            except Exception as e:  # noqa: BLE001 - reported below
+                results.append(e)
+
+        threads = [threading.Thread(target=fetch) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert len(results) == 3
+    for r in results:
+        assert isinstance(r, td.VerifiedWeights), r
+        assert torch.equal(r["embed.weight"], want["embed.weight"])
+
+
+def test_a_communicator_that_moves_nothing_is_caught_naming_the_tensor(staged) -> None:
+    store, _, v2, _ = staged
+    with td.WeightServer(store.root, timeout_s=5) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=5)
+        with pytest.raises(StagingError) as e:
+            td.receive_verified(uri, 2, manifest, timeout_s=5, communicator=td.NoOpCommunicatorFake)
+    assert e.value.kind == "checksum"
+    assert e.value.tensor == manifest.tensors[0].name
+    assert "after the transfer" in str(e.value)
+
+
+def test_a_byte_flipped_in_transit_names_the_tensor(staged) -> None:
+    store, _, v2, _ = staged
+    with td.WeightServer(store.root, bucket_bytes=1000, timeout_s=10) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=10)
+        with pytest.raises(StagingError) as e:
+            td.receive_verified(uri, 2, manifest, timeout_s=10, corrupt="layer.0.weight")
+    assert (e.value.kind, e.value.tensor) == ("checksum", "layer.0.weight")
+
+
+def test_the_bytes_of_another_version_are_caught(staged) -> None:
+    """The server sends version 1's bytes under version 2's manifest (the wrong buffer): every changed tensor fails."""
+    store, v1, v2, _ = staged
+    with td.WeightServer(store.root, timeout_s=10) as server:
+        m2 = td.read_manifest(server.uri(_dirname(v2)), 2, timeout_s=10)
+        wrong = server.uri(_dirname(v1)).replace("v000001", "v000002")  # v1's directory under v2's name
+        with pytest.raises(StagingError) as e:
+            td.receive_verified(wrong, 2, m2, timeout_s=10)
+    assert e.value.kind == "not_found"  # the server checks the digest the rank asks for against what it holds
+
+
+def test_manifest_not_the_announced_digest(staged) -> None:
+    store, _, v2, _ = staged
+    with td.WeightServer(store.root, timeout_s=5) as server, pytest.raises(StagingError) as e:
+        td.read_manifest(server.uri(_dirname(v2)), 2, expected_digest="0" * 32, timeout_s=5)
+    assert e.value.kind == "manifest"
+
+
+def test_a_version_the_server_does_not_have(staged) -> None:
+    store, _, _v2, _ = staged
+    with td.WeightServer(store.root, timeout_s=5) as server, pytest.raises(StagingError) as e:
+        td.read_manifest(server.uri("v000009-000000000000"), 9, timeout_s=5)
+    assert e.value.kind == "not_found"
+
+
+def test_no_server_is_a_transport_failure(staged) -> None:
+    _, _, v2, _ = staged
+    server = td.WeightServer(staged[0].root, timeout_s=2)
+    uri = server.uri(_dirname(v2))
+    manifest = td.read_manifest(uri, 2, timeout_s=2)
+    server.close()
+    server._store = None  # type: ignore[assignment]  # the TCPStore server goes with its last reference
+    import gc
+
+    gc.collect()
+    with pytest.raises(StagingError) as e:
+        td.receive_verified(uri, 2, manifest, timeout_s=2)
+    assert e.value.kind == "transport"
+
+
+class _DiesAfterFirstBucket:
+    """A receiver whose process dies after the first bucket: it stops receiving and its group goes away."""
+
+    def __init__(self, group, timeout_s: float) -> None:
+        self.inner = td.GlooCommunicator(group, timeout_s)
+        self.n = 0
+
+    def recv(self, buf: torch.Tensor, tag: int) -> None:
+        self.n += 1
+        if self.n > 1:
+            raise RuntimeError("receiver killed mid-transfer")
+        self.inner.recv(buf, tag)
+
+
+def test_a_receiver_dying_mid_transfer_ends_only_its_session(staged) -> None:
+    store, _, v2, want = staged
+    with td.WeightServer(store.root, bucket_bytes=1000, timeout_s=3) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=3)
+        with pytest.raises(StagingError) as e:
+            td.receive_verified(uri, 2, manifest, timeout_s=3, communicator=_DiesAfterFirstBucket)  # type: ignore[arg-type]
+        assert e.value.kind == "transport"
+        got = td.receive_verified(uri, 2, manifest, timeout_s=10)  # the next transfer: a fresh group
+        assert torch.equal(got["embed.weight"], want["embed.weight"])
+
+
+def test_uri_round_trip_and_refusals() -> None:
+    uri = td.dist_uri("127.0.0.1", 29511, "v000007-0123456789ab")
+    assert uri == "dist://127.0.0.1:29511/v000007-0123456789ab"
+    assert td.parse_uri(uri, 7) == td.DistAddress("127.0.0.1", 29511, "v000007-0123456789ab")
+    with pytest.raises(StagingError):
+        td.parse_uri(uri, 8)
+    with pytest.raises(StagingError):
+        td.parse_uri("file:///tmp/v000007", 7)
+
+
+def test_a_public_host_is_refused_unless_opted_in(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="outside loopback and private"):
+        td.WeightServer(tmp_path, host="8.8.8.8")
+
+
+def _stepped(state: dict[str, torch.Tensor], lr: float = 1e-4) -> dict[str, torch.Tensor]:
+    """`state` after an optimizer-like step: every float moves a little (the sign and exponent bits mostly stay)."""
+    g = torch.Generator().manual_seed(7)
+    return {k: (v + lr * torch.randn(v.shape, generator=g).to(v.dtype)) if v.numel() else v for k, v in state.items()}
+
+
+@pytest.fixture
+def stepped(
+    tmp_path: Path,
+) -> tuple[DirectoryStagingStore, StagedUpdate, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    store = DirectoryStagingStore(tmp_path / "trainer-staging", fsync=False)
+    v1_state = _state(1) | {"big": torch.randn(256, 256)}
+    store.stage(1, 0, v1_state)
+    v2_state = _stepped(v1_state)
+    v2 = store.stage(2, 1, v2_state)
+    return store, v2, v1_state, v2_state
+
+
+def test_a_delta_against_the_version_the_rank_serves_gives_the_new_bytes(stepped) -> None:
+    store, v2, v1_state, v2_state = stepped
+    with td.WeightServer(store.root, bucket_bytes=4096, timeout_s=10, delta=True) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=10)
+        before = len(td.DELTA_FALLBACKS)
+        got = td.receive_verified(uri, 2, manifest, timeout_s=10, base=td.DeltaBase(1, v1_state))
+        again = td.receive_verified(uri, 2, manifest, timeout_s=10, base=td.DeltaBase(1, v1_state))
+    for name, t in v2_state.items():
+        assert torch.equal(got[name], t) and torch.equal(again[name], t), name
+    assert len(td.DELTA_FALLBACKS) == before
+    assert len(server.deltas) == 1  # encoded once, sent twice
+    d = server.deltas[0]
+    assert (d.version, d.base_version, d.full_bytes) == (2, 1, manifest.total_bytes)
+    assert d.fraction < 0.9, d  # a small step leaves the high bytes alone: the XOR compresses
+
+
+def test_a_base_that_is_not_what_the_rank_claims_falls_back_to_the_full_version(stepped) -> None:
+    """A stale rank offers weights it claims are v1 but are not: the delta gives the wrong bytes, the checksums say
+    so, and the rank fetches the full version instead of failing or, worse, committing them."""
+    store, v2, v1_state, v2_state = stepped
+    lying = dict(v1_state) | {"big": v1_state["big"] + 1.0}
+    with td.WeightServer(store.root, timeout_s=10, delta=True) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=10)
+        before = len(td.DELTA_FALLBACKS)
+        got = td.receive_verified(uri, 2, manifest, timeout_s=10, base=td.DeltaBase(1, lying))
+    assert torch.equal(got["big"], v2_state["big"])
+    assert td.DELTA_FALLBACKS[before:] == ["v2 on base v1: big"]
+
+
+def test_a_byte_flipped_in_a_delta_is_still_caught(stepped) -> None:
+    store, v2, v1_state, _ = stepped
+    with td.WeightServer(store.root, timeout_s=10, delta=True) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=10)
+        with pytest.raises(StagingError) as e:
+            td.receive_verified(uri, 2, manifest, timeout_s=10, base=td.DeltaBase(1, v1_state), corrupt="big")
+    assert (e.value.kind, e.value.tensor) == ("checksum", "big")
+
+
+def test_no_delta_when_the_server_lacks_the_base(stepped) -> None:
+    store, v2, v1_state, v2_state = stepped
+    with td.WeightServer(store.root, timeout_s=10, delta=True) as server:
+        uri = server.uri(_dirname(v2))
+        manifest = td.read_manifest(uri, 2, timeout_s=10)
+        store.gc([2])  # v1 collected: nothing to take a delta against
+        got = td.receive_verified(uri, 2, manifest, timeout_s=10, base=td.DeltaBase(1, v1_state))
+    assert torch.equal(got["big"], v2_state["big"]) and server.deltas == []

@@ -1,0 +1,187 @@
+"""How a staged version's bytes reach the ranks, chosen per run (`update.transport`): owns the choice and the
+dispatch by URI scheme, so the update transaction above it is the same whatever moved the bytes.
+
+- `directory` (`file://` URIs): the trainer writes each version into a directory every rank reads
+  (workers.staging_store); it needs a filesystem the trainer and the ranks share.
+- `dist` (`dist://` URIs): the trainer writes each version into its own directory and serves it over
+  torch.distributed (workers.transport_dist); nothing is shared but the network.
+
+Either way the rank checks the manifest against the digest the coordinator announced and every tensor's bytes
+against the manifest before it reports prepared (`read_manifest`, `load_verified`), and a failure names the tensor.
+`open_trainer_store(cfg, root)` is the trainer's store for the run's transport; `versions_to_keep` (workflows.trainer)
+says what its `gc` may not delete.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from rolledger.schemas.config import RunConfig
+from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo, WeightManifest
+from rolledger.workers import staging_loader, staging_store, transport_dist
+from rolledger.workers.staging_format import path_from_uri
+from rolledger.workers.staging_loader import VerifiedWeights
+from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate, StagingStore
+from rolledger.workers.transport_dist import DeltaBase
+
+__all__ = ["DeltaBase", "DistStagingStore", "load_verified", "open_trainer_store", "read_manifest"]
+
+
+def _is_dist(uri: str) -> bool:
+    return uri.startswith(f"{transport_dist.SCHEME}://")
+
+
+def read_manifest(uri: str, version: int, *, expected_digest: str | None = None) -> WeightManifest:
+    """The manifest of `version` where its URI says (a directory, or a weight server), checked to be for that version
+    and, when given, the announced digest; StagingError otherwise."""
+    if _is_dist(uri):
+        return transport_dist.read_manifest(uri, version, expected_digest=expected_digest)
+    return staging_store.read_manifest(uri, version, expected_digest=expected_digest)
+
+
+def load_verified(
+    uri: str,
+    version: int,
+    manifest: WeightManifest,
+    *,
+    corrupt: str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    noop_transport: bool = False,
+    base: DeltaBase | None = None,
+) -> VerifiedWeights:
+    """`version`'s tensors in private host memory, every byte checked against `manifest`, fetched the way the URI
+    says. `base` (dist only): the weights the rank serves, which the server may send a delta against.
+    `noop_transport` (fault injection, dist only): the transfer moves nothing, as a disabled communicator."""
+    if _is_dist(uri):
+        comm = transport_dist.NoOpCommunicatorFake if noop_transport else transport_dist.GlooCommunicator
+        return transport_dist.receive_verified(
+            uri, version, manifest, corrupt=corrupt, out=out, communicator=comm, base=base
+        )
+    if noop_transport:
+        raise ValueError("noop_transport is a fault of the dist transport; this version is a directory")
+    return staging_loader.load_verified(uri, version, manifest, corrupt=corrupt, out=out)
+
+
+class DistStagingStore:
+    """The trainer's store under the dist transport: the directory store in the trainer's own directory, and a
+    WeightServer that serves what it holds. URIs are the server's (`dist://host:port/<dir>`)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        host: str,
+        port: int,
+        *,
+        bucket_bytes: int = transport_dist.DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 30.0,
+        allow_remote: bool = False,
+        delta: bool = False,
+        fsync: bool = True,
+    ) -> None:
+        self.local = DirectoryStagingStore(root, fsync=fsync)
+        self.server = transport_dist.WeightServer(
+            self.local.root,
+            host,
+            port,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+            allow_remote=allow_remote,
+            delta=delta,
+        )
+
+    def __repr__(self) -> str:
+        return f"DistStagingStore({str(self.local.root)!r}, {self.server.host}:{self.server.port})"
+
+    @property
+    def root(self) -> Path:
+        return self.local.root
+
+    def uri_for(self, version: int) -> str:
+        return self.server.uri(self.local.version_dir(version).name)
+
+    def versions(self) -> list[int]:
+        return self.local.versions()
+
+    def stage(
+        self,
+        version: int,
+        base_version: int,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
+    ) -> StagedUpdate:
+        """Stage into the trainer's directory, then offer it on the server; the record carries the server's URI."""
+        staged = self.local.stage(version, base_version, state_dict, checksum_algo=checksum_algo)
+        dirname = path_from_uri(staged.uri).name
+        return StagedUpdate(
+            manifest=staged.manifest,
+            uri=self.server.publish(dirname),
+            bytes=staged.bytes,
+            manifest_digest=staged.manifest_digest,
+            timings=staged.timings,
+        )
+
+    def read_manifest(self, version: int, *, expected_digest: str | None = None) -> WeightManifest:
+        return self.local.read_manifest(version, expected_digest=expected_digest)
+
+    def load_verified(
+        self,
+        version: int,
+        manifest: WeightManifest,
+        *,
+        corrupt: str | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+    ) -> VerifiedWeights:
+        return self.local.load_verified(version, manifest, corrupt=corrupt, out=out)
+
+    def gc(self, keep_versions: Iterable[int]) -> list[int]:
+        """Collect as the directory store does, and stop offering what was collected."""
+        before = {p.name for p in self.local.root.iterdir()} if self.local.root.is_dir() else set()
+        deleted = self.local.gc(keep_versions)
+        after = {p.name for p in self.local.root.iterdir()} if self.local.root.is_dir() else set()
+        for dirname in before - after:
+            self.server.withdraw(dirname)
+        return deleted
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def open_trainer_store(cfg: RunConfig, default_root: Path) -> StagingStore:
+    """The trainer's store for the run's transport (`update.transport`), rooted at `update.staging_dir` or
+    `default_root`."""
+    u = cfg.update
+    root = u.staging_dir or default_root
+    if u.transport == "dist":
+        return DistStagingStore(
+            root,
+            u.transport_host,
+            u.transport_port,
+            bucket_bytes=int(u.transport_bucket_mb * (1 << 20)),
+            timeout_s=u.prepare_deadline_s,
+            allow_remote=u.allow_remote_transport,
+            delta=u.transport_delta,
+        )
+    return DirectoryStagingStore(root)
+
+
+def close_store(store: StagingStore) -> None:
+    """Stop a store's server, if it has one (the directory store has nothing to stop)."""
+    if isinstance(store, DistStagingStore):
+        store.close()
+
+
+def fix_transport_port(cfg: RunConfig) -> RunConfig:
+    """`cfg` with a dist transport's port 0 replaced by a free port of its host, chosen once when the run starts and
+    recorded in RunStarted: a restarted trainer serves on the same address, so the URIs in the log stay valid."""
+    u = cfg.update
+    if u.transport != "dist" or u.transport_port != 0:
+        return cfg
+    with socket.socket(socket.AF_INET6 if ":" in u.transport_host else socket.AF_INET) as s:
+        s.bind((u.transport_host, 0))
+        port = int(s.getsockname()[1])
+    return cfg.model_copy(update={"update": u.model_copy(update={"transport_port": port})})

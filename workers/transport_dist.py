@@ -1,0 +1,673 @@
+"""The torch.distributed weight transport: the trainer serves staged versions over gloo (NCCL would use the same
+code with device buffers), ranks receive them into private memory and verify every byte against the manifest.
+
+No filesystem is shared. The trainer stages each version into its *own* directory (workers.staging_store, the same
+content-addressed, atomic layout; it is the trainer's durable copy and what a restarted trainer reloads) and a
+`WeightServer` in the trainer process serves it:
+
+- Rendezvous goes through the run's log: `UpdateStaged.uri` is `dist://HOST:PORT/v000007-<digest[:12]>`, the
+  address of the server's `TCPStore` and the version directory. The host must be loopback or private unless the run
+  opts in (workers.netguard, the guard the engines use).
+- The manifest is published in that store under `manifest/<dir>`; a rank fetches it and checks it against the digest
+  the coordinator announced before anything else (`read_manifest`).
+- A rank asks for a version by pushing a request onto the store's `requests` queue; the server answers on
+  `answer/<session>` and the two form a two-member gloo process group of their own under the prefix
+  `session/<session>/`, through which the tensor bytes go, in manifest order, in buckets of `bucket_bytes`.
+  One group per receiver and per transfer, rebuilt every time: a rank that joins late (a restarted rank reloading
+  the published version) is served like the others, and a rank that dies mid-transfer only ends its own session.
+- The receiver copies each bucket into its destination tensors and hashes them while the bytes are in cache
+  (workers.staging_loader does the same for files); a tensor whose bytes do not match its manifest checksum is a
+  `StagingError` naming it. So a communicator that silently did nothing (NCCL disabled, one rank: every collective a
+  no-op), sent to the wrong buffer or stopped short is caught before the rank reports prepared, and the all-prepared
+  gate aborts the update on every rank. `NoOpCommunicatorFake` is such a communicator, for the tests and the
+  `noop-transport=R` injection.
+- Deltas: a rank says which version it serves (`DeltaBase`); when the server holds that version too, it sends each
+  tensor as the XOR of the new bytes with the base's, compressed with zstandard (mostly zero bytes: the sign,
+  exponent and high mantissa bits an optimizer step leaves alone). The rank XORs what arrives with the weights it
+  serves and checks the result against the *full* tensor's checksum, so a base that is not what the rank claims
+  (a stale rank, say) cannot pass: the rank fetches the full version instead (`DELTA_FALLBACKS` counts it).
+- Every step has a deadline (`timeout_s`: store operations, joining the group, each bucket); a transfer past it is
+  a `StagingError(kind="transport")`, which a rank reports as a failed transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import mmap
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Self, cast
+from urllib.parse import urlsplit
+
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+import zstandard
+from pydantic import ValidationError
+
+from rolledger.schemas.weights import WeightManifest
+from rolledger.workers.netguard import EngineAddressError, check_host
+from rolledger.workers.staging_checksums import Hasher, new_hasher, raw_bytes
+from rolledger.workers.staging_format import (
+    MANIFEST_FILE,
+    VERSION_DIR,
+    StagingError,
+    check_against_manifest,
+    open_weights,
+    read_header,
+)
+from rolledger.workers.staging_loader import LoadTimings, VerifiedWeights, destination
+
+log = structlog.get_logger("rolledger.transport")
+
+SCHEME = "dist"
+DEFAULT_BUCKET_BYTES = 64 << 20
+_REQUESTS = "requests"
+_STOP = b"stop"
+
+
+def dist_uri(host: str, port: int, dirname: str) -> str:
+    """The URI UpdateStaged carries for a version served at host:port (`dirname`: its directory's name)."""
+    h = f"[{host}]" if ":" in host else host
+    return f"{SCHEME}://{h}:{port}/{dirname}"
+
+
+@dataclass(frozen=True)
+class DistAddress:
+    host: str
+    port: int
+    dirname: str
+
+
+def parse_uri(uri: str, version: int) -> DistAddress:
+    """host, port and version directory of a `dist://` URI, checked to name `version`; StagingError otherwise."""
+    parts = urlsplit(uri)
+    dirname = parts.path.lstrip("/")
+    m = VERSION_DIR.match(dirname)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != SCHEME or not parts.hostname or not port or m is None or int(m.group(1)) != version:
+        raise StagingError(
+            None, f"{uri!r} is not a dist:// URI of version {version}", kind="not_found", version=version
+        )
+    return DistAddress(parts.hostname, port, dirname)
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _client(addr: DistAddress, timeout_s: float, version: int) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(addr.host, addr.port, is_master=False, timeout=_timeout(timeout_s))
+    except (dist.DistError, RuntimeError) as e:
+        raise StagingError(
+            None, f"weight server {addr.host}:{addr.port} unreachable: {e}", kind="transport", version=version
+        ) from e
+
+
+class PointToPoint(Protocol):
+    """What a transfer needs of a process group (gloo's backend object; NCCL's has the same calls)."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
+
+
+def _group(store: dist.Store, rank: int, host: str, timeout_s: float) -> PointToPoint:
+    """A two-member gloo group (rank 0 sends, rank 1 receives) over `store`; joining waits at most `timeout_s`."""
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the documented way to pick the device
+    opts._timeout = _timeout(timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return cast("PointToPoint", dist.ProcessGroupGloo(store, rank, 2, opts))
+
+
+def _chunks(sizes: list[int], bucket_bytes: int) -> Iterator[list[tuple[int, int, int]]]:
+    """The byte stream of tensors of `sizes` (concatenated in order) cut into buckets of at most `bucket_bytes`:
+    per bucket, the (tensor index, start within the tensor, length) pieces it holds, in order."""
+    bucket: list[tuple[int, int, int]] = []
+    room = bucket_bytes
+    for i, size in enumerate(sizes):
+        at = 0
+        while at < size:
+            n = min(room, size - at)
+            bucket.append((i, at, n))
+            at += n
+            room -= n
+            if room == 0:
+                yield bucket
+                bucket, room = [], bucket_bytes
+    if bucket:
+        yield bucket
+
+
+# ------------------------------------------------------------------------------------------------------ receiving
+
+
+class Communicator(Protocol):
+    """What moves one bucket from the server: receive exactly `len(buf)` bytes into `buf`, or raise."""
+
+    def recv(self, buf: torch.Tensor, tag: int) -> None: ...
+
+
+class GlooCommunicator:
+    """The real one: a point-to-point receive from rank 0 of the session's gloo group, with its deadline."""
+
+    def __init__(self, group: PointToPoint, timeout_s: float) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+
+    def recv(self, buf: torch.Tensor, tag: int) -> None:
+        self.group.recv([buf], 0, tag).wait(_timeout(self.timeout_s))
+
+
+class NoOpCommunicatorFake:
+    """A communicator that disabled itself: every receive returns at once and moves nothing (what NCCL does with one
+    rank or `VLLM_DISABLE_PYNCCL`). Stands in for that hazard in tests and the `noop-transport` injection; the
+    checksums must catch it."""
+
+    def __init__(self, group: PointToPoint | None = None, timeout_s: float = 0.0) -> None:
+        self.group = group
+
+    def recv(self, buf: torch.Tensor, tag: int) -> None:
+        return None
+
+
+def read_manifest(
+    uri: str, version: int, *, expected_digest: str | None = None, timeout_s: float = 30.0
+) -> WeightManifest:
+    """The manifest the server at `uri` publishes for `version`, checked against the announced digest."""
+    addr = parse_uri(uri, version)
+    store = _client(addr, timeout_s, version)
+    key = f"manifest/{addr.dirname}"
+    if not store.check([key]):
+        raise StagingError(
+            None, f"the weight server at {uri} has no manifest for it", kind="not_found", version=version
+        )
+    try:
+        manifest = WeightManifest.model_validate_json(store.get(key))
+    except ValidationError as e:
+        raise StagingError(None, f"invalid manifest from {uri}: {e}", kind="manifest", version=version) from e
+    if manifest.version != version:
+        raise StagingError(
+            None, f"{uri} serves version {manifest.version}, asked for {version}", kind="manifest", version=version
+        )
+    if expected_digest is not None and manifest.digest != expected_digest:
+        raise StagingError(
+            None,
+            f"manifest digest {manifest.digest} is not the announced {expected_digest}",
+            kind="manifest",
+            version=version,
+        )
+    return manifest
+
+
+@dataclass(frozen=True)
+class DeltaBase:
+    """The weights a rank serves, offered as the base of a delta: their version and the tensors (CPU)."""
+
+    version: int
+    tensors: Mapping[str, torch.Tensor]
+
+    def fits(self, manifest: WeightManifest) -> bool:
+        """Whether every tensor of `manifest` has a CPU base of its name, shape and size here."""
+        if not 1 <= self.version < manifest.version:
+            return False
+        for e in manifest.tensors:
+            t = self.tensors.get(e.name)
+            if t is None or t.device.type != "cpu" or tuple(t.shape) != e.shape:
+                return False
+            if t.element_size() * t.numel() != e.nbytes:
+                return False
+        return True
+
+
+class DeltaMismatch(StagingError):
+    """Applied to the rank's base, a delta did not give the manifest's bytes: the base was not what it claimed."""
+
+
+DELTA_FALLBACKS: list[str] = []  # deltas this process fetched again in full (their base was not what it claimed)
+Receiver = type[GlooCommunicator | NoOpCommunicatorFake]
+
+
+def receive_verified(
+    uri: str,
+    version: int,
+    manifest: WeightManifest,
+    *,
+    corrupt: str | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+    timeout_s: float = 30.0,
+    communicator: Receiver = GlooCommunicator,
+    base: DeltaBase | None = None,
+) -> VerifiedWeights:
+    """Fetch `version` from the server at `uri` into host memory (fresh tensors, or `out`'s buffers) and verify every
+    tensor against `manifest`; StagingError naming the tensor (checksum) or the transfer (kind "transport").
+
+    `corrupt`: fault injection, as for staging_loader.read_verified (one byte of that tensor flips on arrival).
+    `base`: the weights this rank serves; the server may send a delta against them (see the module docstring). A
+    delta that does not give the manifest's bytes is fetched again in full, once.
+    """
+    if version != manifest.version:
+        raise StagingError(
+            None, f"manifest is for version {manifest.version}, asked for {version}", kind="manifest", version=version
+        )
+    if base is not None and base.fits(manifest):
+        try:
+            return _receive(uri, manifest, corrupt, out, timeout_s, communicator, base)
+        except DeltaMismatch as e:
+            log.warning("transport.delta_mismatch", version=version, tensor=e.tensor, base=base.version)
+            DELTA_FALLBACKS.append(f"v{version} on base v{base.version}: {e.tensor}")
+    return _receive(uri, manifest, corrupt, out, timeout_s, communicator, None)
+
+
+def _receive(
+    uri: str,
+    manifest: WeightManifest,
+    corrupt: str | None,
+    out: Mapping[str, torch.Tensor] | None,
+    timeout_s: float,
+    communicator: Receiver,
+    base: DeltaBase | None,
+) -> VerifiedWeights:
+    version = manifest.version
+    addr = parse_uri(uri, version)
+    t0 = time.perf_counter()
+    store = _client(addr, timeout_s, version)
+    session = uuid.uuid4().hex
+    request = {
+        "session": session,
+        "dir": addr.dirname,
+        "digest": manifest.digest,
+        "base_version": base.version if base is not None else 0,
+    }
+    try:
+        store.queue_push(_REQUESTS, json.dumps(request))
+        answer = json.loads(store.get(f"answer/{session}"))
+    except (dist.DistError, RuntimeError) as e:
+        raise StagingError(
+            None, f"no answer from the weight server at {uri}: {e}", kind="transport", version=version
+        ) from e
+    if "error" in answer:
+        raise StagingError(None, f"the weight server refused: {answer['error']}", kind="not_found", version=version)
+    bucket_bytes = int(answer["bucket_bytes"])
+    dests = [destination(e, out) for e in manifest.tensors]
+    hashers = [new_hasher(manifest.checksum_algo) for _ in dests]
+    try:
+        group = _group(dist.PrefixStore(f"session/{session}/", store), 1, addr.host, timeout_s)
+    except (dist.DistError, RuntimeError) as e:
+        raise StagingError(
+            None, f"could not join the transfer from {uri}: {e}", kind="transport", version=version
+        ) from e
+    comm = communicator(group, timeout_s)
+    t1 = time.perf_counter()
+    flip = _flip_of(manifest, corrupt)
+    try:
+        if answer.get("mode") == "delta" and base is not None:
+            sizes = [int(n) for n in answer["sizes"]]
+            read_s, checksum_s = _receive_delta(comm, uri, manifest, sizes, bucket_bytes, base, dests, hashers, flip)
+        else:
+            read_s, checksum_s = _receive_full(comm, uri, manifest, bucket_bytes, dests, hashers, flip)
+    finally:
+        with contextlib.suppress(Exception):
+            store.delete_key(f"answer/{session}")
+    delta = answer.get("mode") == "delta"
+    tensors: dict[str, torch.Tensor] = {}
+    for entry, dest, hasher in zip(manifest.tensors, dests, hashers, strict=True):
+        got = hasher.hexdigest()
+        if got != entry.checksum:
+            raise (DeltaMismatch if delta else StagingError)(
+                entry.name,
+                f"checksum mismatch after the {'delta ' if delta else ''}transfer from {uri}: "
+                f"{manifest.checksum_algo} of the bytes is {got}, manifest says {entry.checksum}",
+                kind="checksum",
+                version=version,
+            )
+        tensors[entry.name] = dest
+    t2 = time.perf_counter()
+    timings = LoadTimings(
+        header_s=t1 - t0, read_s=read_s, checksum_s=checksum_s, total_s=t2 - t0, nbytes=manifest.total_bytes
+    )
+    return VerifiedWeights(tensors=tensors, manifest=manifest, timings=timings)
+
+
+def _flip_of(manifest: WeightManifest, corrupt: str | None) -> dict[int, int]:
+    """Fault injection: tensor index -> the byte of it that flips on arrival."""
+    return {manifest.names.index(corrupt): manifest.entry(corrupt).nbytes // 2} if corrupt is not None else {}
+
+
+def _failed(e: Exception, uri: str, manifest: WeightManifest, index: int, tag: int) -> StagingError:
+    name = manifest.tensors[index].name
+    return StagingError(
+        name, f"transfer from {uri} failed in bucket {tag}: {e}", kind="transport", version=manifest.version
+    )
+
+
+def _receive_full(
+    comm: Communicator,
+    uri: str,
+    manifest: WeightManifest,
+    bucket_bytes: int,
+    dests: list[torch.Tensor],
+    hashers: list[Hasher],
+    flip: dict[int, int],
+) -> tuple[float, float]:
+    """Receive the tensors' bytes bucket by bucket into `dests`, hashing each piece while it is in cache; returns the
+    seconds spent receiving and hashing."""
+    views = [raw_bytes(d) for d in dests]
+    bucket = torch.empty(min(bucket_bytes, max(manifest.total_bytes, 1)), dtype=torch.uint8)
+    src = raw_bytes(bucket)
+    read_s = checksum_s = 0.0
+    for tag, pieces in enumerate(_chunks([e.nbytes for e in manifest.tensors], bucket_bytes)):
+        n = sum(p[2] for p in pieces)
+        ta = time.perf_counter()
+        try:
+            comm.recv(bucket[:n], tag)
+        except (dist.DistError, RuntimeError) as e:
+            raise _failed(e, uri, manifest, pieces[0][0], tag) from e
+        at = 0
+        for i, lo, length in pieces:
+            views[i][lo : lo + length] = src[at : at + length]
+            if i in flip and lo <= flip[i] < lo + length:
+                views[i][flip[i]] ^= 0xFF
+            at += length
+        tb = time.perf_counter()
+        for i, lo, length in pieces:
+            hashers[i].update(views[i][lo : lo + length])
+        checksum_s += time.perf_counter() - tb
+        read_s += tb - ta
+    return read_s, checksum_s
+
+
+def _receive_delta(
+    comm: Communicator,
+    uri: str,
+    manifest: WeightManifest,
+    sizes: list[int],
+    bucket_bytes: int,
+    base: DeltaBase,
+    dests: list[torch.Tensor],
+    hashers: list[Hasher],
+    flip: dict[int, int],
+) -> tuple[float, float]:
+    """Receive every tensor's compressed XOR against the base, apply it to the base into `dests` and hash the result;
+    returns the seconds spent receiving and applying, and hashing."""
+    if len(sizes) != len(manifest.tensors):
+        raise StagingError(
+            None,
+            f"a delta of {len(sizes)} tensors for a manifest of {len(manifest.tensors)}",
+            kind="transport",
+            version=manifest.version,
+        )
+    ta = time.perf_counter()
+    blob = torch.empty(max(sum(sizes), 1), dtype=torch.uint8)
+    at = 0
+    for tag, pieces in enumerate(_chunks(sizes, bucket_bytes)):
+        n = sum(p[2] for p in pieces)
+        try:
+            comm.recv(blob[at : at + n], tag)
+        except (dist.DistError, RuntimeError) as e:
+            raise _failed(e, uri, manifest, pieces[0][0], tag) from e
+        at += n
+    packed = raw_bytes(blob)
+    dctx = zstandard.ZstdDecompressor()
+    checksum_s = 0.0
+    at = 0
+    for i, (entry, size) in enumerate(zip(manifest.tensors, sizes, strict=True)):
+        frame, at = packed[at : at + size], at + size
+        try:
+            xor = dctx.decompress(frame, max_output_size=entry.nbytes) if entry.nbytes else b""
+        except zstandard.ZstdError as e:
+            raise DeltaMismatch(entry.name, f"undecodable delta: {e}", kind="checksum", version=manifest.version) from e
+        if len(xor) != entry.nbytes:
+            raise DeltaMismatch(
+                entry.name,
+                f"the delta holds {len(xor)} bytes, not {entry.nbytes}",
+                kind="checksum",
+                version=manifest.version,
+            )
+        have = np.frombuffer(raw_bytes(base.tensors[entry.name].detach().contiguous()), dtype=np.uint8)
+        want = np.frombuffer(raw_bytes(dests[i]), dtype=np.uint8)
+        np.bitwise_xor(np.frombuffer(xor, dtype=np.uint8), have, out=want)
+        if i in flip:
+            want[flip[i]] ^= 0xFF
+        tb = time.perf_counter()
+        hashers[i].update(raw_bytes(dests[i]))
+        checksum_s += time.perf_counter() - tb
+    return time.perf_counter() - ta - checksum_s, checksum_s
+
+
+# ------------------------------------------------------------------------------------------------------- serving
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """One delta the server encoded: its size against the full version's, and what encoding it took."""
+
+    version: int
+    base_version: int
+    full_bytes: int
+    delta_bytes: int
+    encode_s: float
+
+    @property
+    def fraction(self) -> float:
+        return self.delta_bytes / self.full_bytes if self.full_bytes else 0.0
+
+
+class WeightServer:
+    """Serves the versions staged under `root` (a DirectoryStagingStore's) to any rank that asks, from the trainer.
+
+    `host:port` is where the TCPStore listens (port 0: a free one, see `.port`); `publish(dirname)` makes a staged
+    version's manifest fetchable. `delta`: answer a rank that names the version it serves with a delta against it
+    when that version is here too (`deltas` records each one's size and encode time). Each request is served on its own thread, from a copy-on-write mapping of the
+    staged file; a receiver that fails or dies ends only its session (after `timeout_s` at most).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 30.0,
+        allow_remote: bool = False,
+        delta: bool = False,
+        delta_level: int = 1,
+    ) -> None:
+        try:
+            check_host(host, allow_remote)
+        except EngineAddressError as e:
+            raise ValueError(str(e)) from e
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.root = Path(root).absolute()
+        self.host = host
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.delta = delta
+        self.delta_level = delta_level
+        self.deltas: list[DeltaStats] = []  # one per delta encoded
+        self._delta_lock = threading.Lock()
+        self._delta_cache: tuple[tuple[str, int], tuple[list[int], bytes]] | None = None
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_s))
+        self.port: int = self._store.port
+        # the accept loop blocks on the request queue: its own connection, with a deadline it never reaches
+        self._accept_store = dist.TCPStore(host, self.port, is_master=False, timeout=datetime.timedelta(days=7))
+        self._closed = threading.Event()
+        self.served: list[str] = []  # the directories sent, one entry per completed transfer
+        self.failed: list[str] = []  # why a transfer failed, one entry per failed one
+        if self.root.is_dir():
+            for p in sorted(self.root.iterdir()):
+                if VERSION_DIR.match(p.name) and (p / MANIFEST_FILE).is_file():
+                    self.publish(p.name)
+        self._thread = threading.Thread(target=self._accept, name=f"weight-server:{self.port}", daemon=True)
+        self._thread.start()
+
+    def uri(self, dirname: str) -> str:
+        return dist_uri(self.host, self.port, dirname)
+
+    def publish(self, dirname: str) -> str:
+        """Make the version in `root/dirname` fetchable (its manifest goes into the store); returns its URI."""
+        self._store.set(f"manifest/{dirname}", (self.root / dirname / MANIFEST_FILE).read_text())
+        return self.uri(dirname)
+
+    def withdraw(self, dirname: str) -> None:
+        """Stop offering a version (it is being collected); a transfer already running finishes."""
+        with contextlib.suppress(Exception):
+            self._store.delete_key(f"manifest/{dirname}")
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with contextlib.suppress(Exception):
+            self._store.queue_push(_REQUESTS, _STOP)
+        self._thread.join(timeout=self.timeout_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                raw = self._accept_store.queue_pop(_REQUESTS)
+            except (dist.DistError, RuntimeError):
+                if self._closed.is_set():
+                    return
+                continue
+            if raw == _STOP:
+                return
+            try:
+                request = json.loads(raw)
+                session, dirname, digest = str(request["session"]), str(request["dir"]), str(request["digest"])
+                base_version = int(request.get("base_version", 0))
+            except (ValueError, KeyError, TypeError):
+                log.warning("weight_server.bad_request", request=raw[:200])
+                continue
+            threading.Thread(
+                target=self._serve,
+                args=(session, dirname, digest, base_version),
+                name=f"weight-send:{session[:8]}",
+                daemon=True,
+            ).start()
+
+    def _serve(self, session: str, dirname: str, digest: str, base_version: int) -> None:
+        """Send one version to one receiver; any failure ends this session only."""
+        try:
+            self._send(session, dirname, digest, base_version)
+            self.served.append(dirname)
+        except Exception as e:  # noqa: BLE001 - a receiver that fails or dies ends its own session, never the server
+            self.failed.append(f"{dirname}: {e}")
+            log.warning("weight_server.transfer_failed", dir=dirname, session=session, error=str(e)[:300])
+
+    def _send(self, session: str, dirname: str, digest: str, base_version: int) -> None:
+        client = dist.TCPStore(self.host, self.port, is_master=False, timeout=_timeout(self.timeout_s))
+        try:
+            manifest, path = self._staged(dirname, digest)
+            fd = open_weights(path, manifest.version)
+        except (OSError, ValueError, StagingError) as e:
+            client.set(f"answer/{session}", json.dumps({"error": str(e)}))
+            raise
+        try:
+            entries, size = read_header(fd, manifest.version)
+            by_name = {h.name: h for h, _ in check_against_manifest(entries, size, manifest)}
+            starts = [by_name[e.name].start for e in manifest.tensors]
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm, memoryview(mm) as src:
+                delta = self._delta(dirname, manifest, src, starts, base_version) if self.delta else None
+                if delta is None:
+                    answer: dict[str, object] = {"bucket_bytes": self.bucket_bytes, "mode": "full"}
+                    sizes, stream, offsets = [e.nbytes for e in manifest.tensors], src, starts
+                else:
+                    sizes, blob = delta
+                    answer = {"bucket_bytes": self.bucket_bytes, "mode": "delta", "sizes": sizes}
+                    stream, offsets = memoryview(blob), [sum(sizes[:i]) for i in range(len(sizes))]
+                client.set(f"answer/{session}", json.dumps(answer))
+                group = _group(dist.PrefixStore(f"session/{session}/", client), 0, self.host, self.timeout_s)
+                bucket = torch.empty(min(self.bucket_bytes, max(sum(sizes), 1)), dtype=torch.uint8)
+                dst = raw_bytes(bucket)
+                for tag, pieces in enumerate(_chunks(sizes, self.bucket_bytes)):
+                    at = 0
+                    for i, lo, length in pieces:
+                        dst[at : at + length] = stream[offsets[i] + lo : offsets[i] + lo + length]
+                        at += length
+                    group.send([bucket[:at]], 1, tag).wait(_timeout(self.timeout_s))
+        finally:
+            os.close(fd)
+
+    def _staged(self, dirname: str, digest: str | None) -> tuple[WeightManifest, Path]:
+        """The manifest and weights file of a version directory here (checked against `digest` when given)."""
+        directory = self.root / dirname
+        if VERSION_DIR.match(dirname) is None or not (directory / MANIFEST_FILE).is_file():
+            raise FileNotFoundError(f"no staged version {dirname!r} here")
+        manifest = WeightManifest.model_validate_json((directory / MANIFEST_FILE).read_bytes())
+        if digest is not None and manifest.digest != digest:
+            raise ValueError(f"{dirname} holds manifest {manifest.digest}, not {digest}")
+        return manifest, directory / manifest.file
+
+    def _delta(
+        self, dirname: str, manifest: WeightManifest, src: memoryview, starts: list[int], base_version: int
+    ) -> tuple[list[int], bytes] | None:
+        """Every tensor's XOR with the base version's, zstd-compressed: (compressed sizes, the frames back to back);
+        None when this store has no base of that version with the same tensors. Encoded once per (version, base)."""
+        if not 1 <= base_version < manifest.version:
+            return None
+        with self._delta_lock:
+            key = (dirname, base_version)
+            if self._delta_cache is not None and self._delta_cache[0] == key:
+                return self._delta_cache[1]
+            bases = sorted(
+                (
+                    p
+                    for p in self.root.iterdir()
+                    if (m := VERSION_DIR.match(p.name)) and int(m.group(1)) == base_version
+                ),
+                key=lambda p: p.stat().st_mtime_ns,
+                reverse=True,
+            )
+            if not bases:
+                return None
+            try:
+                base_manifest, base_path = self._staged(bases[0].name, None)
+            except (OSError, ValueError):
+                return None
+            if [(e.name, e.dtype, e.shape) for e in base_manifest.tensors] != [
+                (e.name, e.dtype, e.shape) for e in manifest.tensors
+            ]:
+                return None
+            t0 = time.perf_counter()
+            fd = open_weights(base_path, base_version)
+            try:
+                entries, size = read_header(fd, base_version)
+                base_at = {h.name: h.start for h, _ in check_against_manifest(entries, size, base_manifest)}
+                cctx = zstandard.ZstdCompressor(level=self.delta_level)
+                frames: list[bytes] = []
+                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mb:
+                    for e, start in zip(manifest.tensors, starts, strict=True):
+                        new = np.frombuffer(src, dtype=np.uint8, count=e.nbytes, offset=start)
+                        old = np.frombuffer(mb, dtype=np.uint8, count=e.nbytes, offset=base_at[e.name])
+                        frames.append(cctx.compress(np.bitwise_xor(new, old).data) if e.nbytes else b"")
+                        del new, old
+            finally:
+                os.close(fd)
+            sizes = [len(f) for f in frames]
+            encoded = (sizes, b"".join(frames))
+            self.deltas.append(
+                DeltaStats(manifest.version, base_version, manifest.total_bytes, sum(sizes), time.perf_counter() - t0)
+            )
+            self._delta_cache = (key, encoded)
+            return encoded
