@@ -190,6 +190,11 @@ class UpdateConfig(ConfigModel):
     staging_dir: Path | None = Field(
         None, description="defaults to runs/<run-id>/staging; under the dist transport it is the trainer's own"
     )
+    staging_fsync: bool = Field(
+        False,
+        description="fsync each staged version before announcing it; off by default, like the log's AOF (appendfsync "
+        "no): a host crash can lose either, and a torn or missing version fails its checksums, so the update aborts",
+    )
     transport: Literal["directory", "dist"] = Field(
         "directory",
         description="how staged versions reach the ranks: 'directory' (a filesystem trainer and ranks share) or "

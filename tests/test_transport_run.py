@@ -149,3 +149,15 @@ def test_a_dist_run_sends_deltas_and_every_rank_commits_the_manifests_bytes(
     staged = {u.version: u.weights_digest for u in of(events, ev.UpdateStaged)}
     assert all(digest == staged[v] for (v, _), digest in committed.items()) and len(committed) == 8
     assert audit(events).ok
+
+
+def test_a_stale_rank_is_still_caught_when_deltas_are_on(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    """The stale rank claims v1 but serves v0: the v2 delta against its weights gives the wrong bytes, it fetches the
+    full version instead (nothing wrong is committed through the delta), and the probe still quarantines it."""
+    cfg = dist(ranks=3)
+    cfg = cfg.model_copy(update={"update": cfg.update.model_copy(update={"transport_delta": True})})
+    events, summary = execute(redis_url, run_id, tmp_path, cfg, "stale-weights=2")
+    q = of(events, ev.RankQuarantined)
+    assert len(q) == 1 and q[0].rank == 2 and "probe" in q[0].reason
+    assert 2 not in next(p for p in of(events, ev.PolicyPublished) if p.version == q[0].version).ranks
+    assert summary.status == "completed"

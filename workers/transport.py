@@ -165,8 +165,9 @@ def open_trainer_store(cfg: RunConfig, default_root: Path) -> StagingStore:
             timeout_s=u.prepare_deadline_s,
             allow_remote=u.allow_remote_transport,
             delta=u.transport_delta,
+            fsync=u.staging_fsync,
         )
-    return DirectoryStagingStore(root)
+    return DirectoryStagingStore(root, fsync=u.staging_fsync)
 
 
 def close_store(store: StagingStore) -> None:

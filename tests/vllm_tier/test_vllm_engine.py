@@ -8,6 +8,7 @@ what the engine says.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +217,48 @@ def test_error_shapes_are_parsed(vllm_cluster: VllmCluster) -> None:
         e.http.post("/pause", params={"mode": "bogus"})  # RL route shape or validation shape
     with pytest.raises(EngineError, match="HTTP 404"):
         e.http.post("/v1/completions", json={"model": "no-such-model", "prompt": [1], "max_tokens": 1})
+
+
+def test_an_update_through_the_dist_transport_commits_on_both_servers(
+    vllm_cluster: VllmCluster, tmp_path: Path
+) -> None:
+    """The weights go over torch.distributed/gloo: a WeightServer in this process (the trainer) serves the version
+    from its own directory, which the servers are never told about; each vLLM worker fetches it by its dist:// URI
+    through the same verified path (workers.transport.load_verified) and the commit is the usual one."""
+    from rolledger.workers.transport import DistStagingStore
+
+    c = vllm_cluster
+    before = _snapshot(c)
+    version = c.next_version()
+    new = c.other_state(seed=500 + version)
+    base = max(e.policy_version for e in c.engines)
+    store = DistStagingStore(tmp_path / "trainer-only", "127.0.0.1", 0, timeout_s=60)
+    committed: list[object] = []
+    try:
+        staged = store.stage(version, min(base, version - 1), new)
+        assert staged.uri.startswith(f"dist://127.0.0.1:{store.server.port}/")
+        assert _prepare_all(c, version, staged) == [state_digest(new)] * 2
+        assert sorted(store.server.served) == [staged.uri.rsplit("/", 1)[1]] * 2  # one transfer per rank
+        for e in c.engines:
+            e.pause("wait")
+            report = e.commit_weights(version)
+            committed.append(e)
+            e.resume()
+            assert report.weights_digest == state_digest(new) == staged.manifest.weights_digest
+        after = _snapshot(c)
+        assert all(after[r][1] == state_digest(new) for r in range(2))
+        # a byte flipped in transit is refused naming the tensor, and nothing changes
+        version2 = c.next_version()
+        staged2 = store.stage(version2, version, c.other_state(seed=600 + version2))
+        c.engines[0].inject("corrupt-prepare")
+        with pytest.raises(WeightValidationError, match="checksum") as info:
+            c.engines[0].prepare_from_uri(version2, staged2.uri, staged2.manifest)
+        assert info.value.tensor == staged2.manifest.tensors[0].name
+        assert _snapshot(c) == after
+    finally:
+        store.close()
+        for e in c.engines:
+            e.discard_weights()
+            if e in committed:
+                e.rollback_weights()
+    assert _snapshot(c) == before
