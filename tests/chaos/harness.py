@@ -69,6 +69,7 @@ prepare_deadline_s = 10.0
 drain_deadline_s = 10.0
 commit_deadline_s = 10.0
 staging_dir = "{staging}"
+transport = "{s.transport}"
 """
 
 

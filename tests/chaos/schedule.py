@@ -1,4 +1,4 @@
-"""What one chaos schedule is: a tiny run's shape and a list of (trigger, fault), all drawn from `random.Random(seed)`.
+"""What one chaos schedule is: a tiny run's shape, its weight transport and a list of (trigger, fault), all drawn from the seed.
 
 A schedule is pure data with a one-line JSON form (`Schedule.to_json` / `Schedule.from_json`), printed before it runs
 so that it can be replayed exactly (`run_chaos --seed S --schedules 1` draws the same one; `--schedule JSON` runs a
@@ -116,6 +116,7 @@ class Schedule:
     groups_per_step: int = 1
     coordinators: int = 1
     faults: tuple[Step, ...] = field(default=())
+    transport: str = "directory"  # update.transport: how the weights reach the ranks
 
     @property
     def processes(self) -> tuple[str, ...]:
@@ -139,7 +140,7 @@ class Schedule:
     def render(self) -> str:
         head = (
             f"seed {self.seed}: steps {self.steps}, group_size {self.group_size}, groups_per_step "
-            f"{self.groups_per_step}, coordinators {self.coordinators}"
+            f"{self.groups_per_step}, coordinators {self.coordinators}, transport {self.transport}"
         )
         return "\n".join([head, *(f"  {s.render()}" for s in self.faults)] if self.faults else [head + ", no faults"])
 
@@ -182,7 +183,9 @@ def draw(seed: int, kinds: tuple[FaultKind, ...] = FAULT_KINDS, max_faults: int 
         else:
             fault = Fault(kind, seconds=round(rng.uniform(0.5, 3.0), 1))
         out.append(Step(trigger, fault))
-    return Schedule(seed, steps, group_size, groups_per_step, coordinators, tuple(out))
+    # drawn from its own generator, so a seed's shape and faults are what they were before transports were drawn
+    transport = random.Random(f"transport:{seed}").choice(["directory", "dist"])
+    return Schedule(seed, steps, group_size, groups_per_step, coordinators, tuple(out), transport)
 
 
 def parse_kinds(text: str) -> tuple[FaultKind, ...]:
