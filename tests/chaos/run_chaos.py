@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .checks import Ending, summary_line
 from .harness import Result, prepare_model, run_schedule
-from .schedule import FaultKind, Schedule, draw, parse_kinds
+from .schedule import FaultKind, Schedule, draw, parse_kinds, parse_transports
 
 
 @dataclass
@@ -165,6 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--faults", default="all", help="all, none, or a comma list of kill,stop,redis-term,redis-kill,inject"
     )
     ap.add_argument("--max-faults", type=int, default=3, help="faults per schedule: 1 to this many")
+    ap.add_argument(
+        "--transports",
+        default="directory",
+        help="weight transports the schedules draw from: directory (default), dist, or directory,dist",
+    )
     ap.add_argument("--schedule", help="run this one printed schedule (its JSON) instead of drawing")
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--workdir", help="where schedules run (default: a fresh temporary directory)")
@@ -179,13 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         kinds: tuple[FaultKind, ...] = parse_kinds(args.faults)
+        transports = parse_transports(args.transports)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     if args.schedule:
         schedules = [Schedule.from_json(args.schedule)]
     else:
-        schedules = [draw(args.seed + i, kinds, args.max_faults) for i in range(args.schedules)]
+        schedules = [draw(args.seed + i, kinds, args.max_faults, transports) for i in range(args.schedules)]
     for s in schedules:
         print(s.render())
     if args.print_only:

@@ -156,7 +156,15 @@ def _inject_spec(rng: random.Random) -> tuple[str, str]:
     return f"rank{r}", f"fail-rank={r}@{choice}"
 
 
-def draw(seed: int, kinds: tuple[FaultKind, ...] = FAULT_KINDS, max_faults: int = 3) -> Schedule:
+TRANSPORTS = ("directory", "dist")
+
+
+def draw(
+    seed: int,
+    kinds: tuple[FaultKind, ...] = FAULT_KINDS,
+    max_faults: int = 3,
+    transports: tuple[str, ...] = ("directory",),
+) -> Schedule:
     """The schedule of `seed`: every random choice comes from `random.Random(seed)`, in a fixed order."""
     rng = random.Random(seed)
     steps = rng.choice([2, 3])
@@ -184,8 +192,17 @@ def draw(seed: int, kinds: tuple[FaultKind, ...] = FAULT_KINDS, max_faults: int 
             fault = Fault(kind, seconds=round(rng.uniform(0.5, 3.0), 1))
         out.append(Step(trigger, fault))
     # drawn from its own generator, so a seed's shape and faults are what they were before transports were drawn
-    transport = random.Random(f"transport:{seed}").choice(["directory", "dist"])
+    transport = random.Random(f"transport:{seed}").choice(sorted(transports))
     return Schedule(seed, steps, group_size, groups_per_step, coordinators, tuple(out), transport)
+
+
+def parse_transports(text: str) -> tuple[str, ...]:
+    """`--transports`: a comma list of update.transport values."""
+    chosen = tuple(t.strip() for t in text.split(","))
+    bad = [t for t in chosen if t not in TRANSPORTS]
+    if bad or not chosen:
+        raise ValueError(f"--transports: unknown {bad}; choose from {', '.join(TRANSPORTS)}")
+    return chosen
 
 
 def parse_kinds(text: str) -> tuple[FaultKind, ...]:
