@@ -135,19 +135,28 @@ def test_a_version_the_server_does_not_have(staged) -> None:
     assert e.value.kind == "not_found"
 
 
-def test_no_server_is_a_transport_failure(staged) -> None:
+def test_a_server_that_is_gone_fails_the_transfer_at_once_not_at_the_deadline(staged) -> None:
+    """c10d retries a refused connection until its timeout; a rank would sit out the whole deadline (and miss the
+    run's end) waiting for a trainer that died. The receiver probes the address first."""
     _, _, v2, _ = staged
-    server = td.WeightServer(staged[0].root, timeout_s=2)
+    server = td.WeightServer(staged[0].root, timeout_s=30)
     uri = server.uri(_dirname(v2))
-    manifest = td.read_manifest(uri, 2, timeout_s=2)
+    manifest = td.read_manifest(uri, 2)
+    port = server.port
     server.close()
-    server._store = None  # type: ignore[assignment]  # the TCPStore server goes with its last reference
+    del server  # the TCPStore server goes with its last reference
     import gc
+    import socket
+    import time
 
     gc.collect()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "the server still listens"
+    t0 = time.monotonic()
     with pytest.raises(StagingError) as e:
-        td.receive_verified(uri, 2, manifest, timeout_s=2)
-    assert e.value.kind == "transport"
+        td.receive_verified(uri, 2, manifest)
+    assert e.value.kind == "transport" and "unreachable" in str(e.value)
+    assert time.monotonic() - t0 < 15  # the URI's deadline is 30 s
 
 
 class _DiesAfterFirstBucket:
@@ -184,6 +193,11 @@ def test_uri_round_trip_and_refusals() -> None:
         td.parse_uri(uri, 8)
     with pytest.raises(StagingError):
         td.parse_uri("file:///tmp/v000007", 7)
+    timed = td.dist_uri("10.0.0.5", 29511, "v000007-0123456789ab", timeout_s=12.5)
+    assert timed.endswith("?timeout=12.5") and td.parse_uri(timed, 7).timeout_s == 12.5
+    assert td.parse_uri(uri, 7).timeout_s == td.DEFAULT_TIMEOUT_S
+    with pytest.raises(StagingError, match="bad timeout"):
+        td.parse_uri(uri + "?timeout=-1", 7)
 
 
 def test_a_public_host_is_refused_unless_opted_in(tmp_path: Path) -> None:

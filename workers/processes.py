@@ -155,10 +155,15 @@ def _run_worker(
         worker = RewardWorker(client, run_id, name or "reward", tokenizer, claim_idle_ms=claim_idle_ms)
     elif kind == "trainer":
         from rolledger.workers.trainer import TrainerWorker
-        from rolledger.workers.transport import open_trainer_store
+        from rolledger.workers.transport import close_store, open_trainer_store
 
         staging = open_trainer_store(cfg, Path(started.model_dir).parent / "staging")
         worker = TrainerWorker(client, run_id, name or "trainer", model, staging)
+        log.info("worker starting", kind=kind, run=run_id, name=worker.name)
+        try:
+            return _serve(worker)
+        finally:  # a weight server's threads must not outlive the interpreter (they sit in C++ calls)
+            close_store(staging)
     else:
         raise SystemExit(f"unknown worker kind {kind!r}")
     log.info("worker starting", kind=kind, run=run_id, name=worker.name)

@@ -29,7 +29,7 @@ from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequenc
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_store import StagingStore
-from rolledger.workers.transport import load_verified, read_manifest
+from rolledger.workers.transport import load_verified, read_manifest, serves_weights
 from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, versions_to_keep, weights_version
 
 
@@ -67,9 +67,11 @@ class TrainerWorker(Worker):
                 self._restore_weights()
             plan = plan_step(self.follower.state)
             if isinstance(plan, Wait):
-                if plan.reason.is_final or self.follower.state.status.is_terminal:
+                if self.follower.state.status.is_terminal:
                     break
-                continue
+                if plan.reason.is_final and not serves_weights(self.staging):
+                    break
+                continue  # a trainer that serves the weights (dist transport) stays until the run ends
             self.carry_out(plan)
 
     def _restore_weights(self) -> None:

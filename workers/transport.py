@@ -170,6 +170,13 @@ def open_trainer_store(cfg: RunConfig, default_root: Path) -> StagingStore:
     return DirectoryStagingStore(root, fsync=u.staging_fsync)
 
 
+def serves_weights(store: StagingStore) -> bool:
+    """Whether the ranks fetch staged versions from this process (the dist transport): then it must keep running
+    until the run ends, or a rank that still needs the last version (an update in flight, a rank rejoining) finds
+    nothing there. A directory outlives its writer."""
+    return isinstance(store, DistStagingStore)
+
+
 def close_store(store: StagingStore) -> None:
     """Stop a store's server, if it has one (the directory store has nothing to stop)."""
     if isinstance(store, DistStagingStore):

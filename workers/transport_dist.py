@@ -37,6 +37,7 @@ import datetime
 import json
 import mmap
 import os
+import socket
 import threading
 import time
 import uuid
@@ -74,10 +75,15 @@ _REQUESTS = "requests"
 _STOP = b"stop"
 
 
-def dist_uri(host: str, port: int, dirname: str) -> str:
-    """The URI UpdateStaged carries for a version served at host:port (`dirname`: its directory's name)."""
+def dist_uri(host: str, port: int, dirname: str, timeout_s: float | None = None) -> str:
+    """The URI UpdateStaged carries for a version served at host:port (`dirname`: its directory's name). `timeout_s`:
+    the deadline of each step of a transfer, which the receiver takes from the URI (the command carries it)."""
     h = f"[{host}]" if ":" in host else host
-    return f"{SCHEME}://{h}:{port}/{dirname}"
+    query = f"?timeout={timeout_s:g}" if timeout_s is not None else ""
+    return f"{SCHEME}://{h}:{port}/{dirname}{query}"
+
+
+DEFAULT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class DistAddress:
     host: str
     port: int
     dirname: str
+    timeout_s: float = DEFAULT_TIMEOUT_S  # the URI's, else the default
 
 
 def parse_uri(uri: str, version: int) -> DistAddress:
@@ -100,7 +107,16 @@ def parse_uri(uri: str, version: int) -> DistAddress:
         raise StagingError(
             None, f"{uri!r} is not a dist:// URI of version {version}", kind="not_found", version=version
         )
-    return DistAddress(parts.hostname, port, dirname)
+    timeout_s = DEFAULT_TIMEOUT_S
+    for key, _, value in (kv.partition("=") for kv in parts.query.split("&") if kv):
+        if key == "timeout":
+            try:
+                timeout_s = float(value)
+            except ValueError:
+                timeout_s = -1.0
+            if not 0 < timeout_s < 86400:
+                raise StagingError(None, f"{uri!r}: bad timeout {value!r}", kind="not_found", version=version)
+    return DistAddress(parts.hostname, port, dirname, timeout_s)
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -108,6 +124,14 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def _client(addr: DistAddress, timeout_s: float, version: int) -> dist.TCPStore:
+    """A client of the server's store. A plain connect goes first: c10d retries a refused connection until its
+    timeout, so a server that is gone would hold the rank for the whole deadline instead of failing at once."""
+    try:
+        socket.create_connection((addr.host, addr.port), timeout=min(2.0, timeout_s)).close()
+    except OSError as e:
+        raise StagingError(
+            None, f"weight server {addr.host}:{addr.port} unreachable: {e}", kind="transport", version=version
+        ) from e
     try:
         return dist.TCPStore(addr.host, addr.port, is_master=False, timeout=_timeout(timeout_s))
     except (dist.DistError, RuntimeError) as e:
@@ -184,11 +208,12 @@ class NoOpCommunicatorFake:
 
 
 def read_manifest(
-    uri: str, version: int, *, expected_digest: str | None = None, timeout_s: float = 30.0
+    uri: str, version: int, *, expected_digest: str | None = None, timeout_s: float | None = None
 ) -> WeightManifest:
-    """The manifest the server at `uri` publishes for `version`, checked against the announced digest."""
+    """The manifest the server at `uri` publishes for `version`, checked against the announced digest. `timeout_s`
+    overrides the URI's deadline."""
     addr = parse_uri(uri, version)
-    store = _client(addr, timeout_s, version)
+    store = _client(addr, timeout_s or addr.timeout_s, version)
     key = f"manifest/{addr.dirname}"
     if not store.check([key]):
         raise StagingError(
@@ -247,7 +272,7 @@ def receive_verified(
     *,
     corrupt: str | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
-    timeout_s: float = 30.0,
+    timeout_s: float | None = None,
     communicator: Receiver = GlooCommunicator,
     base: DeltaBase | None = None,
 ) -> VerifiedWeights:
@@ -262,6 +287,7 @@ def receive_verified(
         raise StagingError(
             None, f"manifest is for version {manifest.version}, asked for {version}", kind="manifest", version=version
         )
+    timeout_s = timeout_s or parse_uri(uri, version).timeout_s  # each step's deadline: the URI's unless given
     if base is not None and base.fits(manifest):
         try:
             return _receive(uri, manifest, corrupt, out, timeout_s, communicator, base)
@@ -516,7 +542,7 @@ class WeightServer:
         self._thread.start()
 
     def uri(self, dirname: str) -> str:
-        return dist_uri(self.host, self.port, dirname)
+        return dist_uri(self.host, self.port, dirname, self.timeout_s)
 
     def publish(self, dirname: str) -> str:
         """Make the version in `root/dirname` fetchable (its manifest goes into the store); returns its URI."""
