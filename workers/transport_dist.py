@@ -37,7 +37,6 @@ import datetime
 import json
 import mmap
 import os
-import socket
 import threading
 import time
 import uuid
@@ -123,21 +122,24 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+CONNECT_TIMEOUT_S = 5.0
+
+
 def _client(addr: DistAddress, timeout_s: float, version: int) -> dist.TCPStore:
-    """A client of the server's store. A plain connect goes first: c10d retries a refused connection until its
-    timeout, so a server that is gone would hold the rank for the whole deadline instead of failing at once."""
+    """A client of the server's store. It connects with a short deadline of its own, then takes the transfer's:
+    c10d retries a refused connection until its timeout, so a server that is gone would otherwise hold the rank for
+    the whole deadline instead of failing at once. (A bare TCP probe is no substitute: the store's server stalls
+    on a connection that never says who it is.)"""
     try:
-        socket.create_connection((addr.host, addr.port), timeout=min(2.0, timeout_s)).close()
-    except OSError as e:
-        raise StagingError(
-            None, f"weight server {addr.host}:{addr.port} unreachable: {e}", kind="transport", version=version
-        ) from e
-    try:
-        return dist.TCPStore(addr.host, addr.port, is_master=False, timeout=_timeout(timeout_s))
+        store = dist.TCPStore(
+            addr.host, addr.port, is_master=False, timeout=_timeout(min(CONNECT_TIMEOUT_S, timeout_s))
+        )
     except (dist.DistError, RuntimeError) as e:
         raise StagingError(
             None, f"weight server {addr.host}:{addr.port} unreachable: {e}", kind="transport", version=version
         ) from e
+    store.set_timeout(_timeout(timeout_s))
+    return store
 
 
 class PointToPoint(Protocol):
