@@ -158,6 +158,9 @@ def test_a_stale_rank_is_still_caught_when_deltas_are_on(redis_url: str, run_id:
     cfg = cfg.model_copy(update={"update": cfg.update.model_copy(update={"transport_delta": True})})
     events, summary = execute(redis_url, run_id, tmp_path, cfg, "stale-weights=2")
     q = of(events, ev.RankQuarantined)
-    assert len(q) == 1 and q[0].rank == 2 and "probe" in q[0].reason
+    assert q[0].rank == 2 and "probe" in q[0].reason
+    # its rejoin (on the version it was quarantined at) may land after the next publish: then it is behind, and
+    # quarantined again until it rejoins on that one; never another rank
+    assert {x.rank for x in q} == {2} and all("behind the published" in x.reason for x in q[1:])
     assert 2 not in next(p for p in of(events, ev.PolicyPublished) if p.version == q[0].version).ranks
     assert summary.status == "completed"
