@@ -152,8 +152,8 @@ def golden_log() -> list[ev.Event]:
 # `abort_event` and `quarantined_event`; then the builder's steps numbered from 1, as the trainer numbers them,
 # once TrainStepFinished is applied only as trainer.step + 1; then the recovery fields: a rank's `quarantined_at`, the
 # run's `reclaimed` and `late_results`, the `recovery` config; then a rank's
-# `incarnation`).
-GOLDEN_DIGEST = "68c0b8f822a51d85c46378c989841b03"
+# `incarnation`; then the update config's transport fields and `staging_fsync`).
+GOLDEN_DIGEST = "2584ca3bb13befeb195c26851af0fdc1"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

@@ -122,7 +122,7 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 10.0
 
 
 def _client(addr: DistAddress, timeout_s: float, version: int) -> dist.TCPStore:
