@@ -238,7 +238,7 @@ def test_an_update_through_the_dist_transport_commits_on_both_servers(
         staged = store.stage(version, min(base, version - 1), new)
         assert staged.uri.startswith(f"dist://127.0.0.1:{store.server.port}/")
         assert _prepare_all(c, version, staged) == [state_digest(new)] * 2
-        assert sorted(store.server.served) == [staged.uri.rsplit("/", 1)[1]] * 2  # one transfer per rank
+        assert sorted(store.server.served) == [staged.uri.rsplit("/", 1)[1].split("?")[0]] * 2  # one transfer per rank
         for e in c.engines:
             e.pause("wait")
             report = e.commit_weights(version)
