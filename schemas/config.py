@@ -212,9 +212,23 @@ class UpdateConfig(ConfigModel):
         "against the full tensors' checksums after applying (a rank whose base differs gets the full version)",
     )
     transport_bucket_mb: float = Field(64.0, gt=0, le=4096, description="dist: bytes sent per message, in MiB")
+    transport_backend: Literal["gloo", "nccl"] = Field(
+        "gloo",
+        description="dist: the torch.distributed backend the bytes go over: 'gloo' (host memory, any machine) or "
+        "'nccl' (through a CUDA buffer on the trainer and on each rank; untested where no GPU was lent)",
+    )
     allow_remote_transport: bool = Field(
         False, description="dist: allow a transport_host outside loopback and private networks (unauthenticated)"
     )
+
+    @model_validator(mode="after")
+    def _backend_needs_dist(self) -> UpdateConfig:
+        if self.transport_backend != "gloo" and self.transport != "dist":
+            raise ValueError(
+                f"update.transport_backend={self.transport_backend!r} needs update.transport='dist' "
+                f"(got {self.transport!r})"
+            )
+        return self
 
 
 class RecoveryConfig(ConfigModel):

@@ -377,7 +377,12 @@ class LogBuilder:
 
     # ------------------------------------------------------------ weight update, step by step
     def stage(
-        self, version: int | None = None, *, manifest: str | None = None, weights: str | None = None
+        self,
+        version: int | None = None,
+        *,
+        manifest: str | None = None,
+        weights: str | None = None,
+        uri: str | None = None,
     ) -> LogBuilder:
         v = self.version + 1 if version is None else version
         m = manifest or manifest_digest_for(v)
@@ -389,7 +394,7 @@ class LogBuilder:
                 base_version=self.version,
                 manifest_digest=m,
                 weights_digest=w,
-                uri=f"file:///staging/v{v}-{m}",
+                uri=uri or f"file:///staging/v{v}-{m}",
                 bytes=4096,
                 tensors=12,
             ),
@@ -508,11 +513,12 @@ class LogBuilder:
         fail_rank: int | None = None,
         manifest: str | None = None,
         weights: str | None = None,
+        uri: str | None = None,
     ) -> LogBuilder:
         """A full transaction to `version` (default: next). With `fail_rank`, that rank fails to prepare and the
         update aborts (ranks keep the old version); admission pauses and resumes around it either way."""
         v = self.version + 1 if version is None else version
-        self.stage(v, manifest=manifest, weights=weights)
+        self.stage(v, manifest=manifest, weights=weights, uri=uri)
         self.request_prepare(v)
         for r in self.ranks:
             if r == fail_rank:

@@ -70,6 +70,15 @@ CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
     ("config-top-typo", bad_config('{"rnaks": 2}', "c.json"), 2, ("c.json", "rnaks", "did you mean ranks?")),
     ("config-choice", bad_config('engine = "vlm"\n'), 2, ("bad.toml", "engine", "did you mean 'vllm'?")),
     ("config-missing", args("run", "--config", "TMP/nope.toml"), 2, ("TMP/nope.toml", "cannot read the config file")),
+    (
+        "config-nccl-needs-dist",
+        bad_config('[update]\ntransport_backend = "nccl"\n'),
+        2,
+        (
+            "bad.toml",
+            "update.transport_backend='nccl' needs update.transport='dist'",
+        ),
+    ),
     ("ranks-0", args("run", "--ranks", "0", "--runs-dir", "TMP/runs"), 2, ("--ranks 0", "greater than or equal to 1")),
     ("steps--1", args("run", "--steps", "-1", "--runs-dir", "TMP/runs"), 2, ("--steps -1", "greater than or equal")),
     ("ranks-text", args("run", "--ranks", "two"), 2, ("--ranks", "invalid int value: 'two'", "rolledger run --help")),
@@ -288,3 +297,15 @@ def test_suggestions_reach_every_level_of_the_config() -> None:
     assert suggest_field(RunConfig, ("max_lag",)) == "admission.max_lag"
     assert suggest_field(RunConfig, ("partial_policy", "deadline")) == "deadline_s"
     assert suggest_field(RunConfig, ("zzzz",)) is None
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_nccl_transport_without_cuda_is_one_line_before_anything_starts(
+    tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "nccl.toml").write_text('[update]\ntransport = "dist"\ntransport_backend = "nccl"\n')
+    code = main(["run", "--config", str(tmp_path / "nccl.toml"), "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "needs a CUDA device" in err and "transport_backend = 'gloo'" in err, err
+    assert not (tmp_path / "runs").exists()

@@ -162,8 +162,8 @@ def test_a_server_that_is_gone_fails_the_transfer_at_once_not_at_the_deadline(st
 class _DiesAfterFirstBucket:
     """A receiver whose process dies after the first bucket: it stops receiving and its group goes away."""
 
-    def __init__(self, group, timeout_s: float) -> None:
-        self.inner = td.GlooCommunicator(group, timeout_s)
+    def __init__(self, wire) -> None:
+        self.inner = td.GroupCommunicator(wire)
         self.n = 0
 
     def recv(self, buf: torch.Tensor, tag: int) -> None:
@@ -272,3 +272,115 @@ def test_no_delta_when_the_server_lacks_the_base(stepped) -> None:
         store.gc([2])  # v1 collected: nothing to take a delta against
         got = td.receive_verified(uri, 2, manifest, timeout_s=60, base=td.DeltaBase(1, v1_state))
     assert torch.equal(got["big"], v2_state["big"]) and server.deltas == []
+
+
+# ------------------------------------------------------------------ versions served from memory, written behind
+
+
+def _offer(server: td.WeightServer, root: Path, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str]:
+    from rolledger.workers.staging_format import version_dir
+    from rolledger.workers.staging_store import build_manifest, prepare_for_save
+
+    tensors = prepare_for_save(state, version)
+    manifest = build_manifest(tensors, version, version - 1, "xxh3_128")
+    dirname = version_dir(root, version, manifest.digest).name
+    return server.offer(dirname, manifest, tensors), dirname
+
+
+def test_an_offered_version_is_held_back_until_the_trainers_copy_is_written(tmp_path: Path) -> None:
+    want = _state(3)
+    with td.WeightServer(tmp_path, bucket_bytes=1000, timeout_s=60) as server:
+        uri, dirname = _offer(server, tmp_path, 1, want)
+        manifest = td.read_manifest(uri, 1, timeout_s=60)
+        got: list[object] = []
+        done = threading.Event()
+
+        def fetch() -> None:
+            try:
+                got.append(td.receive_verified(uri, 1, manifest, timeout_s=60))
+            except Exception as e:  # noqa: BLE001 - asserted below
+                got.append(e)
+            done.set()
+
+        threading.Thread(target=fetch, daemon=True).start()
+        assert not done.wait(2.0), "the last bucket went out before the trainer's copy was written"
+        server.persisted(dirname)
+        assert done.wait(60)
+    assert isinstance(got[0], td.VerifiedWeights), got[0]
+    assert all(torch.equal(got[0][k], v) for k, v in want.items())
+
+
+def test_a_copy_that_failed_to_write_fails_every_transfer_of_it(tmp_path: Path) -> None:
+    with td.WeightServer(tmp_path, bucket_bytes=1000, timeout_s=30) as server:
+        uri, dirname = _offer(server, tmp_path, 1, _state(3))
+        server.persisted(dirname, error="OSError: [Errno 28] No space left on device")
+        with pytest.raises(StagingError) as e:
+            td.receive_verified(uri, 1, td.read_manifest(uri, 1, timeout_s=30), timeout_s=30)
+    assert e.value.kind == "transport"
+    assert any("No space left" in f for f in server.failed), server.failed
+
+
+def test_the_dist_store_serves_a_snapshot_and_writes_the_same_version_behind(tmp_path: Path) -> None:
+    from rolledger.workers.transport import DistStagingStore
+
+    weights = _state(4)
+    want = {k: v.clone() for k, v in weights.items()}
+    store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60, fsync=False)
+    try:
+        staged = store.stage(1, 0, weights)
+        assert staged.timings.write_s == 0.0
+        weights["embed.weight"].add_(1.0)  # the trainer trains on; what it staged must not change
+        manifest = td.read_manifest(staged.uri, 1, expected_digest=staged.manifest_digest, timeout_s=60)
+        got = td.receive_verified(staged.uri, 1, manifest, timeout_s=60)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        store.wait_persisted()
+        assert store.versions() == [1]
+        on_disk = store.load_verified(1, store.read_manifest(1, expected_digest=staged.manifest_digest))
+        assert all(torch.equal(on_disk[k], v) for k, v in want.items())
+        # a delta against the offered base comes from memory, and is checked like any other
+        v2 = store.stage(2, 1, {k: v + 0.5 if v.is_floating_point() else v for k, v in want.items()})
+        store.server.delta = True
+        base = td.DeltaBase(1, {k: v.clone() for k, v in want.items()})
+        got2 = td.receive_verified(v2.uri, 2, v2.manifest, timeout_s=60, base=base)
+        assert torch.equal(got2["scale"], torch.tensor(2.0))
+        assert store.server.deltas and store.server.deltas[-1].base_version == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_nccl_is_refused_in_one_line_where_there_is_no_cuda(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nccl weight transport needs a CUDA device"):
+        td.WeightServer(tmp_path, backend="nccl")
+
+
+def test_a_restarted_trainer_whose_last_copy_was_never_written_resumes_from_the_published_version(
+    redis_client, run_id: str, tmp_path: Path
+) -> None:
+    """The trainer died while its copy of v2 was being written: v2 could not be prepared anywhere (its last bucket
+    was held back), the update aborted, and the restarted trainer finds no v2 of its own. It resumes from v1, the
+    published version, instead of crashing on every restart."""
+    from logbuilder import LogBuilder
+
+    from rolledger.events.store import EventLog
+    from rolledger.workers.policy_model import policy_state
+    from rolledger.workers.trainer import TrainerWorker
+    from rolledger.workers.transport import DistStagingStore
+
+    model = torch.nn.Linear(4, 3)
+    v1_weights = {k: torch.randn_like(v) for k, v in policy_state(model).items()}
+    store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=30, fsync=False)
+    try:
+        s1 = store.stage(1, 0, v1_weights)
+        store.wait_persisted()
+        b = LogBuilder(run_id=run_id).start_run()
+        b.update(1, manifest=s1.manifest_digest, weights=s1.manifest.weights_digest, uri=s1.uri)
+        b.update(2, fail_rank=0, uri=store.server.uri("v000002-0123456789ab"))  # never written: aborted
+        EventLog(redis_client, run_id).append_many(b.build())
+        trainer = TrainerWorker(redis_client, run_id, "trainer#2", model, store)
+        trainer._follow(block_ms=100)
+        assert trainer.follower.state.policy_version == 1 and max(trainer.follower.state.updates) == 2
+        trainer._restore_weights()
+        assert all(torch.equal(p, v1_weights[k]) for k, p in policy_state(model).items())
+    finally:
+        store.close()

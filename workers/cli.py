@@ -175,6 +175,7 @@ def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
         if args.metrics_port is not None:
             check_port_free(args.metrics_port)
         _check_engine_urls(cfg, in_process=not args.external_workers)
+        _check_transport_backend(cfg)
     except ValueError as exc:  # RunRefused and EngineAddressError included
         raise CliError(" ".join(str(exc).split())) from None
     return cfg, injections
@@ -194,6 +195,16 @@ def _check_engine_urls(cfg: RunConfig, in_process: bool) -> None:
         )
     for url in cfg.vllm_urls:
         check_engine_address(url, cfg.allow_remote_engines)
+
+
+def _check_transport_backend(cfg: RunConfig) -> None:
+    """NCCL needs CUDA in the trainer's process: refused here, in one line, rather than when the trainer starts.
+    (Only this case imports torch before the run starts; gloo, the default, does not.)"""
+    if cfg.update.transport != "dist" or cfg.update.transport_backend == "gloo":
+        return
+    from rolledger.workers.transport_dist import wire_device
+
+    wire_device(cfg.update.transport_backend)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

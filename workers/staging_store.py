@@ -154,25 +154,8 @@ class DirectoryStagingStore:
         version/base pair.
         """
         t0 = time.perf_counter()
-        tensors = _prepare_for_save(state_dict, version)
-        entries = tuple(
-            TensorEntry(
-                name=name,
-                shape=tuple(t.shape),
-                dtype=dtype_name(t.dtype),
-                nbytes=t.numel() * t.element_size(),
-                checksum=checksum_bytes(raw_bytes(t), checksum_algo),
-            )
-            for name, t in tensors.items()
-        )
-        manifest = WeightManifest(
-            version=version,
-            base_version=base_version,
-            checksum_algo=checksum_algo,
-            tensors=entries,
-            total_bytes=sum(e.nbytes for e in entries),
-            file=WEIGHTS_FILE,
-        )
+        tensors = prepare_for_save(state_dict, version)
+        manifest = build_manifest(tensors, version, base_version, checksum_algo)
         t1 = time.perf_counter()
         final = version_dir(self.root, version, manifest.digest)
         if final.exists():
@@ -305,7 +288,32 @@ def _read_manifest_at(directory: Path, version: int, *, expected_digest: str | N
     return manifest
 
 
-def _prepare_for_save(state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+def build_manifest(
+    tensors: Mapping[str, torch.Tensor], version: int, base_version: int, checksum_algo: ChecksumAlgo
+) -> WeightManifest:
+    """The manifest of `tensors` (prepared by `prepare_for_save`) staged as `version` on `base_version`: one entry
+    per tensor with its checksum, in the state dict's order. The same tensors always give the same digest."""
+    entries = tuple(
+        TensorEntry(
+            name=name,
+            shape=tuple(t.shape),
+            dtype=dtype_name(t.dtype),
+            nbytes=t.numel() * t.element_size(),
+            checksum=checksum_bytes(raw_bytes(t), checksum_algo),
+        )
+        for name, t in tensors.items()
+    )
+    return WeightManifest(
+        version=version,
+        base_version=base_version,
+        checksum_algo=checksum_algo,
+        tensors=entries,
+        total_bytes=sum(e.nbytes for e in entries),
+        file=WEIGHTS_FILE,
+    )
+
+
+def prepare_for_save(state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors safetensors can write: tied weights (shared storage) are cloned, so each is saved."""
     if not state_dict:
         raise StagingError(None, "nothing to stage: the state dict is empty", kind="missing", version=version)

@@ -28,8 +28,10 @@ from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Follower, Worker
+from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_loader import VerifiedWeights
 from rolledger.workers.staging_store import StagingStore
-from rolledger.workers.transport import load_verified, read_manifest, serves_weights
+from rolledger.workers.transport import load_verified, own_copy_uri, read_manifest, serves_weights
 from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, versions_to_keep, weights_version
 
 
@@ -77,7 +79,12 @@ class TrainerWorker(Worker):
     def _restore_weights(self) -> None:
         """Once caught up: make the model the weights the log says the trainer holds (the last version staged), so
         a trainer restarted as a fresh process (its model loaded at v0) measures and trains on the right weights.
-        A respawn in this process already holds them; reloading them changes nothing."""
+        A respawn in this process already holds them; reloading them changes nothing.
+
+        Under the dist transport the trainer's copy of a version is written while it is being served, and no rank
+        can prepare it before the copy is complete. So a trainer killed mid-write may find its last version
+        missing: that version was never published, and the trainer resumes from the published one (a warning says
+        so; its next version is staged on that base, as every version is)."""
         state = self.follower.state
         if state.config is None:
             return  # RunStarted not folded yet
@@ -85,12 +92,30 @@ class TrainerWorker(Worker):
         v = weights_version(state)
         if v == 0:
             return
-        u = state.updates[v]
-        staged = load_verified(u.uri, v, read_manifest(u.uri, v, expected_digest=u.manifest_digest))
+        try:
+            staged = self._read_own(v)
+        except StagingError as e:
+            published = state.policy_version
+            if v == published or e.kind != "not_found":
+                raise
+            self.logger.warning(
+                "the trainer's copy of its last version was not complete when it stopped; that version was never "
+                "published: resuming from the published one",
+                lost=v,
+                resumed=published,
+            )
+            if published == 0:
+                return  # a fresh process holds v0 already
+            v, staged = published, self._read_own(published)
         with torch.no_grad():
             for name, p in policy_state(self.model).items():
                 p.copy_(staged.tensors[name])
         self.logger.info("weights restored from the log", version=v)
+
+    def _read_own(self, version: int) -> VerifiedWeights:
+        u = self.follower.state.updates[version]
+        uri = own_copy_uri(self.staging, u.uri, version)
+        return load_verified(uri, version, read_manifest(uri, version, expected_digest=u.manifest_digest))
 
     def _follow(self, block_ms: int) -> int:
         """Fold everything the log has after our position (to its last entry as of this call), keeping the

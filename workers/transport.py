@@ -15,18 +15,23 @@ says what its `gc` may not delete.
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import structlog
 import torch
 
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo, WeightManifest
 from rolledger.workers import staging_loader, staging_store, transport_dist
-from rolledger.workers.staging_format import path_from_uri
+from rolledger.workers.staging_format import version_dir
 from rolledger.workers.staging_loader import VerifiedWeights
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate, StagingStore
+from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate, StageTimings, StagingStore
 from rolledger.workers.transport_dist import DeltaBase
+
+log = structlog.get_logger("rolledger.transport")
 
 __all__ = ["DeltaBase", "DistStagingStore", "load_verified", "open_trainer_store", "read_manifest"]
 
@@ -57,7 +62,7 @@ def load_verified(
     says. `base` (dist only): the weights the rank serves, which the server may send a delta against.
     `noop_transport` (fault injection, dist only): the transfer moves nothing, as a disabled communicator."""
     if _is_dist(uri):
-        comm = transport_dist.NoOpCommunicatorFake if noop_transport else transport_dist.GlooCommunicator
+        comm = transport_dist.NoOpCommunicatorFake if noop_transport else transport_dist.GroupCommunicator
         return transport_dist.receive_verified(
             uri, version, manifest, corrupt=corrupt, out=out, communicator=comm, base=base
         )
@@ -81,8 +86,10 @@ class DistStagingStore:
         allow_remote: bool = False,
         delta: bool = False,
         fsync: bool = True,
+        backend: transport_dist.Backend = "gloo",
     ) -> None:
         self.local = DirectoryStagingStore(root, fsync=fsync)
+        self._writer: threading.Thread | None = None
         self.server = transport_dist.WeightServer(
             self.local.root,
             host,
@@ -91,6 +98,7 @@ class DistStagingStore:
             timeout_s=timeout_s,
             allow_remote=allow_remote,
             delta=delta,
+            backend=backend,
         )
 
     def __repr__(self) -> str:
@@ -114,18 +122,61 @@ class DistStagingStore:
         *,
         checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
     ) -> StagedUpdate:
-        """Stage into the trainer's directory, then offer it on the server; the record carries the server's URI."""
-        staged = self.local.stage(version, base_version, state_dict, checksum_algo=checksum_algo)
-        dirname = path_from_uri(staged.uri).name
+        """Snapshot and checksum the weights, offer them on the server from memory at once, and write the trainer's
+        durable copy behind (one write in flight; the next stage waits for it). The server holds back the last
+        bucket of every transfer until that copy is complete, so what a rank prepares, the trainer can restore.
+        The record carries the server's URI; `timings.write_s` is 0 (the write is not on the update's path)."""
+        t0 = time.perf_counter()
+        self.wait_persisted()
+        prepared = staging_store.prepare_for_save(state_dict, version)
+        snapshot = {name: t.clone() for name, t in prepared.items()}  # the trainer trains on: serve a copy
+        manifest = staging_store.build_manifest(snapshot, version, base_version, checksum_algo)
+        dirname = version_dir(self.local.root, version, manifest.digest).name
+        uri = self.server.offer(dirname, manifest, snapshot)
+        took = time.perf_counter() - t0
+        self._writer = threading.Thread(
+            target=self._persist,
+            args=(dirname, manifest.digest, version, base_version, snapshot, checksum_algo),
+            name=f"persist-v{version}",
+            daemon=True,
+        )
+        self._writer.start()
         return StagedUpdate(
-            manifest=staged.manifest,
-            uri=self.server.publish(dirname),
-            bytes=staged.bytes,
-            manifest_digest=staged.manifest_digest,
-            timings=staged.timings,
+            manifest=manifest,
+            uri=uri,
+            bytes=manifest.total_bytes,
+            manifest_digest=manifest.digest,
+            timings=StageTimings(checksum_s=took, write_s=0.0, fsync_s=0.0, total_s=took),
         )
 
+    def _persist(
+        self,
+        dirname: str,
+        digest: str,
+        version: int,
+        base_version: int,
+        tensors: Mapping[str, torch.Tensor],
+        checksum_algo: ChecksumAlgo,
+    ) -> None:
+        error = None
+        try:
+            staged = self.local.stage(version, base_version, tensors, checksum_algo=checksum_algo)
+            if staged.manifest_digest != digest:
+                error = f"the copy's manifest is {staged.manifest_digest}, the offered one {digest}"
+        except Exception as e:  # noqa: BLE001 - reported to every transfer of this version, which then fails
+            error = f"{type(e).__name__}: {e}"
+        if error is not None:
+            log.error("transport.persist_failed", version=version, error=error)
+        self.server.persisted(dirname, error)
+
+    def wait_persisted(self) -> None:
+        """Wait for the durable copy being written, if any (it has the server's deadline per transfer anyway)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
     def read_manifest(self, version: int, *, expected_digest: str | None = None) -> WeightManifest:
+        self.wait_persisted()
         return self.local.read_manifest(version, expected_digest=expected_digest)
 
     def load_verified(
@@ -136,18 +187,21 @@ class DistStagingStore:
         corrupt: str | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> VerifiedWeights:
+        self.wait_persisted()
         return self.local.load_verified(version, manifest, corrupt=corrupt, out=out)
 
     def gc(self, keep_versions: Iterable[int]) -> list[int]:
         """Collect as the directory store does, and stop offering what was collected."""
+        self.wait_persisted()
         before = {p.name for p in self.local.root.iterdir()} if self.local.root.is_dir() else set()
         deleted = self.local.gc(keep_versions)
         after = {p.name for p in self.local.root.iterdir()} if self.local.root.is_dir() else set()
         for dirname in before - after:
-            self.server.withdraw(dirname)
+            self.server.drop(dirname)
         return deleted
 
     def close(self) -> None:
+        self.wait_persisted()
         self.server.close()
 
 
@@ -166,6 +220,7 @@ def open_trainer_store(cfg: RunConfig, default_root: Path) -> StagingStore:
             allow_remote=u.allow_remote_transport,
             delta=u.transport_delta,
             fsync=u.staging_fsync,
+            backend=u.transport_backend,
         )
     return DirectoryStagingStore(root, fsync=u.staging_fsync)
 
@@ -175,6 +230,16 @@ def serves_weights(store: StagingStore) -> bool:
     until the run ends, or a rank that still needs the last version (an update in flight, a rank rejoining) finds
     nothing there. A directory outlives its writer."""
     return isinstance(store, DistStagingStore)
+
+
+def own_copy_uri(store: StagingStore, uri: str, version: int) -> str:
+    """Where the trainer reads back a version it staged (a restarted trainer restoring its weights): the URI itself
+    for a directory, the trainer's own directory for the dist transport (not through its own server), once the
+    copy being written is complete."""
+    if not isinstance(store, DistStagingStore):
+        return uri
+    store.wait_persisted()
+    return (store.local.root / transport_dist.parse_uri(uri, version).dirname).as_uri()
 
 
 def close_store(store: StagingStore) -> None:

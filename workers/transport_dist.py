@@ -1,5 +1,6 @@
-"""The torch.distributed weight transport: the trainer serves staged versions over gloo (NCCL would use the same
-code with device buffers), ranks receive them into private memory and verify every byte against the manifest.
+"""The torch.distributed weight transport: the trainer serves staged versions over gloo (or NCCL: the same code,
+with each bucket staged through a device buffer), ranks receive them into private memory and verify every byte
+against the manifest. The NCCL path is written against the same interface and is untested where no GPU is lent.
 
 No filesystem is shared. The trainer stages each version into its *own* directory (workers.staging_store, the same
 content-addressed, atomic layout; it is the trainer's durable copy and what a restarted trainer reloads) and a
@@ -43,7 +44,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Self, cast
+from typing import Literal, Protocol, Self, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -150,12 +151,61 @@ class PointToPoint(Protocol):
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
 
 
-def _group(store: dist.Store, rank: int, host: str, timeout_s: float) -> PointToPoint:
-    """A two-member gloo group (rank 0 sends, rank 1 receives) over `store`; joining waits at most `timeout_s`."""
+Backend = Literal["gloo", "nccl"]
+BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
+
+
+def wire_device(backend: Backend) -> torch.device | None:
+    """Where a bucket must sit to go over `backend`: None for gloo (host memory), the current CUDA device for NCCL;
+    ValueError when NCCL is asked for and this process cannot use it."""
+    if backend == "gloo":
+        return None
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError(
+            "the nccl weight transport needs a CUDA device and a torch built with NCCL; this process has "
+            f"{'no CUDA device' if not torch.cuda.is_available() else 'no NCCL'} (use transport_backend = 'gloo')"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _group(store: dist.Store, rank: int, host: str, timeout_s: float, backend: Backend = "gloo") -> PointToPoint:
+    """A two-member group (rank 0 sends, rank 1 receives) over `store`; joining waits at most `timeout_s`.
+
+    gloo is what runs here (CPU, tested); NCCL takes the same calls on device buffers (written against the same
+    interface, untested where no GPU is lent: see the README's transport section)."""
+    if backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = _timeout(timeout_s)
+        return cast("PointToPoint", dist.ProcessGroupNCCL(store, rank, 2, nccl_opts))
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the documented way to pick the device
     opts._timeout = _timeout(timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return cast("PointToPoint", dist.ProcessGroupGloo(store, rank, 2, opts))
+
+
+class _Wire:
+    """The bucket as it goes over the group: host memory for gloo; for NCCL a device bucket the host bytes are copied
+    into before a send and out of after a receive (the checksums are always taken on host bytes)."""
+
+    def __init__(self, group: PointToPoint, device: torch.device | None, nbytes: int, timeout_s: float) -> None:
+        self.group = group
+        self.timeout = _timeout(timeout_s)
+        self.device_bucket = None if device is None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def send(self, host: torch.Tensor, tag: int) -> None:
+        wire = host
+        if self.device_bucket is not None:
+            wire = self.device_bucket[: host.numel()]
+            wire.copy_(host)
+        self.group.send([wire], 1, tag).wait(self.timeout)
+
+    def recv(self, host: torch.Tensor, tag: int) -> None:
+        if self.device_bucket is None:
+            self.group.recv([host], 0, tag).wait(self.timeout)
+            return
+        wire = self.device_bucket[: host.numel()]
+        self.group.recv([wire], 0, tag).wait(self.timeout)
+        host.copy_(wire)
 
 
 def _chunks(sizes: list[int], bucket_bytes: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -186,15 +236,15 @@ class Communicator(Protocol):
     def recv(self, buf: torch.Tensor, tag: int) -> None: ...
 
 
-class GlooCommunicator:
-    """The real one: a point-to-point receive from rank 0 of the session's gloo group, with its deadline."""
+class GroupCommunicator:
+    """The real one: a point-to-point receive from rank 0 of the session's group (gloo, or NCCL through a device
+    bucket), with its deadline."""
 
-    def __init__(self, group: PointToPoint, timeout_s: float) -> None:
-        self.group = group
-        self.timeout_s = timeout_s
+    def __init__(self, wire: _Wire) -> None:
+        self.wire = wire
 
     def recv(self, buf: torch.Tensor, tag: int) -> None:
-        self.group.recv([buf], 0, tag).wait(_timeout(self.timeout_s))
+        self.wire.recv(buf, tag)
 
 
 class NoOpCommunicatorFake:
@@ -202,8 +252,8 @@ class NoOpCommunicatorFake:
     rank or `VLLM_DISABLE_PYNCCL`). Stands in for that hazard in tests and the `noop-transport` injection; the
     checksums must catch it."""
 
-    def __init__(self, group: PointToPoint | None = None, timeout_s: float = 0.0) -> None:
-        self.group = group
+    def __init__(self, wire: _Wire | None = None) -> None:
+        self.wire = wire
 
     def recv(self, buf: torch.Tensor, tag: int) -> None:
         return None
@@ -264,7 +314,7 @@ class DeltaMismatch(StagingError):
 
 
 DELTA_FALLBACKS: list[str] = []  # deltas this process fetched again in full (their base was not what it claimed)
-Receiver = type[GlooCommunicator | NoOpCommunicatorFake]
+Receiver = type[GroupCommunicator | NoOpCommunicatorFake]
 
 
 def receive_verified(
@@ -275,7 +325,7 @@ def receive_verified(
     corrupt: str | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     timeout_s: float | None = None,
-    communicator: Receiver = GlooCommunicator,
+    communicator: Receiver = GroupCommunicator,
     base: DeltaBase | None = None,
 ) -> VerifiedWeights:
     """Fetch `version` from the server at `uri` into host memory (fresh tensors, or `out`'s buffers) and verify every
@@ -329,15 +379,17 @@ def _receive(
     if "error" in answer:
         raise StagingError(None, f"the weight server refused: {answer['error']}", kind="not_found", version=version)
     bucket_bytes = int(answer["bucket_bytes"])
+    backend: Backend = "nccl" if answer.get("backend") == "nccl" else "gloo"
     dests = [destination(e, out) for e in manifest.tensors]
     hashers = [new_hasher(manifest.checksum_algo) for _ in dests]
     try:
-        group = _group(dist.PrefixStore(f"session/{session}/", store), 1, addr.host, timeout_s)
-    except (dist.DistError, RuntimeError) as e:
+        device = wire_device(backend)
+        group = _group(dist.PrefixStore(f"session/{session}/", store), 1, addr.host, timeout_s, backend)
+    except (dist.DistError, RuntimeError, ValueError) as e:
         raise StagingError(
-            None, f"could not join the transfer from {uri}: {e}", kind="transport", version=version
+            None, f"could not join the {backend} transfer from {uri}: {e}", kind="transport", version=version
         ) from e
-    comm = communicator(group, timeout_s)
+    comm = communicator(_Wire(group, device, min(bucket_bytes, max(manifest.total_bytes, 1)), timeout_s))
     t1 = time.perf_counter()
     flip = _flip_of(manifest, corrupt)
     try:
@@ -478,6 +530,24 @@ def _receive_delta(
 # ------------------------------------------------------------------------------------------------------- serving
 
 
+def _release(views: list[memoryview]) -> None:
+    for v in views:
+        v.release()
+
+
+IN_MEMORY = 2  # offered versions a server keeps in memory: the newest and the base of its delta
+
+
+@dataclass
+class _Held:
+    """A version served from memory: its manifest, each tensor's bytes, and whether its durable copy is written."""
+
+    manifest: WeightManifest
+    views: list[memoryview]
+    durable: threading.Event
+    error: str | None = None
+
+
 @dataclass(frozen=True)
 class DeltaStats:
     """One delta the server encoded: its size against the full version's, and what encoding it took."""
@@ -513,11 +583,16 @@ class WeightServer:
         allow_remote: bool = False,
         delta: bool = False,
         delta_level: int = 1,
+        backend: Backend = "gloo",
     ) -> None:
         try:
             check_host(host, allow_remote)
         except EngineAddressError as e:
             raise ValueError(str(e)) from e
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.backend: Backend = backend
+        self._device = wire_device(backend)  # refuses nccl where there is no CUDA, before anything listens
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.root = Path(root).absolute()
@@ -529,6 +604,8 @@ class WeightServer:
         self.deltas: list[DeltaStats] = []  # one per delta encoded
         self._delta_lock = threading.Lock()
         self._delta_cache: tuple[tuple[str, int], tuple[list[int], bytes]] | None = None
+        self._held: dict[str, _Held] = {}  # versions offered from memory, oldest first
+        self._held_lock = threading.Lock()
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_s))
         self.port: int = self._store.port
         # the accept loop blocks on the request queue: its own connection, with a deadline it never reaches
@@ -603,39 +680,96 @@ class WeightServer:
             self.failed.append(f"{dirname}: {e}")
             log.warning("weight_server.transfer_failed", dir=dirname, session=session, error=str(e)[:300])
 
+    def offer(self, dirname: str, manifest: WeightManifest, tensors: Mapping[str, torch.Tensor]) -> str:
+        """Serve a version from memory (`tensors`, prepared and checksummed into `manifest`, which the server keeps
+        and nobody may change) while its durable copy under `root/dirname` is still being written: every transfer
+        of it holds back its last bucket until `persisted(dirname)` says the copy is complete, so no rank can
+        prepare, and no version be published, that the trainer could not restore after a crash. The last
+        `IN_MEMORY` versions offered stay in memory (the next delta's base); older ones are served from disk."""
+        views = [raw_bytes(tensors[e.name]) for e in manifest.tensors]
+        with self._held_lock:
+            self._held[dirname] = _Held(manifest, views, threading.Event())
+            for old in list(self._held)[:-IN_MEMORY]:
+                del self._held[old]
+        self._store.set(f"manifest/{dirname}", manifest.model_dump_json(indent=1))
+        return self.uri(dirname)
+
+    def persisted(self, dirname: str, error: str | None = None) -> None:
+        """The durable copy of an offered version is complete (or failed: `error`, and its transfers fail)."""
+        with self._held_lock:
+            held = self._held.get(dirname)
+        if held is not None:
+            held.error = error
+            held.durable.set()
+
+    def drop(self, dirname: str) -> None:
+        """Forget an offered version's memory and manifest (collected)."""
+        with self._held_lock:
+            self._held.pop(dirname, None)
+        self.withdraw(dirname)
+
     def _send(self, session: str, dirname: str, digest: str, base_version: int) -> None:
         client = dist.TCPStore(self.host, self.port, is_master=False, timeout=_timeout(self.timeout_s))
-        try:
-            manifest, path = self._staged(dirname, digest)
-            fd = open_weights(path, manifest.version)
-        except (OSError, ValueError, StagingError) as e:
-            client.set(f"answer/{session}", json.dumps({"error": str(e)}))
-            raise
-        try:
-            entries, size = read_header(fd, manifest.version)
-            by_name = {h.name: h for h, _ in check_against_manifest(entries, size, manifest)}
-            starts = [by_name[e.name].start for e in manifest.tensors]
-            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm, memoryview(mm) as src:
-                delta = self._delta(dirname, manifest, src, starts, base_version) if self.delta else None
-                if delta is None:
-                    answer: dict[str, object] = {"bucket_bytes": self.bucket_bytes, "mode": "full"}
-                    sizes, stream, offsets = [e.nbytes for e in manifest.tensors], src, starts
-                else:
-                    sizes, blob = delta
-                    answer = {"bucket_bytes": self.bucket_bytes, "mode": "delta", "sizes": sizes}
-                    stream, offsets = memoryview(blob), [sum(sizes[:i]) for i in range(len(sizes))]
-                client.set(f"answer/{session}", json.dumps(answer))
-                group = _group(dist.PrefixStore(f"session/{session}/", client), 0, self.host, self.timeout_s)
-                bucket = torch.empty(min(self.bucket_bytes, max(sum(sizes), 1)), dtype=torch.uint8)
-                dst = raw_bytes(bucket)
-                for tag, pieces in enumerate(_chunks(sizes, self.bucket_bytes)):
-                    at = 0
-                    for i, lo, length in pieces:
-                        dst[at : at + length] = stream[offsets[i] + lo : offsets[i] + lo + length]
-                        at += length
-                    group.send([bucket[:at]], 1, tag).wait(_timeout(self.timeout_s))
-        finally:
-            os.close(fd)
+        with contextlib.ExitStack() as stack:
+            try:
+                manifest, views, held = self._source(dirname, digest, stack)
+            except (OSError, ValueError, StagingError) as e:
+                client.set(f"answer/{session}", json.dumps({"error": str(e)}))
+                raise
+            delta = self._delta(dirname, manifest, views, base_version) if self.delta else None
+            if delta is None:
+                answer: dict[str, object] = {"bucket_bytes": self.bucket_bytes, "mode": "full"}
+                sizes, pieces_of = [e.nbytes for e in manifest.tensors], views
+            else:
+                sizes, blob = delta
+                answer = {"bucket_bytes": self.bucket_bytes, "mode": "delta", "sizes": sizes}
+                offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+                whole = memoryview(blob)
+                pieces_of = [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+            answer["backend"] = self.backend
+            client.set(f"answer/{session}", json.dumps(answer))
+            group = _group(dist.PrefixStore(f"session/{session}/", client), 0, self.host, self.timeout_s, self.backend)
+            nbytes = min(self.bucket_bytes, max(sum(sizes), 1))
+            wire = _Wire(group, self._device, nbytes, self.timeout_s)
+            bucket = torch.empty(nbytes, dtype=torch.uint8)
+            dst = raw_bytes(bucket)
+            buckets = list(_chunks(sizes, self.bucket_bytes))
+            for tag, pieces in enumerate(buckets):
+                at = 0
+                for i, lo, length in pieces:
+                    dst[at : at + length] = pieces_of[i][lo : lo + length]
+                    at += length
+                if tag == len(buckets) - 1 and held is not None:
+                    self._await_durable(dirname, held)
+                wire.send(bucket[:at], tag)
+
+    def _await_durable(self, dirname: str, held: _Held) -> None:
+        if not held.durable.wait(self.timeout_s):
+            raise TimeoutError(f"the trainer's copy of {dirname} was not written within {self.timeout_s:g} s")
+        if held.error is not None:
+            raise OSError(f"the trainer's copy of {dirname} could not be written: {held.error}")
+
+    def _source(
+        self, dirname: str, digest: str | None, stack: contextlib.ExitStack
+    ) -> tuple[WeightManifest, list[memoryview], _Held | None]:
+        """A version's manifest and each tensor's bytes, in manifest order: from memory when it was offered (and its
+        durable copy's record, to wait on), else mapped from its file (closed with `stack`)."""
+        with self._held_lock:
+            held = self._held.get(dirname)
+        if held is not None:
+            if digest is not None and held.manifest.digest != digest:
+                raise ValueError(f"{dirname} holds manifest {held.manifest.digest}, not {digest}")
+            return held.manifest, held.views, held
+        manifest, path = self._staged(dirname, digest)
+        fd = open_weights(path, manifest.version)
+        stack.callback(os.close, fd)
+        entries, size = read_header(fd, manifest.version)
+        by_name = {h.name: h for h, _ in check_against_manifest(entries, size, manifest)}
+        mm = stack.enter_context(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+        src = stack.enter_context(memoryview(mm))
+        views = [src[by_name[e.name].start : by_name[e.name].start + e.nbytes] for e in manifest.tensors]
+        stack.callback(_release, views)
+        return manifest, views, None
 
     def _staged(self, dirname: str, digest: str | None) -> tuple[WeightManifest, Path]:
         """The manifest and weights file of a version directory here (checked against `digest` when given)."""
@@ -647,51 +781,50 @@ class WeightServer:
             raise ValueError(f"{dirname} holds manifest {manifest.digest}, not {digest}")
         return manifest, directory / manifest.file
 
+    def _base_dirname(self, version: int) -> str | None:
+        """The directory of `version` here: an offered one in memory first, else the newest on disk."""
+        with self._held_lock:
+            for dirname, held in reversed(self._held.items()):
+                if held.manifest.version == version:
+                    return dirname
+        bases = sorted(
+            (p for p in self.root.iterdir() if (m := VERSION_DIR.match(p.name)) and int(m.group(1)) == version),
+            key=lambda p: p.stat().st_mtime_ns,
+            reverse=True,
+        )
+        return bases[0].name if bases else None
+
     def _delta(
-        self, dirname: str, manifest: WeightManifest, src: memoryview, starts: list[int], base_version: int
+        self, dirname: str, manifest: WeightManifest, views: list[memoryview], base_version: int
     ) -> tuple[list[int], bytes] | None:
         """Every tensor's XOR with the base version's, zstd-compressed: (compressed sizes, the frames back to back);
-        None when this store has no base of that version with the same tensors. Encoded once per (version, base)."""
+        None when this server has no base of that version with the same tensors. Encoded once per (version, base)."""
         if not 1 <= base_version < manifest.version:
             return None
         with self._delta_lock:
             key = (dirname, base_version)
             if self._delta_cache is not None and self._delta_cache[0] == key:
                 return self._delta_cache[1]
-            bases = sorted(
-                (
-                    p
-                    for p in self.root.iterdir()
-                    if (m := VERSION_DIR.match(p.name)) and int(m.group(1)) == base_version
-                ),
-                key=lambda p: p.stat().st_mtime_ns,
-                reverse=True,
-            )
-            if not bases:
-                return None
-            try:
-                base_manifest, base_path = self._staged(bases[0].name, None)
-            except (OSError, ValueError):
-                return None
-            if [(e.name, e.dtype, e.shape) for e in base_manifest.tensors] != [
-                (e.name, e.dtype, e.shape) for e in manifest.tensors
-            ]:
+            base_dir = self._base_dirname(base_version)
+            if base_dir is None:
                 return None
             t0 = time.perf_counter()
-            fd = open_weights(base_path, base_version)
-            try:
-                entries, size = read_header(fd, base_version)
-                base_at = {h.name: h.start for h, _ in check_against_manifest(entries, size, base_manifest)}
+            with contextlib.ExitStack() as stack:
+                try:
+                    base_manifest, base_views, _ = self._source(base_dir, None, stack)
+                except (OSError, ValueError, StagingError):
+                    return None
+                if [(e.name, e.dtype, e.shape) for e in base_manifest.tensors] != [
+                    (e.name, e.dtype, e.shape) for e in manifest.tensors
+                ]:
+                    return None
                 cctx = zstandard.ZstdCompressor(level=self.delta_level)
                 frames: list[bytes] = []
-                with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mb:
-                    for e, start in zip(manifest.tensors, starts, strict=True):
-                        new = np.frombuffer(src, dtype=np.uint8, count=e.nbytes, offset=start)
-                        old = np.frombuffer(mb, dtype=np.uint8, count=e.nbytes, offset=base_at[e.name])
-                        frames.append(cctx.compress(np.bitwise_xor(new, old).data) if e.nbytes else b"")
-                        del new, old
-            finally:
-                os.close(fd)
+                for e, new_bytes, old_bytes in zip(manifest.tensors, views, base_views, strict=True):
+                    new = np.frombuffer(new_bytes, dtype=np.uint8, count=e.nbytes)
+                    old = np.frombuffer(old_bytes, dtype=np.uint8, count=e.nbytes)
+                    frames.append(cctx.compress(np.bitwise_xor(new, old).data) if e.nbytes else b"")
+                    del new, old
             sizes = [len(f) for f in frames]
             encoded = (sizes, b"".join(frames))
             self.deltas.append(
