@@ -203,3 +203,25 @@ def test_a_single_stale_rank_is_caught_by_logprob_agreement_and_the_run_halts(
     assert halt and "did not arrive" in halt[0].detail
     trained_versions = {v for b in of(events, ev.BatchConsumed) for v in b.versions}
     assert 1 not in trained_versions  # nothing the stale rank produced under its false v1 stamp was trained on
+
+
+PROCESSED = {"temperature": 0.7, "top_p": 0.9, "logprob_mode": "processed"}
+
+
+def test_a_clean_run_with_processed_logprobs_raises_no_false_alarm(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    """Processed logprobs at T=0.7, top-p 0.9: the trainer recomputes them the same way, so a clean run trains every
+    step with a gap at float rounding (it used to halt at v0 with a median gap of ~0.27)."""
+    cfg = small(ranks=1, steps=4, admission={"max_lag": 0}, sampling=PROCESSED)
+    events, summary = execute(redis_url, run_id, tmp_path, cfg)
+    assert summary.status == "completed", summary
+    steps = of(events, ev.TrainStepFinished)
+    assert len(steps) == 4 and sum(s.agreement_tokens for s in steps) > 0
+    assert all(s.logprob_gap_median < 1e-4 for s in steps), [s.logprob_gap_median for s in steps]
+    assert {t.logprob_mode for t in (p.trajectory for p in of(events, ev.SampleFinished))} == {"processed"}
+
+
+def test_stale_weights_are_still_caught_with_processed_logprobs(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = small(ranks=1, steps=4, admission={"max_lag": 0}, sampling=PROCESSED)
+    events, summary = execute(redis_url, run_id, tmp_path, cfg, "stale-weights=0")
+    assert summary.status == "failed"
+    assert "logprob agreement lost on v1" in of(events, ev.RunFinished)[-1].reason

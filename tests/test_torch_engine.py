@@ -118,6 +118,67 @@ def test_processed_logprobs_are_renormalised(tok: PreTrainedTokenizerFast) -> No
         assert all(pl > rl for pl, rl in zip(p.logprobs, r.logprobs))
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 0.7, "top_k": 3},
+        {"temperature": 1.3, "top_k": 5, "top_p": 0.8},
+        {"temperature": 0.0},
+    ],
+    ids=["T0.7-p0.9", "T0.7-k3", "T1.3-k5-p0.8", "greedy"],
+)
+def test_the_trainer_recomputes_processed_logprobs_in_every_sampling_mode(
+    tok: PreTrainedTokenizerFast, settings: dict[str, float]
+) -> None:
+    """The agreement gate compares like with like: processed logprobs against the trainer's processed ones (same
+    weights: no gap), never against raw ones (a gap of ~0.27 at T=0.7 that halted clean runs). Other weights still
+    show a gap when sampling, so the stale-weights check keeps its teeth."""
+    from rolledger.workers.trainer import logprob_agreement
+
+    eng = make_engine(tok)
+    ids = prompt(tok)
+    sampling = SamplingParams.model_validate({**SEEDED.model_dump(), **settings, "logprob_mode": "processed"})
+    out = eng.generate(ids, 8, sampling)
+    trajectories = [_trajectory(ids, s.token_ids, s.logprobs, sampling) for s in out.samples]
+    same, _ = logprob_agreement(build_model(ModelConfig(), len(tok), 0), trajectories)
+    assert same < 1e-5
+    other, _ = logprob_agreement(build_model(ModelConfig(), len(tok), 1), trajectories)
+    if settings["temperature"] > 0:  # greedy processed logprobs are all 0: they show other weights only where the
+        assert other > 1e-2  # argmax moves (the raw mode, or a probe, is the check there)
+    raw_view = [t.model_copy(update={"logprob_mode": "raw"}) for t in trajectories]
+    if settings["temperature"] not in (0.0, 1.0):  # the old comparison: processed against raw, a false alarm
+        assert logprob_agreement(build_model(ModelConfig(), len(tok), 0), raw_view)[0] > 1e-2
+
+
+def _trajectory(prompt_ids: list[int], token_ids: list[int], logprobs: list[float], sampling: SamplingParams) -> Any:
+    from rolledger.schemas.trajectory import Trajectory
+
+    n = len(token_ids)
+    return Trajectory.model_validate(
+        {
+            "trajectory_id": "g000001/0",
+            "group_id": "g000001",
+            "prompt_id": "p",
+            "index": 0,
+            "finish_reason": "length",
+            "cache_generation": 0,
+            "graph_generation": 0,
+            "prompt_token_ids": prompt_ids,
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            "logprob_mode": sampling.logprob_mode,
+            "loss_mask": [1] * n,
+            "positions": list(range(len(prompt_ids), len(prompt_ids) + n)),
+            "sampling": sampling.model_dump(),
+            "policy_version": 0,
+            "weights_digest": "w",
+            "rank": 0,
+            "engine": "torch",
+        }
+    )
+
+
 def test_greedy_and_top_k_one_agree_and_stop_tokens_stop(tok: PreTrainedTokenizerFast) -> None:
     eng = make_engine(tok)
     ids = prompt(tok)

@@ -45,7 +45,8 @@ class EngineCapabilities:
     name: str  # "torch" | "vllm"
     sleep_levels: tuple[int, ...]  # () when the engine cannot sleep (vLLM on CPU)
     prefix_cache: bool
-    logprob_mode: Literal["raw", "processed"]
+    logprob_mode: Literal["raw", "processed"]  # the mode of every sample, unless the request chooses it:
+    logprob_mode_per_request: bool = False  # the engine reports logprobs in the request's sampling.logprob_mode
     interruptible: bool = False
     streams_samples: bool = False  # generate() takes on_sample and calls it as each sample ends
 

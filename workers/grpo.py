@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
-from rolledger.schemas.config import TrainerConfig
+from rolledger.schemas.config import SamplingParams, TrainerConfig
+from rolledger.workers.sampling import processed_log_softmax
 from rolledger.workers.tasks import SupervisedExample
 
 
@@ -86,9 +87,15 @@ def _pad_id(model: torch.nn.Module) -> int:
 
 
 def sequence_logprobs(
-    model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    processed: SamplingParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw logprobs of each completion token under `model` (grad enabled), right-padded: ([B, T], mask [B, T])."""
+    """Logprobs of each completion token under `model` (grad enabled), right-padded: ([B, T], mask [B, T]). Raw
+    (log-softmax of the logits), or with `processed` the logprobs of the distribution sampled with those settings
+    (what an engine reports in processed mode; torch_decode.processed_log_softmax)."""
     if len(prompts) != len(completions):
         raise ValueError(f"prompts ({len(prompts)}) and completions ({len(completions)}) differ in length")
     device = next(model.parameters()).device
@@ -113,8 +120,9 @@ def sequence_logprobs(
             mask[b, : len(c)] = 1.0
     logits = model(input_ids=ids, attention_mask=attn).logits.float()
     picked = logits.gather(1, gather_pos[:, :, None].expand(-1, -1, logits.shape[-1]))
-    logprobs = torch.log_softmax(picked, dim=-1).gather(-1, targets[:, :, None])[:, :, 0]
-    return logprobs * mask, mask
+    dist = torch.log_softmax(picked, dim=-1) if processed is None else processed_log_softmax(picked, processed)
+    logprobs = dist.gather(-1, targets[:, :, None])[:, :, 0]
+    return torch.where(mask > 0, logprobs, torch.zeros_like(logprobs)), mask
 
 
 def _quantile(values: torch.Tensor, q: float) -> float:

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Literal, Self
 
 import redis
 
 from rolledger.events.consumer import Delivery, GroupConsumer
 from rolledger.schemas import events as ev
+from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.statuses import GroupStatus, SampleStatus
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
-from rolledger.workers.engine import GroupOutput, SampleOutput
+from rolledger.workers.engine import EngineCapabilities, GroupOutput, SampleOutput
 from rolledger.workers.runtime import WorkerKilled
 from rolledger.workflows.rank import may_serve
 from rolledger.workflows.update import about_to_be_quarantined
@@ -310,7 +311,7 @@ class Rollout:
             loss_mask=[1] * len(s.token_ids),
             positions=list(range(start, start + len(s.token_ids))),
             logprobs=s.logprobs,
-            logprob_mode=self.w.engine.capabilities.logprob_mode,
+            logprob_mode=logprob_mode_of(self.w.engine.capabilities, p.sampling),
             finish_reason=s.finish_reason,
             sampling=p.sampling,
             policy_version=version,
@@ -321,3 +322,11 @@ class Rollout:
             cache_generation=out.cache_generation,
             graph_generation=out.graph_generation,
         )
+
+
+def logprob_mode_of(caps: EngineCapabilities, sampling: SamplingParams) -> Literal["raw", "processed"]:
+    """The mode a sample's logprobs are in: the request's where the engine honours it per request (torch), else the
+    engine's (vLLM: a server setting). Stamped on the trajectory; the trainer's agreement compares in that mode."""
+    if caps.logprob_mode_per_request:
+        return "processed" if sampling.logprob_mode == "processed" else "raw"
+    return caps.logprob_mode

@@ -204,18 +204,26 @@ class TrainerWorker(Worker):
 
 @torch.no_grad()
 def logprob_agreement(model: torch.nn.Module, trajectories: list[Trajectory]) -> tuple[float, float]:
-    """Median and p99 of |trainer logprob - engine logprob| over the generated tokens (0, 0 for none)."""
+    """Median and p99 of |trainer logprob - engine logprob| over the generated tokens (0, 0 for none), each compared
+    in the mode the engine reported it: raw logprobs against the trainer's raw ones, processed logprobs against the
+    trainer's recomputed with the trajectory's own temperature, top-k and top-p (workers.sampling). Comparing
+    processed logprobs with raw ones would raise a false alarm at any temperature but 1."""
     if not trajectories:
         return 0.0, 0.0
     model.eval()
-    lp, _mask = sequence_logprobs(
-        model, [t.prompt_token_ids for t in trajectories], [t.token_ids for t in trajectories]
-    )
+    by_mode: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        key = "raw" if t.logprob_mode == "raw" else t.sampling.model_dump_json()
+        by_mode.setdefault(key, []).append(t)
     gaps: list[float] = []
-    for row, t in enumerate(trajectories):
-        n = len(t.token_ids)
-        got = lp[row, :n].tolist()
-        gaps.extend(abs(a - b) for a, b in zip(got, t.logprobs, strict=True))
+    for same in by_mode.values():
+        processed = None if same[0].logprob_mode == "raw" else same[0].sampling
+        lp, _mask = sequence_logprobs(
+            model, [t.prompt_token_ids for t in same], [t.token_ids for t in same], processed=processed
+        )
+        for row, t in enumerate(same):
+            got = lp[row, : len(t.token_ids)].tolist()
+            gaps.extend(abs(a - b) for a, b in zip(got, t.logprobs, strict=True))
     if not gaps:
         return 0.0, 0.0
     gaps.sort()

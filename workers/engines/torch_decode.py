@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from rolledger.schemas.config import SamplingParams
 from rolledger.workers.engine import HealthReport, SampleOutput
 from rolledger.workers.engines.torch_prefix_cache import PrefixCache, PrefixEntry, entry_bytes
+from rolledger.workers.sampling import processed_log_softmax
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -222,16 +223,6 @@ def sample(
     if sampling.temperature == 0.0:
         chosen = logits.argmax(dim=-1)
         return chosen, raw.gather(-1, chosen[:, None])[:, 0], torch.zeros_like(chosen, dtype=raw.dtype)
-    x = logits / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < x.shape[-1]:
-        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
-        sorted_x = sorted_x.masked_fill(before >= sampling.top_p, float("-inf"))  # the top token always stays
-        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
-    processed = torch.log_softmax(x, dim=-1)
+    processed = processed_log_softmax(logits, sampling)
     chosen = torch.multinomial(processed.exp(), 1, generator=gen)[:, 0]
     return chosen, raw.gather(-1, chosen[:, None])[:, 0], processed.gather(-1, chosen[:, None])[:, 0]

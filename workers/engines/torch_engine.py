@@ -148,6 +148,7 @@ class TorchEngine:
             sleep_levels=(1, 2),
             prefix_cache=self._use_prefix_cache,
             logprob_mode="raw",
+            logprob_mode_per_request=True,  # torch_decode reports raw or processed as each request's sampling says
             streams_samples=True,
             interruptible=self.interruptible,
         )
