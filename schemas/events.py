@@ -198,6 +198,8 @@ class UpdateStaged(Payload):
     uri: str
     bytes: int
     tensors: int
+    # the weights this version was trained from (manifest.parent_digest): the audit checks the trainer's lineage
+    parent_weights_digest: str | None = None
 
 
 class PrepareRequested(Payload):

@@ -109,6 +109,11 @@ class WeightManifest(Model):
     tensors: tuple[TensorEntry, ...] = Field(min_length=1)
     total_bytes: int = Field(ge=0)
     file: str = "weights.safetensors"
+    parent_digest: str | None = Field(
+        None,
+        description="weights_digest of the weights this version was trained from (its lineage): the trainer's last "
+        "staged version, or the published one; None in manifests written before it was recorded",
+    )
 
     @field_validator("file")
     @classmethod
@@ -179,4 +184,6 @@ class WeightManifest(Model):
             f"rolledger-manifest/1|v={self.version}|base={self.base_version}|algo={self.checksum_algo}"
             f"|bytes={self.total_bytes}|tensors={self.tensors_digest}".encode()
         )
+        if self.parent_digest is not None:  # absent from older manifests, whose digests stay what they were
+            h.update(f"|parent={self.parent_digest}".encode())
         return h.hexdigest()

@@ -383,6 +383,7 @@ class LogBuilder:
         manifest: str | None = None,
         weights: str | None = None,
         uri: str | None = None,
+        parent: str | None = None,
     ) -> LogBuilder:
         v = self.version + 1 if version is None else version
         m = manifest or manifest_digest_for(v)
@@ -397,6 +398,7 @@ class LogBuilder:
                 uri=uri or f"file:///staging/v{v}-{m}",
                 bytes=4096,
                 tensors=12,
+                parent_weights_digest=parent,
             ),
             producer="trainer",
         )
@@ -514,11 +516,12 @@ class LogBuilder:
         manifest: str | None = None,
         weights: str | None = None,
         uri: str | None = None,
+        parent: str | None = None,
     ) -> LogBuilder:
         """A full transaction to `version` (default: next). With `fail_rank`, that rank fails to prepare and the
         update aborts (ranks keep the old version); admission pauses and resumes around it either way."""
         v = self.version + 1 if version is None else version
-        self.stage(v, manifest=manifest, weights=weights, uri=uri)
+        self.stage(v, manifest=manifest, weights=weights, uri=uri, parent=parent)
         self.request_prepare(v)
         for r in self.ranks:
             if r == fail_rank:

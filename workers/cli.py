@@ -538,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit = sub.add_parser(
         "audit",
-        help="check the 8 invariants over a run's log (exit 1 on violations)",
+        help="check the 9 invariants over a run's log (exit 1 on violations)",
         description="Check a run's log against its invariants: the log is whole; one version per sample; no admission\n"
         "or generation during an update; fail-closed commits; one published state; consumption within the lag and\n"
         "partial-policy bounds; bytes under the cap; nothing silently lost; deterministic replay. Exit 1 names the\n"

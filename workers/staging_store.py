@@ -80,6 +80,7 @@ class StagingStore(Protocol):
         state_dict: Mapping[str, torch.Tensor],
         *,
         checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
+        parent_digest: str | None = None,
     ) -> StagedUpdate: ...
 
     def read_manifest(self, version: int, *, expected_digest: str | None = None) -> WeightManifest: ...
@@ -145,9 +146,10 @@ class DirectoryStagingStore:
         state_dict: Mapping[str, torch.Tensor],
         *,
         checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
+        parent_digest: str | None = None,
     ) -> StagedUpdate:
-        """Checksum and write `state_dict` as `version` (replacing `base_version`), atomically, into the directory
-        its manifest digest names. The same content staged again is a no-op returning the existing record.
+        """Checksum and write `state_dict` as `version` (replacing `base_version`; trained from the weights of
+        `parent_digest`, recorded in the manifest), atomically, into the directory its manifest digest names. The same content staged again is a no-op returning the existing record.
 
         Raises StagingError(kind="exists") when that directory holds another manifest (naming both digests),
         StagingError naming the tensor for a tensor that cannot be staged, and ValidationError for an invalid
@@ -155,7 +157,7 @@ class DirectoryStagingStore:
         """
         t0 = time.perf_counter()
         tensors = prepare_for_save(state_dict, version)
-        manifest = build_manifest(tensors, version, base_version, checksum_algo)
+        manifest = build_manifest(tensors, version, base_version, checksum_algo, parent_digest)
         t1 = time.perf_counter()
         final = version_dir(self.root, version, manifest.digest)
         if final.exists():
@@ -289,7 +291,11 @@ def _read_manifest_at(directory: Path, version: int, *, expected_digest: str | N
 
 
 def build_manifest(
-    tensors: Mapping[str, torch.Tensor], version: int, base_version: int, checksum_algo: ChecksumAlgo
+    tensors: Mapping[str, torch.Tensor],
+    version: int,
+    base_version: int,
+    checksum_algo: ChecksumAlgo,
+    parent_digest: str | None = None,
 ) -> WeightManifest:
     """The manifest of `tensors` (prepared by `prepare_for_save`) staged as `version` on `base_version`: one entry
     per tensor with its checksum, in the state dict's order. The same tensors always give the same digest."""
@@ -310,6 +316,7 @@ def build_manifest(
         tensors=entries,
         total_bytes=sum(e.nbytes for e in entries),
         file=WEIGHTS_FILE,
+        parent_digest=parent_digest,
     )
 
 

@@ -32,12 +32,41 @@ from rolledger.workers.staging_format import StagingError
 from rolledger.workers.staging_loader import VerifiedWeights
 from rolledger.workers.staging_store import StagingStore
 from rolledger.workers.transport import load_verified, own_copy_uri, read_manifest, serves_weights
-from rolledger.workflows.trainer import TrainPlan, Wait, plan_step, refusal, versions_to_keep, weights_version
+from rolledger.workers.weights import state_digest
+from rolledger.workflows.state import RunState
+from rolledger.workflows.trainer import (
+    TrainPlan,
+    Wait,
+    lineage,
+    next_version,
+    plan_step,
+    refusal,
+    versions_to_keep,
+    weights_version,
+)
 
 
 def _stream_order(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+class TrainerLineageError(RuntimeError):
+    """The trainer's weights do not descend from the run's log (workflows.trainer.lineage): it will not stage them."""
+
+
+def check_lineage(model: torch.nn.Module, state: RunState) -> str:
+    """The digest of the trainer's weights, which the next version is trained from; TrainerLineageError when they
+    are neither its last staged version's nor the published ones (workflows.trainer.lineage): never stage weights
+    that do not descend from the log's."""
+    parent = state_digest(policy_state(model))
+    allowed = lineage(state)
+    if parent not in allowed:
+        raise TrainerLineageError(
+            f"the trainer's weights ({parent}) are neither its last staged version's nor the published ones "
+            f"({', '.join(sorted(allowed))}): refusing to train v{next_version(state)} on them"
+        )
+    return parent
 
 
 TrainFn = Callable[[Sequence[Trajectory], Sequence[float], TrainerConfig], GrpoStats]
@@ -160,6 +189,7 @@ class TrainerWorker(Worker):
             self.logger.error("refusing the step: engine logprobs disagree with the trainer's weights", gap=gap_median)
             self._append([*plan.drops, refused], plan.refusal_keys)
             return
+        parent = check_lineage(self.model, self.follower.state)
         started = time.perf_counter()
         stats = self.train(batch, plan.rewards, cfg.trainer)
         train_ms = (time.perf_counter() - started) * 1e3
@@ -167,7 +197,7 @@ class TrainerWorker(Worker):
         collected = self.staging.gc(versions_to_keep(self.follower.state))
         if collected:
             self.logger.info("staged versions collected", versions=collected)
-        staged = self.staging.stage(plan.version, plan.base_version, policy_state(self.model))
+        staged = self.staging.stage(plan.version, plan.base_version, policy_state(self.model), parent_digest=parent)
         done = ev.TrainStepFinished(
             step=plan.step,
             loss=stats.loss,
@@ -187,6 +217,7 @@ class TrainerWorker(Worker):
             uri=staged.uri,
             bytes=staged.bytes,
             tensors=len(staged.manifest.tensors),
+            parent_weights_digest=parent,
         )
         if self._append([*plan.drops, plan.batch, done, update], plan.once_keys):
             for tid in plan.batch.trajectory_ids:

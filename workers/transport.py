@@ -121,6 +121,7 @@ class DistStagingStore:
         state_dict: Mapping[str, torch.Tensor],
         *,
         checksum_algo: ChecksumAlgo = DEFAULT_CHECKSUM_ALGO,
+        parent_digest: str | None = None,
     ) -> StagedUpdate:
         """Snapshot and checksum the weights, offer them on the server from memory at once, and write the trainer's
         durable copy behind (one write in flight; the next stage waits for it). The server holds back the last
@@ -130,13 +131,13 @@ class DistStagingStore:
         self.wait_persisted()
         prepared = staging_store.prepare_for_save(state_dict, version)
         snapshot = {name: t.clone() for name, t in prepared.items()}  # the trainer trains on: serve a copy
-        manifest = staging_store.build_manifest(snapshot, version, base_version, checksum_algo)
+        manifest = staging_store.build_manifest(snapshot, version, base_version, checksum_algo, parent_digest)
         dirname = version_dir(self.local.root, version, manifest.digest).name
         uri = self.server.offer(dirname, manifest, snapshot)
         took = time.perf_counter() - t0
         self._writer = threading.Thread(
             target=self._persist,
-            args=(dirname, manifest.digest, version, base_version, snapshot, checksum_algo),
+            args=(dirname, manifest.digest, version, base_version, snapshot, checksum_algo, parent_digest),
             name=f"persist-v{version}",
             daemon=True,
         )
@@ -157,10 +158,13 @@ class DistStagingStore:
         base_version: int,
         tensors: Mapping[str, torch.Tensor],
         checksum_algo: ChecksumAlgo,
+        parent_digest: str | None,
     ) -> None:
         error = None
         try:
-            staged = self.local.stage(version, base_version, tensors, checksum_algo=checksum_algo)
+            staged = self.local.stage(
+                version, base_version, tensors, checksum_algo=checksum_algo, parent_digest=parent_digest
+            )
             if staged.manifest_digest != digest:
                 error = f"the copy's manifest is {staged.manifest_digest}, the offered one {digest}"
         except Exception as e:  # noqa: BLE001 - reported to every transfer of this version, which then fails

@@ -56,6 +56,10 @@ The precise definitions checked (v is a policy version, r a rank):
    cancelled (withdrawn from the queue); consuming it after that is an invariant-5 violation.
 8. Deterministic replay: the two digests of replaying the log twice agree, and every snapshot's stored digest equals
    the replayed one (computed by the reducer, passed in).
+9. The trainer's lineage (beyond DESIGN.md's eight). Every UpdateStaged that records the weights it was trained from
+   (`parent_weights_digest`) names the weights digest of the trainer's previous UpdateStaged (aborted or not) or of
+   the published version (the initial weights before the first publish); logs from before it was recorded are not
+   checked (counted 0).
 """
 
 from __future__ import annotations
@@ -67,7 +71,15 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.events import Event, RunStarted
 from rolledger.workflows import audit_groups, audit_samples, audit_updates
 from rolledger.workflows.audit_context import Auditor, Unit
-from rolledger.workflows.audit_report import LOG_INTEGRITY, AuditReport, AuditWarning, Verdict, Violation, WarningKind
+from rolledger.workflows.audit_report import (
+    INVARIANTS,
+    LOG_INTEGRITY,
+    AuditReport,
+    AuditWarning,
+    Verdict,
+    Violation,
+    WarningKind,
+)
 from rolledger.workflows.coordinator import DURABLE_DECISIONS
 from rolledger.workflows.dispatch import Handlers
 
@@ -261,7 +273,7 @@ def _finish(
     return AuditReport(
         violations=tuple(ctx.violations),
         warnings=tuple(ctx.warnings),
-        checked={i: ctx.checked.get(i, 0) for i in range(LOG_INTEGRITY, 9)},
+        checked={i: ctx.checked.get(i, 0) for i in sorted(INVARIANTS)},
         events=ctx.count,
         run_id=ctx.run_id,
         run_finished=end is not None,

@@ -11,6 +11,7 @@ from rolledger.schemas.config import RunConfig
 from rolledger.schemas.events import (
     Event,
     SampleFinished,
+    UpdateStaged,
 )
 from rolledger.schemas.trajectory import Trajectory
 from rolledger.workflows.audit_attempts import UpdateTracker
@@ -95,6 +96,8 @@ class Auditor:
         self.window: Window | None = None
         self.published: dict[int, Event] = {}  # version -> PolicyPublished (newest)
         self.version_digest: dict[int, str] = {}
+        # the trainer's newest UpdateStaged (event, payload): what its next version descends from
+        self.last_staged: tuple[Event, UpdateStaged] | None = None
         self.current_version = 0
         self.ranks: dict[int, RankFacts] = {}
         self.last_event: Event | None = None

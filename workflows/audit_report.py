@@ -20,6 +20,7 @@ INVARIANTS: dict[int, str] = {
     6: "queued bytes never exceeded the byte cap at an admission",
     7: "every dispatched unit reached a terminal event",
     8: "replaying the log gives the same state digest twice and the digests recorded in snapshots",
+    9: "every staged version was trained from the trainer's last staged version or the published one (lineage)",
 }
 
 

@@ -42,6 +42,7 @@ for _tracked in (PrepareRequested, RankPrepared, RankPrepareFailed, HealthPassed
 
 @handlers.on(UpdateStaged)
 def _update_staged(ctx: Auditor, e: Event, p: UpdateStaged) -> None:
+    _check_lineage(ctx, e, p)
     cur = ctx.updates.current(p.version)
     if cur is not None and not cur.resolved:
         ctx.warn(
@@ -51,6 +52,30 @@ def _update_staged(ctx: Auditor, e: Event, p: UpdateStaged) -> None:
             e,
         )
     ctx.updates.apply(e)
+
+
+def _check_lineage(ctx: Auditor, e: Event, p: UpdateStaged) -> None:
+    """Invariant 9: the weights a version was trained from (recorded since the manifest carries them) are the
+    trainer's last staged version's, or the published ones. A trainer that restarted on the initial checkpoint
+    after v2 was published, and staged what it trained from there as v3, fails it."""
+    last = ctx.last_staged
+    if last is None or last[1].version < p.version:
+        ctx.last_staged = (e, p)
+    if p.parent_weights_digest is None:
+        return  # a log from before lineage was recorded
+    ctx.checked[9] += 1
+    published_v = max(ctx.published, default=0)
+    published = ctx.version_digest.get(published_v)
+    allowed = {d for d in (published, last[1].weights_digest if last is not None else None) if d is not None}
+    if p.parent_weights_digest not in allowed:
+        prev = f"v{last[1].version} {last[1].weights_digest}" if last is not None else "none"
+        ctx.violate(
+            9,
+            f"v{p.version} was trained from weights {p.parent_weights_digest}, neither the trainer's last staged "
+            f"version ({prev}) nor the published one (v{published_v} {published})",
+            last[0] if last is not None else None,
+            e,
+        )
 
 
 @handlers.on(UpdateCommitted)

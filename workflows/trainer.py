@@ -93,6 +93,15 @@ def weights_version(state: RunState) -> int:
     return max(state.updates, default=0)
 
 
+def lineage(state: RunState) -> frozenset[str]:
+    """The weights digests the trainer may train its next version from: those of its last staged version
+    (`weights_version`), or the published ones (before the first version: the initial weights; or a trainer that
+    resumed from the published version because its copy of the last was never written). Weights that are neither
+    do not descend from the run's history (a restarted trainer that reloaded v0, say): it must not stage them."""
+    v = weights_version(state)
+    return frozenset({state.weights_digest, *([state.updates[v].weights_digest] if v else [])})
+
+
 def versions_to_keep(state: RunState) -> frozenset[int]:
     """The staged versions a store may not collect: the published one (what a rank rejoins on), the trainer's last
     (what a restarted trainer's weights are, `weights_version`) and an update still open; older ones are never read
