@@ -378,7 +378,7 @@ def test_a_restarted_trainer_whose_last_copy_was_never_written_resumes_from_the_
         b.update(2, fail_rank=0, uri=store.server.uri("v000002-0123456789ab"))  # never written: aborted
         EventLog(redis_client, run_id).append_many(b.build())
         trainer = TrainerWorker(redis_client, run_id, "trainer#2", model, store)
-        trainer._follow(block_ms=100)
+        trainer.seat.follow()
         assert trainer.follower.state.policy_version == 1 and max(trainer.follower.state.updates) == 2
         trainer._restore_weights()
         assert all(torch.equal(p, v1_weights[k]) for k, p in policy_state(model).items())
