@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import Qwen2ForCausalLM
@@ -112,7 +113,7 @@ def main() -> None:
     sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
 
     def fresh() -> Qwen2ForCausalLM:
-        return build_model(cfg, len(tok), args.seed)
+        return cast(Qwen2ForCausalLM, build_model(cfg, len(tok), args.seed))  # the default architecture
 
     plain = TorchEngine(fresh(), tok, prefix_cache=False)
     cached = TorchEngine(fresh(), tok, prefix_cache=True)

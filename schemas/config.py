@@ -261,8 +261,10 @@ class RecoveryConfig(ConfigModel):
 
 
 class ModelConfig(ConfigModel):
-    """The tiny Qwen2-style policy the project builds itself (no hub)."""
+    """The tiny policy the project builds itself when the run has no checkpoint (no hub): a Qwen2 or Llama causal LM.
+    A run on an existing checkpoint (`--model-dir`) takes the architecture and sizes from its config.json."""
 
+    architecture: Literal["qwen2", "llama"] = "qwen2"
     hidden_size: int = Field(128, ge=8)
     intermediate_size: int = Field(256, ge=8)
     num_hidden_layers: int = Field(2, ge=1)

@@ -26,6 +26,7 @@ from rolledger.schemas import injection
 from rolledger.schemas.config import RunConfig, UpdateConfig, one_line
 from rolledger.schemas.injection import Injection, check_injections, parse_injection
 from rolledger.schemas.statuses import RunStatus
+from rolledger.workers.checkpoints import SUPPORTED_ARCHITECTURES, CheckpointRefused, checkpoint_model_type
 from rolledger.workers.run_inputs import (
     RUNS_DIR_HELP,
     RUNS_ENV,
@@ -176,6 +177,7 @@ def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
             check_port_free(args.metrics_port)
         _check_engine_urls(cfg, in_process=not args.external_workers)
         _check_transport_backend(cfg)
+        _check_model_dir(args.model_dir)
     except ValueError as exc:  # RunRefused and EngineAddressError included
         raise CliError(" ".join(str(exc).split())) from None
     return cfg, injections
@@ -195,6 +197,14 @@ def _check_engine_urls(cfg: RunConfig, in_process: bool) -> None:
         )
     for url in cfg.vllm_urls:
         check_engine_address(url, cfg.allow_remote_engines)
+
+
+def _check_model_dir(model_dir: str | None) -> None:
+    """A --model-dir that holds a checkpoint must be of an architecture the run supports (read from its config.json,
+    before torch is imported); one without config.json gets the warm-started tiny policy, as without --model-dir."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return
+    checkpoint_model_type(model_dir)
 
 
 def _check_transport_backend(cfg: RunConfig) -> None:
@@ -404,7 +414,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     try:
         return run_coordinator(args.redis, args.run)
-    except RunNotStarted as exc:
+    except (RunNotStarted, CheckpointRefused) as exc:
         raise CliError(str(exc)) from None
 
 
@@ -415,7 +425,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return run_worker(
             args.kind, args.redis, args.run, rank=args.rank, name=args.name, claim_idle_ms=args.claim_idle_ms
         )
-    except RunNotStarted as exc:
+    except (RunNotStarted, CheckpointRefused) as exc:
         raise CliError(str(exc)) from None
 
 
@@ -515,8 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--model-dir",
-        help="an existing policy directory to start from (no warm start); "
-        "with --external-workers every process must see the same path (default: warm-start a new one)",
+        help="a local Hugging Face checkpoint to start from, used as is (no warm start; architectures: "
+        f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}); a directory without config.json gets the warm-started tiny "
+        "policy; with --external-workers every process must see the same path (default: warm-start a new one)",
     )
     run.set_defaults(func=cmd_run)
 

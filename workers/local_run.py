@@ -92,7 +92,7 @@ class RunOptions:
     deadline_s: float | None = None  # the run's deadline (config.run_deadline_s) when given
     metrics_port: int | None = None
     external_workers: bool = False  # start the run and follow it; the coordinator and workers are other processes
-    model_dir: Path | None = None  # an existing policy directory (no warm start); default runs/<run-id>/model
+    model_dir: Path | None = None  # a checkpoint directory, used as is (no warm start); default runs/<run-id>/model
     on_progress: Callable[[Follower], None] | None = None
     on_warm_start: Callable[[int, float], None] | None = None  # (step, loss) of the warm start; (0, nan) before it
     resume: bool = False  # continue the log of an existing run id instead of refusing it
@@ -115,7 +115,8 @@ def prompt_items(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[Pro
 def prepare_policy(
     cfg: RunConfig, model_dir: Path, on_step: Callable[[int, float], None] | None = None
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Build the tiny policy and warm-start it (or reuse the one already saved in model_dir)."""
+    """Build the tiny policy of `cfg.model`, warm-start it and save it to model_dir; when model_dir already holds a
+    checkpoint (a saved policy, or a Hugging Face checkpoint of a supported architecture) load it as is."""
     if (model_dir / "config.json").is_file():
         return load_policy(model_dir)
     torch.manual_seed(cfg.seed)
