@@ -274,12 +274,58 @@ class ModelConfig(ConfigModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+REWARD_FN_PATTERN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+class RewardSpec(ConfigModel):
+    """One reward function by import path (`module:function`) and its weight in the sum. The function is called
+    TRL-style: `fn(completions: list[str], prompts=[...], <column>=[...], ...) -> list[float]`, one float per
+    completion; it is imported when the run starts (workers/rewards.py), never when a config is read."""
+
+    fn: str = Field(pattern=REWARD_FN_PATTERN.pattern, description="'module:function'")
+    weight: float = 1.0
+
+
 class TaskConfig(ConfigModel):
-    kind: Literal["addition"] = "addition"
-    max_operand: int = Field(49, ge=1)
+    """Where prompts come from (`kind`: the built-in addition task, a JSONL file, or a Hugging Face `datasets`
+    dataset on local files) and how completions are rewarded (`rewards`; the addition task's checker by default).
+    The prompt plug-ins are workers/task_plugins.py."""
+
+    kind: Literal["addition", "jsonl", "dataset"] = "addition"
+    max_operand: int = Field(49, ge=1, description="addition: operands are in [0, max_operand]")
     num_prompts: int = Field(
-        64, ge=1, description="a small pool: each prompt recurs, so reward tracks the policy, not prompt difficulty"
+        64,
+        ge=1,
+        description="addition: a small pool: each prompt recurs, so reward tracks the policy, not prompt difficulty",
     )
+    path: str | None = Field(
+        None,
+        description="jsonl: the file, one JSON object per line; dataset: what datasets.load_dataset is given first "
+        "(a local directory or file, or a builder such as 'json', 'csv', 'parquet' with data_files)",
+    )
+    data_files: str | tuple[str, ...] | None = Field(None, description="dataset: load_dataset's data_files")
+    split: str = Field("train", min_length=1, description="dataset: the split to read")
+    prompt_field: str = Field("prompt", min_length=1, description="jsonl/dataset: the column holding the prompt text")
+    answer_field: str = Field(
+        "answer", min_length=1, description="jsonl/dataset: the column holding the answer ('' when a row has none)"
+    )
+    id_field: str | None = Field(
+        None, description="jsonl/dataset: a column holding a stable prompt id; default '<kind>-<row number>'"
+    )
+    rewards: tuple[RewardSpec, ...] = Field(
+        (), description="reward functions summed by weight; empty: the addition checker (addition only)"
+    )
+    max_consecutive_reward_failures: int = Field(
+        64, ge=1, description="the run fails once this many samples in a row could not be scored"
+    )
+
+    @model_validator(mode="after")
+    def _source_given(self) -> TaskConfig:
+        if self.kind != "addition" and self.path is None:
+            raise ValueError(f"task.path is required when task.kind={self.kind!r}")
+        if self.kind != "addition" and not self.rewards:
+            raise ValueError(f"task.rewards must name at least one reward function when task.kind={self.kind!r}")
+        return self
 
 
 class RunConfig(ConfigModel):

@@ -109,12 +109,16 @@ class SampleFinished(Payload):
 
 
 class SampleFailed(Payload):
+    """A sample that cannot be trained on. `stage`: "rollout" (its engine failed, or its rank lost the group), or
+    "reward" (it finished but its reward functions could not score it; `rank` is the rank that generated it)."""
+
     type: Literal["SampleFailed"] = "SampleFailed"
     sample_id: str
     group_id: str
     index: int
     rank: int
     error: str
+    stage: Literal["rollout", "reward"] = "rollout"
 
 
 class SampleCancelled(Payload):

@@ -34,6 +34,7 @@ from rolledger.workers.run_inputs import (
     check_port_free,
     check_reuse,
     check_run_id,
+    check_task,
     default_runs_dir,
 )
 
@@ -175,6 +176,7 @@ def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
             check_reuse(args.run_id, Path(args.runs_dir), args.resume)
         if args.metrics_port is not None:
             check_port_free(args.metrics_port)
+        check_task(cfg)
         _check_engine_urls(cfg, in_process=not args.external_workers)
         _check_transport_backend(cfg)
         _check_model_dir(args.model_dir)

@@ -8,7 +8,7 @@ the reward worker and the trainer (each wrapped by its injected faults, workers/
 live display until RunFinished; write summary.json.
 
 Inputs are refused before anything starts (`RunRefused`, workers/run_inputs.py): a run id outside `RUN_ID_PATTERN` (no path separators,
-no `..`, no braces), a run id that already has a run (directory with a Redis URL, AOF or summary) or a log (unless `resume`: then the run's log is
+no `..`, no braces), a task whose prompts cannot be loaded or whose reward functions cannot be imported, a run id that already has a run (directory with a Redis URL, AOF or summary) or a log (unless `resume`: then the run's log is
 reopened and fresh workers continue it from the log; a finished run just gets its summary again), a busy metrics
 port. `runs/<id>/redis_url` holds the URL with its password redacted, mode 0600.
 
@@ -63,10 +63,11 @@ from rolledger.workers.metrics import RunMetrics
 from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
-from rolledger.workers.run_inputs import RunRefused, check_port_free, check_reuse, check_run_id
+from rolledger.workers.run_inputs import RunRefused, check_port_free, check_reuse, check_run_id, check_task
 from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_store import StagingStore
-from rolledger.workers.tasks import make_prompts, supervised_examples
+from rolledger.workers.task_plugins import load_prompts, prompt_token_ids
+from rolledger.workers.tasks import supervised_examples
 from rolledger.workers.trainer import TrainerWorker
 from rolledger.workers.transport import close_store, fix_transport_port, open_trainer_store
 from rolledger.workers.weights import state_digest
@@ -104,11 +105,13 @@ def new_run_id() -> str:
 
 
 def prompt_items(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[PromptItem]:
-    """The run's prompts, tokenised; one completion is expected to be the answer's digits plus <eos>."""
+    """The run's prompts from its task plug-in, tokenised (through the chat template when the tokenizer has one).
+    One completion is expected to be the answer plus <eos> for the addition task, `sampling.max_tokens` otherwise
+    (the scheduler's estimate only)."""
     items = []
-    for i, p in enumerate(make_prompts(cfg.task, cfg.seed)):
-        ids = tuple(tokenizer(p.text)["input_ids"])
-        items.append(PromptItem(i, p.prompt_id, ids, p.answer, len(p.answer) + 1))
+    for i, p in enumerate(load_prompts(cfg.task, cfg.seed)):
+        est = len(p.answer) + 1 if cfg.task.kind == "addition" else cfg.sampling.max_tokens
+        items.append(PromptItem(i, p.prompt_id, prompt_token_ids(tokenizer, p.text), p.answer, est))
     return items
 
 
@@ -151,6 +154,7 @@ class LocalRun:
         self.injector = Injector(opts.injections)
         self.run_id = opts.run_id if opts.run_id is not None else new_run_id()
         check_run_id(self.run_id)
+        check_task(self.cfg)
         if opts.metrics_port is not None:
             check_port_free(opts.metrics_port)
         self.run_dir = check_reuse(self.run_id, opts.runs_dir, opts.resume)

@@ -1,7 +1,10 @@
-"""The reward worker: scores every finished sample with the task's checker (SampleFinished -> SampleScored).
+"""The reward worker: scores every finished sample with the task's reward functions (SampleFinished -> SampleScored,
+or SampleFailed with stage "reward" naming the function when they cannot score it).
 
-Stateless apart from a follower used to skip samples already scored (a reclaimed entry is never scored twice).
-The answer travels in SampleFinished, so no lookup is needed. Faults wrap `scorer` (workers/faults.py).
+Stateless apart from a follower used to skip samples already scored (a reclaimed entry is never scored twice), and
+the task it loads once the run's config is folded: the prompts by id (their rows are the reward functions' columns)
+and the functions imported from their paths (workers/rewards.py, workers/task_plugins.py). Each read's finished
+samples are scored as one batch. Faults wrap `scorer` (workers/faults.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import redis
 from rolledger.events.consumer import GroupConsumer
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import SampleStatus
+from rolledger.workers.rewards import Rewards, resolve
 from rolledger.workers.runtime import Follower, Worker
-from rolledger.workers.tasks import score
+from rolledger.workers.task_plugins import load_prompts
+from rolledger.workers.tasks import Prompt
+from rolledger.workflows.admission import dataset_prompt_id
 
 
 class RewardWorker(Worker):
@@ -33,7 +39,10 @@ class RewardWorker(Worker):
         super().__init__(client, run_id, name)
         self.tokenizer = tokenizer
         # the finished samples of one read -> their scores; a fault wrapper may replace it
-        self.scorer: Callable[[Sequence[ev.SampleFinished]], Sequence[ev.SampleScored]] = self.score_samples
+        self.scorer: Callable[[Sequence[ev.SampleFinished]], Sequence[ev.SampleScored | ev.SampleFailed]] = (
+            self.score_samples
+        )
+        self.task: tuple[dict[str, Prompt], Rewards] | None = None  # loaded from the run's config on first use
         self.claim_idle_ms = claim_idle_ms  # None: the run's recovery.lost_after_s, once its config is folded
         self.consumer = GroupConsumer(
             client, run_id, "reward", name, claim_idle_ms=claim_idle_ms if claim_idle_ms is not None else 30_000
@@ -79,15 +88,43 @@ class RewardWorker(Worker):
             self.consumer.ack(*(d.stream_id for d in deliveries))
             self.scored += len(out)
 
-    def score_samples(self, finished: Sequence[ev.SampleFinished]) -> list[ev.SampleScored]:
-        """The task's checker on each sample's completion (up to <eos>) against its answer."""
-        out = []
-        for p in finished:
+    def load_task(self) -> tuple[dict[str, Prompt], Rewards]:
+        """The run's prompts by id and its reward functions (from the folded config; loaded once)."""
+        if self.task is None:
+            cfg = self.follower.state.config
+            if cfg is None:
+                raise RuntimeError("the reward worker scored before the run's config was folded")
+            self.task = {p.prompt_id: p for p in load_prompts(cfg.task, cfg.seed)}, resolve(cfg.task)
+        return self.task
+
+    def score_samples(self, finished: Sequence[ev.SampleFinished]) -> list[ev.SampleScored | ev.SampleFailed]:
+        """The reward functions on the samples' completions (each up to <eos>) with their prompts' rows: a score per
+        sample, or SampleFailed naming the function that could not score it."""
+        prompts, rewards = self.load_task()
+        ids = [dataset_prompt_id(p.trajectory.prompt_id) for p in finished]
+        known = [i for i, pid in enumerate(ids) if pid in prompts]
+        texts = [self.completion_text(list(finished[i].trajectory.token_ids)) for i in known]
+        rows = [prompts[ids[i]] for i in known]
+        results = dict(zip(known, rewards.score(texts, rows), strict=True))
+        out: list[ev.SampleScored | ev.SampleFailed] = []
+        for i, p in enumerate(finished):
             t = p.trajectory
-            reward = score(self.completion_text(list(t.token_ids)), p.answer)
-            out.append(
-                ev.SampleScored(sample_id=t.trajectory_id, group_id=t.group_id, reward=reward, correct=reward >= 1.0)
-            )
+            got = results.get(i, f"prompt {t.prompt_id!r} is not in the run's task")
+            if isinstance(got, str):
+                out.append(
+                    ev.SampleFailed(
+                        sample_id=t.trajectory_id,
+                        group_id=t.group_id,
+                        index=t.index,
+                        rank=t.rank,
+                        error=got,
+                        stage="reward",
+                    )
+                )
+            else:
+                out.append(
+                    ev.SampleScored(sample_id=t.trajectory_id, group_id=t.group_id, reward=got, correct=got >= 1.0)
+                )
         return out
 
     def _already_scored(self, p: ev.SampleFinished) -> bool:

@@ -1,6 +1,7 @@
 """The inputs of `rolledger run` and of every command that takes RUN, checked before anything heavy is imported
 (no torch, no Redis): where runs live (`--runs-dir`, else `$ROLLEDGER_RUNS`, else `./runs`), a run id, a run id
-that already has a run, a metrics port. A refused input is a `RunRefused`: one line, nothing started."""
+that already has a run, a metrics port, the task (its prompts load, its reward functions import: `check_task`).
+A refused input is a `RunRefused`: one line, nothing started."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import re
 import socket
 from pathlib import Path
+
+from rolledger.schemas.config import RunConfig
 
 RUNS_ENV = "ROLLEDGER_RUNS"
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -61,3 +64,17 @@ def check_port_free(port: int, addr: str = "127.0.0.1") -> None:
         except OSError as exc:
             why = "already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise RunRefused(f"--metrics-port {port} on {addr}: {why}") from None
+
+
+def check_task(cfg: RunConfig) -> None:
+    """Refuse a task whose prompts cannot be loaded (a missing or malformed file, no `datasets` package) or whose
+    reward functions cannot be imported (naming `task.rewards[i].fn`), before anything starts. Imports the reward
+    functions' modules, and `datasets` for a dataset task; nothing of the project's heavy parts."""
+    from rolledger.workers.rewards import resolve
+    from rolledger.workers.task_plugins import load_prompts
+
+    try:
+        resolve(cfg.task)
+        load_prompts(cfg.task, cfg.seed)
+    except ValueError as exc:  # RewardRefused, TaskRefused
+        raise RunRefused(" ".join(str(exc).split())) from None

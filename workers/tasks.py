@@ -16,7 +16,9 @@ Reward (`score`): the completion's answer is the run of digits at its start (aft
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from rolledger.schemas.config import TaskConfig
 
@@ -28,6 +30,8 @@ class Prompt:
     prompt_id: str
     text: str  # e.g. "23+19="
     answer: str  # e.g. "42"
+    # the source row's columns (a JSONL line, a dataset row), passed to reward functions by name; addition: answer
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ def make_prompts(cfg: TaskConfig, seed: int) -> list[Prompt]:
     prompts = []
     for i in range(cfg.num_prompts):
         a, b = _pair(rng, cfg.max_operand)
-        prompts.append(Prompt(prompt_id=f"add-{seed}-{i}", text=f"{a}+{b}=", answer=str(a + b)))
+        text, answer = f"{a}+{b}=", str(a + b)
+        prompts.append(Prompt(prompt_id=f"add-{seed}-{i}", text=text, answer=answer, columns={"answer": answer}))
     return prompts
 
 
@@ -90,3 +95,9 @@ def score(completion_text: str, answer: str, *, partial_credit: float = 0.5) -> 
         return 0.0
     right = sum(1 for p, a in zip(reversed(predicted), reversed(answer)) if p == a)
     return partial_credit * right / max(len(predicted), len(answer))
+
+
+def addition_reward(completions: Sequence[str], answer: Sequence[str], **_: Any) -> list[float]:
+    """`score` as a reward function (`rolledger.workers.tasks:addition_reward`, the addition task's default):
+    TRL's shape, a batch of completions and the rows' `answer` column in, one float per completion out."""
+    return [score(c, str(a)) for c, a in zip(completions, answer, strict=True)]

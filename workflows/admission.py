@@ -177,6 +177,11 @@ def group_sampling(cfg: RunConfig, group_index: int) -> SamplingParams:
     return cfg.sampling.model_copy(update={"seed": (cfg.seed * 1_000_003 + group_index) % 2**31})
 
 
+def dataset_prompt_id(prompt_id: str) -> str:
+    """The id in the run's prompts of an admitted prompt id (later epochs append `@<epoch>`, `_item`)."""
+    return prompt_id.rsplit("@", 1)[0]
+
+
 def _item(prompts: Sequence[PromptItem], i: int) -> PromptItem:
     """The i-th prompt of the run: the dataset cycled, later epochs with their own prompt ids."""
     base = prompts[i % len(prompts)]

@@ -230,6 +230,10 @@ def _sample_terminal(ctx: Auditor, e: Event, sample_id: str) -> None:
 
 @handlers.on(SampleFailed)
 def _sample_failed(ctx: Auditor, e: Event, p: SampleFailed) -> None:
+    if p.stage == "reward":  # a finished sample its reward functions could not score: it already reached its end
+        if p.sample_id not in ctx.finished:
+            ctx.warn(WarningKind.ORPHAN, f"reward failure for {p.sample_id}, which never finished", e, invariant=7)
+        return
     _sample_terminal(ctx, e, p.sample_id)
 
 

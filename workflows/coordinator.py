@@ -56,6 +56,12 @@ def decide_terminal(state: RunState, now: float) -> list[ev.Payload]:
         return [
             ev.RunFinished(status="failed", reason=f"ranks {missing} did not join within {cfg.join_deadline_s:g} s")
         ]
+    if state.reward_failures_in_a_row >= cfg.task.max_consecutive_reward_failures:
+        return _halt(
+            state,
+            f"{state.reward_failures_in_a_row} samples in a row could not be scored "
+            f"(task.max_consecutive_reward_failures; last: {state.last_reward_failure})",
+        )
     aborts = consecutive_aborts(state)
     if len(aborts) >= cfg.update.max_consecutive_aborts:
         causes = "; ".join(f"v{u.version}: {u.abort_reason}" for u in aborts)

@@ -4,6 +4,8 @@
 - at_least k: complete (status "complete" if all N finished, else "partial") once every sample is terminal and at
   least k finished; cancelled when fewer than k can still finish.
 - first_k: complete with the first k finished samples as soon as k finished; the rest are cancelled.
+- a completed group one of whose accepted samples could not be scored (SampleFailed, stage "reward") is cancelled:
+  it can never be trained on. (An open group counts such a sample as failed, like any other.)
 - deadline (any policy): at the deadline a group with at least k finished completes as partial, the rest of its
   samples are cancelled; a group short of k is cancelled.
 Cancelling is a decision here (GroupCompleted/GroupCancelled); the rollout worker that holds the samples sees it and
@@ -13,8 +15,9 @@ ends each unfinished sample with SampleCancelled, so every dispatched sample rea
 from __future__ import annotations
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import GroupOutcome, PolicyKind, SampleStatus
+from rolledger.schemas.statuses import GroupOutcome, GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import trajectory_nbytes
+from rolledger.workflows.reducer_common import sample_index
 from rolledger.workflows.state import GroupState, RunState, SampleState
 
 
@@ -22,6 +25,11 @@ def decide_groups(state: RunState, now: float) -> list[ev.Payload]:
     """Decisions for every group still admitted/generating."""
     out: list[ev.Payload] = []
     for g in state.groups.values():
+        if g.status.is_queued and g.status != GroupStatus.SCORED:
+            unscorable = [sid for sid in g.accepted if g.samples[sample_index(sid)].status == SampleStatus.FAILED]
+            if unscorable:
+                out.append(ev.GroupCancelled(group_id=g.group_id, reason=f"sample {unscorable[0]} could not be scored"))
+            continue
         if not g.status.is_open:
             continue
         decision = decide_group(g, now, g.deadline)

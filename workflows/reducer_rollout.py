@@ -80,12 +80,34 @@ def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
 
 @handlers.on(ev.SampleFailed)
 def _sample_failed(s: RunState, e: ev.Event, p: ev.SampleFailed) -> None:
+    if p.stage == "reward":
+        _reward_failed(s, e, p)
+        return
     found = _sample(s, e, p.group_id, p.index, p.sample_id, p.rank)
     if found is not None:
         smp = found[1]
         smp.status = SampleStatus.FAILED
         if smp.rank >= 0 and p.rank != smp.rank:  # another rank closed it: it reclaimed the group
             s.reclaimed[p.sample_id] = smp.rank
+
+
+def _reward_failed(s: RunState, e: ev.Event, p: ev.SampleFailed) -> None:
+    """A finished sample its reward functions could not score: failed, so its group cannot complete with it (an
+    open one goes on without it or is cancelled, a completed one is cancelled by the coordinator, groups.py)."""
+    g = find_group(s, e, p.group_id)
+    if g is None:
+        return
+    smp = g.samples.get(p.index)
+    if smp is not None and smp.status == SampleStatus.FAILED and p.sample_id in s.reclaimed:
+        s.late_results += 1  # like a late score: the reward worker saw the finish before the reclaim
+        return
+    if smp is None or smp.status != SampleStatus.FINISHED or smp.reward is not None:
+        anomaly(s, e, f"reward failure for {p.sample_id}, which is not finished and unscored")
+        return
+    smp.status = SampleStatus.FAILED
+    s.reward_failures += 1
+    s.reward_failures_in_a_row += 1
+    s.last_reward_failure = f"{p.sample_id}: {p.error}"
 
 
 @handlers.on(ev.SampleCancelled)
@@ -163,4 +185,5 @@ def _sample_scored(s: RunState, e: ev.Event, p: ev.SampleScored) -> None:
         return
     smp.reward, smp.correct = p.reward, p.correct
     g.scored += 1
+    s.reward_failures_in_a_row = 0
     _maybe_scored(g)

@@ -186,6 +186,9 @@ class RunState:
     # samples another rank closed as "worker lost" (it reclaimed their group): sample id -> the rank that started them
     reclaimed: dict[str, int] = field(default_factory=dict)
     late_results: int = 0  # events of that first rank for such samples after the reclaim: expected, counted, ignored
+    reward_failures: int = 0  # finished samples the reward functions could not score (SampleFailed, stage "reward")
+    reward_failures_in_a_row: int = 0  # since the last SampleScored; the run fails at task.max_consecutive_...
+    last_reward_failure: str = ""  # "<sample id>: <reason>" of the newest
     anomalies: list[Anomaly] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # events applied, per type
     events_applied: int = 0
