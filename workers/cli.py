@@ -235,6 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         on_progress=lambda f: progress.update(f.state),
         on_warm_start=progress.warm_start(cfg.trainer.warm_start_steps),
         external_workers=args.external_workers,
+        external_trainer=args.trainer == "external",
         model_dir=Path(args.model_dir) if args.model_dir else None,
         resume=args.resume,
     )
@@ -524,6 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start the run and follow it; the coordinator and workers run as their own processes "
         "(`rolledger coordinator`, `rolledger worker KIND`)",
+    )
+    run.add_argument(
+        "--trainer",
+        choices=("builtin", "external"),
+        default="builtin",
+        help="builtin: the GRPO trainer in this process; external: start everything but the trainer and wait for a "
+        "training loop on `rolledger.client.TrainerClient` to connect (see examples/torch_trainer.py)",
     )
     run.add_argument(
         "--model-dir",

@@ -93,6 +93,7 @@ class RunOptions:
     deadline_s: float | None = None  # the run's deadline (config.run_deadline_s) when given
     metrics_port: int | None = None
     external_workers: bool = False  # start the run and follow it; the coordinator and workers are other processes
+    external_trainer: bool = False  # start everything but the trainer: a loop on rolledger.client connects to the run
     model_dir: Path | None = None  # a checkpoint directory, used as is (no warm start); default runs/<run-id>/model
     on_progress: Callable[[Follower], None] | None = None
     on_warm_start: Callable[[int, float], None] | None = None  # (step, loss) of the warm start; (0, nan) before it
@@ -266,7 +267,8 @@ class LocalRun:
     ) -> None:
         cfg = self.cfg
         injector = self.injector
-        staging = self._staging = open_trainer_store(cfg, self.run_dir / "staging")
+        staging = None if self.opts.external_trainer else open_trainer_store(cfg, self.run_dir / "staging")
+        self._staging = staging
         self.workers.append(Coordinator(client, self.run_id, "coordinator", prompt_items(cfg, tokenizer)))
         initial = {k: v.clone() for k, v in policy_state(model).items()}
         engines, self._close_engines = build_engines(cfg, model_dir, tokenizer, self.run_dir)
@@ -277,7 +279,10 @@ class LocalRun:
                 )
             )
         self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer))
-        self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging))
+        if staging is not None:
+            self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging))
+        else:
+            log.info("waiting for an external trainer", run=self.run_id, model_dir=str(model_dir))
         for w in self.workers:
             self._with_faults(w).start()
 
