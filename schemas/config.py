@@ -169,6 +169,13 @@ class TrainerConfig(ConfigModel):
         400, ge=0, description="supervised steps run before RL (a tiny model learns little from scratch)"
     )
     warm_start_lr: float = Field(1e-3, gt=0)
+    importance: Literal["none", "truncated"] = Field(
+        "truncated",
+        description="off-policy correction: 'truncated' clips the PPO ratio against the trainer's own weights before "
+        "the step and weights each token by min(trainer / engine probability, is_cap) (decoupled PPO with truncated "
+        "importance sampling: a lagged token still moves the policy); 'none' clips against the engine's logprobs",
+    )
+    is_cap: float = Field(2.0, gt=1.0, description="truncated importance sampling: the cap on a token's weight")
     max_logprob_gap: float = Field(
         1e-3,
         gt=0,

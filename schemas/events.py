@@ -190,6 +190,7 @@ class TrainStepFinished(Payload):
     max_seq_ratio: float
     clipped_frac: float
     train_ms: float = 0.0
+    is_truncated_frac: float = 0.0  # tokens whose importance weight hit trainer.is_cap (truncated IS)
 
 
 # ---------------------------------------------------------------- weight update

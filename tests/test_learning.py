@@ -110,11 +110,21 @@ def test_grpo_step_reports_agreement_and_clipping() -> None:
     assert stats.logprob_gap_p99 < 1e-4 and stats.max_seq_ratio < 1.001 and stats.clipped_frac == 0.0
     assert stats.tokens == sum(len(s.token_ids) for s in out.samples) and stats.zero_advantage_groups == 0
     assert state_digest(policy_state(model)) != engine.weights_digest()  # the step moved the weights
-    # rollout logprobs that disagree by 1 nat per token: every ratio is outside the clip range
+    assert stats.is_truncated_frac == 0.0
+    # rollout logprobs that disagree by 1 nat per token (tokens from older weights): against the engine's logprobs
+    # every ratio is outside the clip range and the batch teaches nothing
     skewed = [RolloutSample(s.prompt_token_ids, s.token_ids, [lp - 1.0 for lp in s.logprobs], "g0") for s in batch]
-    stats = grpo_step(model, opt, skewed, rewards, TrainerConfig(clip_eps=0.2))
+    stats = grpo_step(model, opt, skewed, rewards, TrainerConfig(clip_eps=0.2, importance="none"))
     assert stats.clipped_frac == 1.0 and stats.logprob_gap_median == pytest.approx(1.0, abs=0.05)
-    assert stats.max_seq_ratio > 2.0
+    assert stats.max_seq_ratio > 2.0 and stats.is_truncated_frac == 0.0
+    # truncated importance sampling (the default): clipped against the weights before the step, each token weighted
+    # by min(p_trainer / p_engine, 2); at 3 nats (the steps above moved the weights a little) every weight is
+    # truncated, nothing is clipped, and the step moves the policy
+    far = [RolloutSample(s.prompt_token_ids, s.token_ids, [lp - 3.0 for lp in s.logprobs], "g0") for s in batch]
+    before = state_digest(policy_state(model))
+    stats = grpo_step(model, opt, far, rewards, TrainerConfig(clip_eps=0.2))
+    assert stats.clipped_frac == 0.0 and stats.is_truncated_frac == 1.0
+    assert state_digest(policy_state(model)) != before
     with pytest.raises(ValueError, match="logprobs"):
         grpo_step(model, opt, [RolloutSample(ids, [3, 4], [0.0], "g")], [1.0], TrainerConfig())
 

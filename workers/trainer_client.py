@@ -383,6 +383,7 @@ class TrainerClient:
             max_seq_ratio=stats.max_seq_ratio,
             clipped_frac=stats.clipped_frac,
             train_ms=train_ms,
+            is_truncated_frac=float(getattr(stats, "is_truncated_frac", 0.0)),
         )
         update = ev.UpdateStaged(
             version=plan.version,
