@@ -176,6 +176,12 @@ class TrainerConfig(ConfigModel):
         "importance sampling: a lagged token still moves the policy); 'none' clips against the engine's logprobs",
     )
     is_cap: float = Field(2.0, gt=1.0, description="truncated importance sampling: the cap on a token's weight")
+    checkpoint_every: int = Field(
+        1,
+        ge=0,
+        description="the built-in trainer saves its optimizer state with every Nth staged version (0: never); the "
+        "weights are staged with every version, so a restarted trainer resumes both from the version it holds",
+    )
     max_logprob_gap: float = Field(
         1e-3,
         gt=0,

@@ -153,8 +153,8 @@ def golden_log() -> list[ev.Event]:
 # once TrainStepFinished is applied only as trainer.step + 1; then the recovery fields: a rank's `quarantined_at`, the
 # run's `reclaimed` and `late_results`, the `recovery` config; then a rank's
 # `incarnation`; then the update config's transport fields and `staging_fsync`; then the model config's
-# `architecture`; then the task config's plug-in fields; then the trainer config's `importance` and `is_cap`).
-GOLDEN_DIGEST = "c4788155fb8f22b70535eef570cfabcb"
+# `architecture`; then the task config's plug-in fields; then the trainer config's `importance`, `is_cap` and `checkpoint_every`).
+GOLDEN_DIGEST = "5f32368c44583fb5ae0696505b106c2c"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

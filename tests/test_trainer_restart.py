@@ -46,3 +46,31 @@ def test_a_trainer_killed_between_staging_and_appending_restarts_and_stages_once
     steps = [e.payload.step for e in events if isinstance(e.payload, ev.TrainStepFinished)]
     assert steps == [1, 2, 3]
     assert audit(events).ok
+    saved = sorted(p.name for p in (tmp_path / run_id / "trainer-state").iterdir())
+    assert saved == ["optimizer-v000002.pt", "optimizer-v000003.pt"]  # with each version, the newest two kept
+
+
+def test_the_optimizer_state_saved_with_a_version_is_what_a_restarted_trainer_resumes(tmp_path: Path) -> None:
+    from rolledger.workers.grpo import make_optimizer
+    from rolledger.workers.trainer import load_optimizer, save_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = make_optimizer(model, 1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    for v in (1, 2, 3):
+        save_optimizer(tmp_path, v, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer-v000002.pt", "optimizer-v000003.pt"]
+    restarted = torch.nn.Linear(4, 3)
+    restarted.load_state_dict(model.state_dict())
+    resumed = load_optimizer(tmp_path, 3, restarted, 1e-3)
+    assert resumed is not None
+    want, got = opt.state_dict()["state"], resumed.state_dict()["state"]
+    assert want.keys() == got.keys() and all(
+        torch.equal(want[k]["exp_avg"], got[k]["exp_avg"]) and torch.equal(want[k]["exp_avg_sq"], got[k]["exp_avg_sq"])
+        for k in want
+    )
+    assert load_optimizer(tmp_path, 1, restarted, 1e-3) is None  # another version's moments would not fit

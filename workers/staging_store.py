@@ -69,6 +69,9 @@ class StagedUpdate:
 class StagingStore(Protocol):
     """Where staged updates live: put (stage) and get (load_verified) by version. A directory today."""
 
+    @property
+    def root(self) -> Path: ...
+
     def uri_for(self, version: int) -> str: ...
 
     def versions(self) -> list[int]: ...

@@ -13,8 +13,10 @@ process, first makes it the weights the log says the trainer holds (`TrainerClie
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import redis
 import torch
@@ -75,6 +77,15 @@ class TrainerWorker(Worker):
             for name, p in policy_state(self.model).items():
                 p.copy_(restored.tensors[name])
         self.logger.info("weights restored from the log", version=restored.version)
+        self.optimizer = load_optimizer(self._checkpoints, restored.version, self.model, self.seat.config.trainer.lr)
+        if self.optimizer is None:
+            self.logger.warning(
+                "no optimizer state saved with this version: its moments start afresh", version=restored.version
+            )
+
+    @property
+    def _checkpoints(self) -> Path:
+        return self.staging.root.parent / "trainer-state"
 
     def carry_out(self, batch: Batch) -> None:
         cfg = self.seat.config
@@ -86,7 +97,10 @@ class TrainerWorker(Worker):
         started = time.perf_counter()
         stats = self.train(batch.trajectories, batch.rewards, cfg.trainer)
         train_ms = (time.perf_counter() - started) * 1e3
-        self.seat.publish(batch, policy_state(self.model), stats, train_ms=train_ms, wait=False)
+        version = self.seat.publish(batch, policy_state(self.model), stats, train_ms=train_ms, wait=False)
+        every = cfg.trainer.checkpoint_every
+        if every and self.optimizer is not None and version % every == 0:
+            save_optimizer(self._checkpoints, version, self.optimizer)
 
     def _grpo(self, batch: Sequence[Trajectory], rewards: Sequence[float], cfg: TrainerConfig) -> GrpoStats:
         if self.optimizer is None:
@@ -125,3 +139,31 @@ def logprob_agreement(model: torch.nn.Module, trajectories: list[Trajectory]) ->
     """Median and p99 of |trainer logprob - engine logprob| over the generated tokens (0, 0 for none)."""
     got = gap_stats(trajectories, token_logprobs(model, trajectories))
     return got.median, got.p99
+
+
+def _optimizer_path(root: Path, version: int) -> Path:
+    return root / f"optimizer-v{version:06d}.pt"
+
+
+def save_optimizer(root: Path, version: int, optimizer: torch.optim.Optimizer, keep: int = 2) -> Path:
+    """Save the optimizer's state as of staged `version`, atomically (a temporary file renamed into place); the
+    newest `keep` are kept."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = _optimizer_path(root, version)
+    tmp = root / f".{final.name}.{os.getpid()}.tmp"
+    torch.save(optimizer.state_dict(), tmp)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("optimizer-v*.pt"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_optimizer(root: Path, version: int, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer | None:
+    """The optimizer with the state saved with `version` (the weights the trainer resumes from), None when none was
+    saved for that version (a state of another version would not match the weights)."""
+    path = _optimizer_path(root, version)
+    if not path.is_file():
+        return None
+    optimizer = make_optimizer(model, lr)
+    optimizer.load_state_dict(torch.load(path, weights_only=True))
+    return optimizer

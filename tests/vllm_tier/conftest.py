@@ -169,12 +169,14 @@ LOOP_CONFIG: dict[str, object] = {
     "trainer": {"warm_start_steps": 20, "groups_per_step": 2},
     "task": {"num_prompts": 64},
     "update": {"prepare_deadline_s": 60, "drain_deadline_s": 60, "commit_deadline_s": 60},
+    "model": {"architecture": "llama"},  # the engine tests' servers serve a Qwen2 checkpoint: the tier serves both
 }
 
 
 @dataclass
 class LoopServers:
-    """Two vLLM servers serving a loop run's initial policy (float32, warm-started), for `rolledger run` tests.
+    """Two vLLM servers serving a loop run's initial policy (a tiny Llama, float32, warm-started), for `rolledger run`
+    tests.
 
     The session's `vllm_cluster` cannot serve a loop run: it serves a random bf16 checkpoint, and its tests move
     it to later policy versions, while a run starts on version 0 with its own warm-started policy (the trainer

@@ -166,6 +166,9 @@ def test_the_loop_trains_and_publishes_every_version_on_both_vllm_servers(
     fresh_loop_servers: LoopServers, redis_url: str, run_id: str, tmp_path: Path
 ) -> None:
     cfg = fresh_loop_servers.config()
+    import json
+
+    assert json.loads((fresh_loop_servers.model_dir / "config.json").read_text())["model_type"] == "llama"
     before = served(fresh_loop_servers)
     events, summary, wall_s = execute(redis_url, run_id, tmp_path, cfg, fresh_loop_servers)
     assert_every_rank_joined_before_the_first_update(events)
