@@ -100,6 +100,10 @@ def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_i
     print(f"external trainer: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
     assert last > first + 0.05, (first, last, rewards)
     assert "published v30" in out
+    from rolledger.workflows.lineage import lineage
+
+    traced = lineage(events, consumed[-1].payload.trajectory_ids[0]).render()  # type: ignore[union-attr]
+    assert f"consumed by torch-example at trainer step {consumed[-1].payload.step}" in traced, traced  # type: ignore[union-attr]
 
 
 def _wait_for_published(redis_url: str, run_id: str, version: int) -> None:

@@ -80,7 +80,7 @@ def test_lineage_names_every_link_of_the_chain() -> None:
         "update to v1 aborted",
         "rank 1 prepared",
         "cache generation 1",
-        "consumed at trainer step 2 with lag 0",
+        "consumed by trainer at trainer step 2 with lag 0",
     ):
         assert needle in text, text
 

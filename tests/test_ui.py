@@ -340,7 +340,7 @@ def test_the_page_shows_lanes_curves_and_a_clicked_lineage(
     page.click("#timeline rect.span.generate[data-group='g000003']")  # a group in the lanes: its first trajectory
     page.wait_for("document.querySelector('#lineage').dataset.id === 'g000003/0'")
     text = page.evaluate("document.querySelector('#lineage-text').textContent")
-    assert text.startswith("trajectory g000003/0 (run fx-clean)") and "consumed at trainer step" in text
+    assert text.startswith("trajectory g000003/0 (run fx-clean)") and "consumed by trainer at trainer step" in text
     assert page.evaluate("document.querySelectorAll('#timeline rect.span.selected').length") == 1
 
     page.click("#events a.traj[data-id='g000005/2']")  # a trajectory in the event list

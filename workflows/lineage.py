@@ -363,6 +363,7 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
             recorded_version=version,
             train_step_event_id=train_step.event_id if train_step is not None else None,
             loss=tsp.loss if isinstance(tsp, TrainStepFinished) else None,
+            trainer=consumed.producer,
         )
         if consumed is not None and isinstance(cp, BatchConsumed)
         else None,

@@ -125,6 +125,7 @@ class ConsumptionLink:
     recorded_version: int | None
     train_step_event_id: str | None
     loss: float | None
+    trainer: str = ""  # the producer of the BatchConsumed: the built-in trainer or an external one's name
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,8 @@ class Lineage:
         if self.consumed is not None:
             c = self.consumed
             loss = f", loss {c.loss:.4f} {c.train_step_event_id}" if c.loss is not None else ""
-            node(0, f"consumed at trainer step {c.step} with lag {c.lag} {c.event_id}{loss}")
+            by = f" by {c.trainer}" if c.trainer else ""
+            node(0, f"consumed{by} at trainer step {c.step} with lag {c.lag} {c.event_id}{loss}")
         elif self.dropped is not None:
             node(0, f"dropped ({self.dropped.reason}, lag {self.dropped.lag}) {self.dropped.event_id}")
         else:
