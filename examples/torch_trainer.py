@@ -27,7 +27,7 @@ from rolledger.client import Batch, TrainerClient, UpdateFailed, policy_weights,
 
 
 def completion_logprobs(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw logprobs [B, T] of each generated token under `model` (with grad), and the mask of real tokens."""
+    """Raw logprobs [B, T] of each generated token under `model` (with grad), and the trajectories' loss masks."""
     rows = [list(t.prompt_token_ids) + list(t.token_ids) for t in batch.trajectories]
     width = max(len(r) for r in rows)
     gen = max(1, max(len(t.token_ids) for t in batch.trajectories))
@@ -40,7 +40,8 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch) -> tuple[torch.Ten
         ids[b, : len(row)], attention[b, : len(row)] = torch.tensor(row), 1
         n, p = len(t.token_ids), len(t.prompt_token_ids)
         at[b, :n] = torch.arange(p - 1, p - 1 + n)  # the logits at position j predict token j + 1
-        targets[b, :n], mask[b, :n] = torch.tensor(list(t.token_ids)), 1.0
+        targets[b, :n] = torch.tensor(list(t.token_ids))
+        mask[b, :n] = torch.tensor(list(t.loss_mask), dtype=torch.float32)  # the task's: 0 = not the policy's token
     logits = model(input_ids=ids, attention_mask=attention).logits.float()
     picked = logits.gather(1, at[:, :, None].expand(-1, -1, logits.shape[-1]))
     return torch.log_softmax(picked, -1).gather(-1, targets[:, :, None])[:, :, 0] * mask, mask

@@ -176,3 +176,24 @@ def test_warm_start_then_grpo_raises_reward() -> None:
     )
     assert 0.2 <= greedy_before <= 0.7, "warm start should leave the policy partially correct"
     assert last >= first + MARGIN, f"reward did not improve: first pass {first:.3f}, last pass {last:.3f}"
+
+
+def test_the_loss_mask_decides_which_generated_tokens_are_trained_on() -> None:
+    """A task states which generated tokens are the policy's (a tool's output inside a completion is not): masked
+    tokens add nothing to the loss; a fully masked batch leaves the weights as they were."""
+    tok = build_tokenizer()
+    model = build_model(ModelConfig(), len(tok), SEED)
+    engine = TorchEngine(copy.deepcopy(model), tok)
+    ids = list(tok("12+30=")["input_ids"])
+    out = engine.generate(ids, GROUP_SIZE, SamplingParams(max_tokens=4, seed=5))
+    rewards = [float(k % 2) for k in range(GROUP_SIZE)]
+    opt = make_optimizer(model, 1e-3)
+    none = [RolloutSample(ids, s.token_ids, s.logprobs, "g0", [0] * len(s.token_ids)) for s in out.samples]
+    before = state_digest(policy_state(model))
+    stats = grpo_step(model, opt, none, rewards, TrainerConfig())
+    assert stats.tokens == 0 and stats.loss == 0.0 and state_digest(policy_state(model)) == before
+    first_only = [
+        RolloutSample(ids, s.token_ids, s.logprobs, "g0", [1] + [0] * (len(s.token_ids) - 1)) for s in out.samples
+    ]
+    stats = grpo_step(model, opt, first_only, rewards, TrainerConfig())
+    assert stats.tokens == GROUP_SIZE and state_digest(policy_state(model)) != before

@@ -59,6 +59,7 @@ class RolloutSample:
     token_ids: list[int]
     logprobs: list[float]
     group_id: str
+    loss_mask: list[int] | None = None  # None: every generated token is trained on
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,13 @@ def grpo_step(
         [list(s.logprobs) + [0.0] * (width - len(s.logprobs)) for s in batch], dtype=torch.float32
     ).to(new_lp.device)
     advantages = torch.tensor(adv, dtype=torch.float32, device=new_lp.device)[:, None]
+    # the task's loss mask over the generated tokens (e.g. a tool's output inside a multi-turn completion): 0 = not
+    # trained on; the agreement statistics below still cover every generated token
+    lm = mask.clone()
+    for b, s in enumerate(batch):
+        given = getattr(s, "loss_mask", None)
+        if given is not None:
+            lm[b, : len(given)] *= torch.tensor(list(given), dtype=torch.float32, device=lm.device)
 
     diff = (new_lp - old_lp) * mask
     if cfg.importance == "truncated":  # decoupled PPO: clip against the weights before this step, reweight by TIS
@@ -176,8 +184,8 @@ def grpo_step(
         ratio, weight, truncated = torch.exp(diff), torch.ones_like(diff), torch.zeros_like(mask, dtype=torch.bool)
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
     per_token = -weight * torch.minimum(ratio * advantages, clipped * advantages)
-    tokens = int(mask.sum().item())
-    loss = (per_token * mask).sum() / max(tokens, 1)
+    tokens = int(lm.sum().item())
+    loss = (per_token * lm).sum() / max(tokens, 1)
 
     optimizer.zero_grad(set_to_none=True)
     if tokens > 0:
