@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_trainer.py"
+TRL_EXAMPLE = ROOT / "examples" / "trl_trainer.py"  # the same loop with TRL's GRPOTrainer computing the loss
 DEADLINE_S = 300.0
 LR = "1e-4"
 
@@ -56,9 +57,9 @@ class BackgroundRun:
         return self.summary[0]
 
 
-def start_trainer(redis_url: str, run_id: str, name: str) -> subprocess.Popen[str]:
+def start_trainer(redis_url: str, run_id: str, name: str, example: Path = EXAMPLE) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--redis", redis_url, "--run-id", run_id, "--name", name, "--lr", LR],
+        [sys.executable, str(example), "--redis", redis_url, "--run-id", run_id, "--name", name, "--lr", LR],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -104,6 +105,30 @@ def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_i
 
     traced = lineage(events, consumed[-1].payload.trajectory_ids[0]).render()  # type: ignore[union-attr]
     assert f"consumed by torch-example at trainer step {consumed[-1].payload.step}" in traced, traced  # type: ignore[union-attr]
+
+
+def test_the_trl_example_learns_with_trls_grpo_loss(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    """examples/trl_trainer.py: the loss is TRL's own (GRPOTrainer.compute_loss on the run's batches)."""
+    pytest.importorskip("trl", reason="examples/trl_trainer.py needs TRL (pip install trl; in the dev extra)")
+    run = BackgroundRun(
+        redis_url, run_id, tmp_path, steps=30, group_size=8, trainer={"warm_start_steps": 400, "groups_per_step": 4}
+    )
+    out = finish(start_trainer(redis_url, run_id, "trl-example", TRL_EXAMPLE))
+    summary = run.wait()
+    assert summary.status == "completed", summary
+    events = events_of(redis_url, run_id)
+    report = audit(events)
+    assert report.ok, report.violations
+    assert report.checked[9] == 30
+    steps = [e for e in events if isinstance(e.payload, ev.TrainStepFinished)]
+    assert len(steps) == 30 and {e.producer for e in steps} == {"trl-example"}
+    consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
+    assert consumed and {e.producer for e in consumed} == {"trl-example"}
+    rewards = [e.payload.reward_mean for e in steps]  # type: ignore[union-attr]
+    first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+    print(f"TRL loss: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
+    assert last > first + 0.05, (first, last, rewards)
+    assert "TRL loss dapo" in out and "published v30" in out
 
 
 def _wait_for_published(redis_url: str, run_id: str, version: int) -> None:
