@@ -52,7 +52,6 @@ import structlog
 import torch
 import torch.distributed as dist
 import zstandard
-from pydantic import ValidationError
 
 from rolledger.schemas.weights import WeightManifest
 from rolledger.workers.netguard import EngineAddressError, check_host
@@ -62,7 +61,9 @@ from rolledger.workers.staging_format import (
     VERSION_DIR,
     StagingError,
     check_against_manifest,
+    check_manifest,
     open_weights,
+    parse_manifest,
     read_header,
 )
 from rolledger.workers.staging_loader import LoadTimings, VerifiedWeights, destination
@@ -271,22 +272,7 @@ def read_manifest(
         raise StagingError(
             None, f"the weight server at {uri} has no manifest for it", kind="not_found", version=version
         )
-    try:
-        manifest = WeightManifest.model_validate_json(store.get(key))
-    except ValidationError as e:
-        raise StagingError(None, f"invalid manifest from {uri}: {e}", kind="manifest", version=version) from e
-    if manifest.version != version:
-        raise StagingError(
-            None, f"{uri} serves version {manifest.version}, asked for {version}", kind="manifest", version=version
-        )
-    if expected_digest is not None and manifest.digest != expected_digest:
-        raise StagingError(
-            None,
-            f"manifest digest {manifest.digest} is not the announced {expected_digest}",
-            kind="manifest",
-            version=version,
-        )
-    return manifest
+    return parse_manifest(store.get(key), version, expected_digest=expected_digest, where=uri)
 
 
 @dataclass(frozen=True)
@@ -335,10 +321,7 @@ def receive_verified(
     `base`: the weights this rank serves; the server may send a delta against them (see the module docstring). A
     delta that does not give the manifest's bytes is fetched again in full, once.
     """
-    if version != manifest.version:
-        raise StagingError(
-            None, f"manifest is for version {manifest.version}, asked for {version}", kind="manifest", version=version
-        )
+    check_manifest(manifest, version)
     timeout_s = timeout_s or parse_uri(uri, version).timeout_s  # each step's deadline: the URI's unless given
     if base is not None and base.fits(manifest):
         try:
