@@ -20,7 +20,6 @@ It writes about 2 GB under a temporary directory (or --dir) and deletes it after
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import shutil
@@ -39,6 +38,9 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rank_procs import RankProcesses
 
 from rolledger.schemas.weights import WeightManifest
 from rolledger.workers.staging_loader import load_verified
@@ -133,55 +135,12 @@ def rank_main(conn: multiprocessing.connection.Connection, path: str, uri: str, 
     }
     conn.send(("ready", 0.0, None))
     while True:
-        cmd = conn.recv()
+        cmd, _ = conn.recv()
         if cmd == "exit":
             return
         t0 = time.perf_counter()
         detail = commands[cmd]()
         conn.send((cmd, time.perf_counter() - t0, detail))
-
-
-class Ranks:
-    """N rank processes driven in lock step: each phase starts on all ranks at once and ends when all are done."""
-
-    def __init__(self, n: int, path: str, uri: str, manifest: WeightManifest) -> None:
-        ctx = mp.get_context("spawn")
-        self.conns = []
-        self.procs = []
-        for _ in range(n):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(child, path, uri, manifest.model_dump_json()), daemon=True)
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
-        self._collect("ready")
-
-    def _collect(self, cmd: str) -> list[tuple[float, Any]]:
-        out = []
-        deadline = time.monotonic() + RANK_DEADLINE_S
-        for c in self.conns:
-            if not c.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"a rank did not finish {cmd!r} within {RANK_DEADLINE_S}s")
-            name, secs, detail = c.recv()
-            assert name == cmd, (name, cmd)
-            out.append((secs, detail))
-        return out
-
-    def run(self, cmd: str) -> tuple[float, list[tuple[float, Any]]]:
-        """Wall seconds for all ranks, and each rank's own (seconds, detail)."""
-        t0 = time.perf_counter()
-        for c in self.conns:
-            c.send(cmd)
-        per_rank = self._collect(cmd)
-        return time.perf_counter() - t0, per_rank
-
-    def close(self) -> None:
-        for c in self.conns:
-            c.send("exit")
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -266,7 +225,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         )
 
     path = str(store.version_dir(upd.manifest.version) / upd.manifest.file)
-    ranks = Ranks(args.ranks, path, upd.uri, upd.manifest)
+    ranks = RankProcesses(rank_main, [(path, upd.uri, upd.manifest.model_dump_json())] * args.ranks, RANK_DEADLINE_S)
     try:
         results: dict[str, list[float]] = {}
         ours_detail: dict[str, list[Any]] = {"ours_fresh": [], "ours_buf": []}
