@@ -285,8 +285,11 @@ def test_vllms_own_update_routes_move_a_version_over_the_registered_rolledger_en
     start_live = e.live_digest()
     store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60)
 
-    def update(info: dict[str, object]) -> None:
-        e.http.post("/update_weights", json={"update_info": info}, timeout=120)
+    def update(info: dict[str, object], *, refused: bool = False) -> None:
+        # a refusal is an unhandled exception in vLLM's ASGI app: uvicorn answers 500 and closes the connection, so
+        # the request that expects one does not leave its connection to be reused
+        headers = {"Connection": "close"} if refused else None
+        e.http.post("/update_weights", json={"update_info": info}, timeout=120, headers=headers)
 
     def staged_info(version: int, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
         staged = store.stage(version, version - 1, tensors)
@@ -310,10 +313,10 @@ def test_vllms_own_update_routes_move_a_version_over_the_registered_rolledger_en
         store.server.persisted(dirname)
         e.http.post("/start_weight_update")
         with pytest.raises(VllmHttpError, match="checksum") as info:
-            update({"uri": uri, "version": wrong_version, "manifest_digest": manifest.digest})
+            update({"uri": uri, "version": wrong_version, "manifest_digest": manifest.digest}, refused=True)
         assert manifest.tensors[0].name in info.value.message
         with pytest.raises(VllmHttpError, match="without a matching start"):  # vLLM ended the session
-            e.http.post("/finish_weight_update", json={"weight_version": None})
+            e.http.post("/finish_weight_update", json={"weight_version": None}, headers={"Connection": "close"})
         assert e.live_digest() == new_live
 
         # received, then discarded (another rank failed): the finish loads nothing
