@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import redis
 
 from rolledger.events.codec import DecodeError, decode, encode
+from rolledger.events.connection import at_key
 from rolledger.events.keys import dead_letter_key, dead_letter_seen_key, dedupe_key, finished_key, log_key
 from rolledger.schemas.events import Event
 
@@ -399,7 +400,7 @@ class EventLog:
     def server_version(self) -> tuple[int, int, int]:
         """The redis-server version (major, minor, patch), asked once."""
         if self._server_version is None:
-            text = as_str(self.client.info("server")["redis_version"])
+            text = as_str(at_key(self.client, self.key, "INFO", "server")["redis_version"])
             parts = [int(p) for p in text.split(".")[:3]] + [0, 0, 0]
             self._server_version = (parts[0], parts[1], parts[2])
         return self._server_version
@@ -422,8 +423,8 @@ class EventLog:
         """
         if self.server_version >= (7, 2, 0):
             try:
-                local, _replicas = self.client.execute_command("WAITAOF", 1, 0, timeout_ms)
+                local, _replicas = at_key(self.client, self.key, "WAITAOF", 1, 0, timeout_ms)
             except redis.ResponseError:  # "WAITAOF cannot be used when numlocal is set but appendonly is disabled"
                 return False
             return int(local) >= 1
-        return int(self.client.info("persistence").get("aof_enabled", 0)) == 1
+        return int(at_key(self.client, self.key, "INFO", "persistence").get("aof_enabled", 0)) == 1

@@ -483,7 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML run config (see examples/; default: none)")
     run.add_argument(
-        "--redis", help="Redis URL (redis://, rediss://, unix://); default: REDIS_URL or an embedded server"
+        "--redis",
+        help="Redis URL: redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path.sock, or a Redis Cluster "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// with TLS; each run on one hash slot); "
+        "default: REDIS_URL or an embedded server",
     )
     run.add_argument("--engine", choices=_choices("engine"), help=_override("engine", "inference engine"))
     run.add_argument("--ranks", type=int, metavar="N", help=_override("ranks", "inference ranks"))
@@ -544,7 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
     def run_ref(p: argparse.ArgumentParser) -> None:
         """The arguments of every command that reads a run: RUN, --redis, --runs-dir (one default, one help)."""
         p.add_argument("run", metavar="RUN", help="run id (looked up in --runs-dir) or run directory")
-        p.add_argument("--redis", help="Redis URL; default: REDIS_URL, the run directory's server or its AOF")
+        p.add_argument(
+            "--redis",
+            help="Redis URL (as `run --redis`, redis+cluster:// too); default: REDIS_URL, the run directory's server "
+            "or its AOF",
+        )
         p.add_argument(
             "--runs-dir",
             default=str(default_runs_dir()),
