@@ -245,6 +245,14 @@ def at_key(client: redis.Redis, key: str, *args: Any) -> Any:
     return client.execute_command(*args)
 
 
+def node_client(client: redis.Redis, key: str) -> redis.Redis:
+    """A client whose pipeline runs on one connection to the server holding `key`: the client itself, or on a Redis
+    Cluster the plain client of the primary serving `key`'s slot (no outage retry of its own: one attempt)."""
+    if isinstance(client, RedisCluster):
+        return client.get_redis_connection(client.get_node_from_key(key))
+    return client
+
+
 def cluster_nodes(url: str) -> list[tuple[str, int]]:
     """The (host, port) startup nodes a `redis+cluster://` URL names. Raises ValueError naming what is wrong."""
     _scheme, _, rest = url.partition("://")
@@ -263,6 +271,31 @@ def cluster_nodes(url: str) -> list[tuple[str, int]]:
             raise ValueError(f"redis url {redact(url)!r}: cluster node {item!r} is not host:port")
         nodes.append((host, int(port)))
     return nodes
+
+
+def parse_redis_url(url: str) -> tuple[str, dict[str, Any], list[tuple[str, int]]]:
+    """(scheme, redis-py connection options, cluster startup nodes) of a URL, without connecting; ValueError naming
+    what is wrong (the password redacted). `rolledger run` checks its --redis with it before anything starts."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+        raise ValueError(
+            f"redis url {redact(url)!r}: scheme must be redis://, rediss://, unix://, redis+cluster:// or "
+            "rediss+cluster://"
+        )
+    nodes: list[tuple[str, int]] = []
+    if scheme in CLUSTER_SCHEMES:
+        nodes = cluster_nodes(url)
+        userinfo = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+        parsed = parse_url("redis://" + (userinfo + "@" if userinfo else "") + "localhost")
+        options: dict[str, Any] = {k: v for k, v in parsed.items() if k in ("username", "password")}
+    else:
+        try:
+            options = parse_url(url)
+        except ValueError as exc:
+            raise ValueError(f"redis url {redact(url)!r}: {exc}") from None
+    if scheme == "unix" and not options.get("path"):
+        raise ValueError(f"redis url {redact(url)!r}: unix:// needs a socket path, e.g. unix:///run/redis.sock")
+    return scheme, options, nodes
 
 
 def connect(
@@ -285,23 +318,9 @@ def connect(
     (tests, self-signed lab setups only). TLS options with a URL that is not rediss:// or rediss+cluster:// are an error.
     retry_deadline: how long an outage is ridden out (seconds; default: see `retry_deadline_s`).
     """
-    scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
-        raise ValueError(
-            f"redis url {redact(url)!r}: scheme must be redis://, rediss://, unix://, redis+cluster:// or "
-            "rediss+cluster://"
-        )
+    scheme, options, nodes = parse_redis_url(url)
     tls = scheme in ("rediss", "rediss+cluster")
     cluster = scheme in CLUSTER_SCHEMES
-    if cluster:
-        nodes = cluster_nodes(url)
-        userinfo = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
-        parsed = parse_url("redis://" + (userinfo + "@" if userinfo else "") + "localhost")
-        options: dict[str, Any] = {k: v for k, v in parsed.items() if k in ("username", "password")}
-    else:
-        options = parse_url(url)
-    if scheme == "unix" and not options.get("path"):
-        raise ValueError(f"redis url {redact(url)!r}: unix:// needs a socket path, e.g. unix:///run/redis.sock")
     if scheme in ("redis", "rediss") and not options.get("host"):
         options["host"] = "localhost"
 
