@@ -256,6 +256,17 @@ def test_two_runs_at_once_finish_audit_clean_and_sit_on_different_shards(
     for run in runs:
         events = _audit_clean(redis_cluster.url, run, tmp_path)
         assert any(isinstance(e.payload, ev.RunFinished) and e.payload.status == "completed" for e in events)
+    # without --redis the run directory's redis_url (the cluster URL) is where the log is read
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "rolledger.workers.cli", "audit", runs[0], "--runs-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     # where the runs' keys are, asked of each primary: each run's keys on one primary, the two primaries differ
     # (keys on a replica are copies of its primary's, so primaries are enough)
     holders: dict[str, set[int]] = {run: set() for run in runs}
