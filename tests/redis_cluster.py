@@ -66,35 +66,7 @@ class RedisClusterProcesses:
         cli = redis_cli()
         assert cli is not None, "redis-cli is needed to create a cluster"
         for port in self.ports:
-            d = self.workdir / str(port)
-            d.mkdir(parents=True, exist_ok=True)
-            self.procs[port] = subprocess.Popen(
-                [
-                    redis_binary(),
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    str(d),
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    str(d / "nodes.conf"),
-                    "--cluster-node-timeout",
-                    "5000",
-                    "--appendonly",
-                    "yes",
-                    "--appendfsync",
-                    "no",
-                    "--save",
-                    "",
-                    "--logfile",
-                    str(d / "redis.log"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            self.start_node(port)
         deadline = time.monotonic() + deadline_s
         for port in self.ports:
             self._wait(lambda p=port: self._pings(p), deadline, f"node 127.0.0.1:{port} to answer PING")
@@ -108,6 +80,43 @@ class RedisClusterProcesses:
         )
         assert create.returncode == 0, create.stdout[-2000:] + create.stderr[-2000:]
         self.wait_ok(deadline)
+
+    def start_node(self, port: int) -> None:
+        """Start (or start again, over its AOF and nodes.conf: it rejoins the cluster) the node on `port`."""
+        d = self.workdir / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        self.procs[port] = subprocess.Popen(
+            [
+                redis_binary(),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(d),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(d / "nodes.conf"),
+                "--cluster-node-timeout",
+                "5000",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "no",
+                "--save",
+                "",
+                "--logfile",
+                str(d / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on `port` (an uncoordinated failure: its replica is promoted after the node timeout)."""
+        self.procs[port].kill()
+        self.procs[port].wait(timeout=20)
 
     def wait_ok(self, deadline: float) -> None:
         """Until every node says cluster_state:ok and agrees on the layout of the 16384 slots, and every replica has
@@ -126,6 +135,8 @@ class RedisClusterProcesses:
                 repl = node.info("replication")
                 if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
                     return False
+            except (redis.ConnectionError, redis.BusyLoadingError):  # a node starting again, replaying its AOF
+                return False
             finally:
                 node.close()
         return True
@@ -165,22 +176,27 @@ class RedisClusterProcesses:
         raise AssertionError(f"slot of {key!r} is served by no primary")
 
     def replica_of(self, primary: int) -> int:
-        """The port of a replica of the primary on `primary` (ROLE on the primary)."""
+        """The port of a replica of the primary on `primary` (ROLE on the primary); 0 when it has none."""
         node = self.node(primary)
         try:
             role = node.execute_command("ROLE")
         finally:
             node.close()
-        assert role[0] == b"master" and role[2], f"127.0.0.1:{primary} has no replica: {role}"
+        assert role[0] == b"master", f"127.0.0.1:{primary} is not a primary: {role}"
+        if not role[2]:
+            return 0  # no replica (yet)
         return int(role[2][0][1])
 
-    def stop(self) -> None:
+    def stop(self, deadline_s: float = 5.0) -> None:
+        """SIGTERM every node, SIGKILL what is left after deadline_s: a replica that has just synced refuses a
+        SIGTERM while it writes its first AOF ("Writing initial AOF, can't exit"), and this data is throwaway."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
+        deadline = time.monotonic() + deadline_s
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=20)

@@ -299,6 +299,7 @@ def test_a_run_survives_a_coordinated_failover_of_its_primary(
     run = f"c-{uuid.uuid4().hex[:8]}"
     primary = redis_cluster.primary_of(keys.log_key(run))
     replica = redis_cluster.replica_of(primary)
+    assert replica, f"the run's primary {primary} has no replica"
     proc = _spawn(
         ["run", "--redis", redis_cluster.url, "--run-id", run, "--config", str(cfg), "--runs-dir", str(tmp_path)],
         tmp_path / "run.log",
@@ -330,3 +331,41 @@ def test_a_run_survives_a_coordinated_failover_of_its_primary(
     events = _audit_clean(redis_cluster.url, run, tmp_path)
     assert any(isinstance(e.payload, ev.RunFinished) and e.payload.status == "completed" for e in events)
     assert redis_cluster.primary_of(keys.log_key(run)) == replica
+
+
+def test_a_command_rides_out_an_uncoordinated_failover_and_lands_on_the_promoted_replica(
+    redis_cluster: RedisClusterProcesses,
+) -> None:
+    """The run's primary is SIGKILLed: until its replica is promoted (the cluster's node timeout, 5 s here) the slot
+    has no primary; an append made meanwhile waits (ConnectionError, then CLUSTERDOWN, ridden out within the outage
+    deadline) and is written on the promoted replica. Only the waiting is checked: what the dead primary had
+    acknowledged but not yet replicated may be lost (asynchronous replication; README, Redis Cluster). The killed
+    node is started again and rejoins as a replica, so the cluster is whole for whatever runs next."""
+    from logbuilder import LogBuilder
+
+    run = f"c-{uuid.uuid4().hex[:8]}"
+    primary = redis_cluster.primary_of(keys.log_key(run))
+    replica = redis_cluster.replica_of(primary)
+    assert replica, f"the run's primary {primary} has no replica"
+    client = connect(redis_cluster.url, retry_deadline=60.0)
+    evs = LogBuilder().start_run().build()
+    try:
+        log = EventLog(client, run)
+        log.append(evs[0])
+        redis_cluster.kill(primary)
+        t0 = time.monotonic()
+        (stream_id,) = log.append_many(evs[1:2])
+        waited = time.monotonic() - t0
+        assert redis_cluster.primary_of(keys.log_key(run)) == replica
+        assert stream_id in {s.stream_id for s in log.read()}
+        assert waited > 1.0, waited  # it did have to wait for the promotion: the old primary was gone
+    finally:
+        client.close()
+        if redis_cluster.procs[primary].poll() is not None:
+            redis_cluster.start_node(primary)
+            redis_cluster.wait_ok(time.monotonic() + 60)
+    deadline = time.monotonic() + 60
+    while redis_cluster.replica_of(replica) != primary:  # rejoined, as a replica of the promoted one
+        assert time.monotonic() < deadline, "the killed primary did not rejoin as a replica within 60 s"
+        time.sleep(0.1)  # polling the cluster's layout with a deadline
+    redis_cluster.wait_ok(deadline)
