@@ -49,3 +49,9 @@ def fence_key(run_id: str, role: str) -> str:
 def finished_key(run_id: str) -> str:
     """Set (to the RunFinished's stream id) by the script that appends the run's RunFinished: appends refused after."""
     return _k(run_id, "finished")
+
+
+def durable_probe_key(run_id: str) -> str:
+    """Counter INCR'd by `EventLog.wait_durable` just before its WAITAOF, on the same connection: WAITAOF waits for
+    the last write of the connection it runs on, and this write comes after every write acknowledged before it."""
+    return _k(run_id, "durable")
