@@ -12,7 +12,8 @@ def _k(run_id: str, suffix: str) -> str:
 
 
 def log_key(run_id: str) -> str:
-    """The run's event log: the source of truth, never trimmed."""
+    """The run's event log: the source of truth. Never trimmed by length; only the archiver (events/archive.py)
+    trims it, by MINID, behind entries it has written to verified archive segments."""
     return _k(run_id, "events")
 
 
@@ -55,3 +56,9 @@ def durable_probe_key(run_id: str) -> str:
     """Counter INCR'd by `EventLog.wait_durable` just before its WAITAOF, on the same connection: WAITAOF waits for
     the last write of the connection it runs on, and this write comes after every write acknowledged before it."""
     return _k(run_id, "durable")
+
+
+def archive_key(run_id: str) -> str:
+    """Hash: the manifest of the run's archived log segments (events/archive.py): directory, last archived id, one
+    field per segment with its entry count and digest."""
+    return _k(run_id, "archive")

@@ -273,6 +273,18 @@ class RecoveryConfig(ConfigModel):
         return int(self.lost_after_s * 1000)
 
 
+class LogConfig(ConfigModel):
+    """Archive, then trim (events/archive.py): the run log's old entries move to segment files in the run directory
+    (`<run dir>/archive/`) and the Redis stream keeps a live window, so Redis memory is bounded by the window, not the
+    run. Trimming never passes a consumer group's undelivered or pending entries or the latest reducer snapshot."""
+
+    archive: bool = Field(True, description="archive the log into segment files and trim the live stream behind them")
+    keep_live: int = Field(10_000, ge=0, description="entries always left in the live stream (tailing readers)")
+    archive_every: int = Field(
+        10_000, ge=1, description="a segment is written once this many entries beyond keep_live wait (its length)"
+    )
+
+
 class ModelConfig(ConfigModel):
     """The tiny policy the project builds itself when the run has no checkpoint (no hub): a Qwen2 or Llama causal LM.
     A run on an existing checkpoint (`--model-dir`) takes the architecture and sizes from its config.json."""
@@ -359,6 +371,7 @@ class RunConfig(ConfigModel):
     trainer: TrainerConfig = TrainerConfig()
     update: UpdateConfig = UpdateConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    log: LogConfig = LogConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     join_deadline_s: float = Field(600.0, gt=0, description="every rank must have joined this long after RunStarted")

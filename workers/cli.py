@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, get_args
 
@@ -43,7 +44,7 @@ from rolledger.workers.run_inputs import (
 if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolledger --help` stays fast
     import redis
 
-    from rolledger.events.scan import LogScan
+    from rolledger.events.archive import RunScan
     from rolledger.schemas.events import Event
     from rolledger.workflows.replay import ReplayReport
 
@@ -273,32 +274,50 @@ def run_exit_code(status: RunStatus, signalled: int | None) -> int:
     return EXIT_OK if status == RunStatus.COMPLETED else EXIT_RUN_FAILED
 
 
+# Where the run being read keeps its archived segments (`<run dir>/archive`), set by `_open` for `_scan`; None: the
+# directory the archive manifest recorded.
+_ARCHIVE_DIR: ContextVar[Path | None] = ContextVar("archive_dir", default=None)
+
+
 @contextmanager
 def _open(args: argparse.Namespace) -> Iterator[tuple[redis.Redis, str]]:
     """The run's Redis and id, for reading; a run that does not exist (no run directory and no Redis to look in, or
     a log with no entry) is a CliError, not an empty run that audits OK."""
-    from rolledger.events.open_run import NoSuchRun, open_run
+    from rolledger.events.archive import archive_dir, read_manifest
+    from rolledger.events.open_run import NoSuchRun, open_run, resolve
     from rolledger.events.redact import redact
     from rolledger.events.scan import log_exists
 
+    run_dir = resolve(args.run, Path(args.runs_dir)).run_dir
+    token = _ARCHIVE_DIR.set(archive_dir(run_dir) if run_dir is not None else None)
     try:
         with open_run(args.run, args.redis, Path(args.runs_dir)) as (client, run_id):
-            if not log_exists(client, run_id):
+            if not log_exists(client, run_id) and not read_manifest(client, run_id).segments:
                 where = redact(args.redis or os.environ.get("REDIS_URL") or str(Path(args.runs_dir) / args.run))
                 raise CliError(f"run {args.run!r} has no events (no log {run_id!r} at {where}): no such run")
             yield client, run_id
     except NoSuchRun as exc:
         raise CliError(f"{exc}; the runs directory is {RUNS_DIR_HELP}") from None
+    finally:
+        _ARCHIVE_DIR.reset(token)
 
 
-def _scan(client: redis.Redis, run_id: str, start: str = "-") -> LogScan:
-    """The log, read without writing anything (undecodable entries are reported, not dead-lettered)."""
-    from rolledger.events.scan import scan_log
+def _scan(client: redis.Redis, run_id: str, start: str = "-") -> RunScan:
+    """The log, archived segments then the live stream, read without writing anything (undecodable entries are
+    reported, not dead-lettered; a missing or tampered segment is in `problems`, named by its ids)."""
+    from rolledger.events.archive import scan_run
 
-    return scan_log(client, run_id, start)
+    return scan_run(client, run_id, _ARCHIVE_DIR.get(), start)
 
 
-def _verify(client: redis.Redis, run_id: str, until: str | None = None) -> tuple[ReplayReport, LogScan]:
+def _report_segments(scan: RunScan, command: str) -> int:
+    """Each segment problem as one stderr line; EXIT_VIOLATED if there was any (the log read is not whole)."""
+    for p in scan.problems:
+        print(f"rolledger {command}: {p.line()}", file=sys.stderr)
+    return EXIT_VIOLATED if scan.problems else EXIT_OK
+
+
+def _verify(client: redis.Redis, run_id: str, until: str | None = None) -> tuple[ReplayReport, RunScan]:
     """The replay check over the run's log and its stored snapshots (read once each, read-only)."""
     from rolledger.events.snapshots import stored_snapshots
     from rolledger.workflows.replay import check_replay
@@ -321,6 +340,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             {"event_id": e, "recorded": a, "replayed": b, "ok": a == b} for e, a, b in report.snapshot_checks
         ],
         "undecodable": [{"stream_id": u.stream_id, "type": u.event_type, "reason": u.reason} for u in scan.undecodable],
+        "archive_problems": [{"first_id": p.first_id, "last_id": p.last_id, "reason": p.reason} for p in scan.problems],
         "state": state.to_dict(),
     }
     if args.json:
@@ -345,11 +365,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"undecodable entries (not replayed): {len(scan.undecodable)}")
         for u in scan.undecodable[:20]:
             print(f"  {u.stream_id} {u.event_type or '?'}: {u.reason}")
-    return 0 if report.ok and not scan.undecodable else 1
+        print(f"archive problems (entries not replayed): {len(scan.problems)}")
+        for p in scan.problems:
+            print(f"  {p.line()}")
+    return 0 if report.ok and not scan.undecodable and not scan.problems else 1
 
 
-def _events(client: redis.Redis, run_id: str) -> list[Event]:
-    return [s.event for s in _scan(client, run_id).entries]
+def _events(client: redis.Redis, run_id: str, command: str) -> tuple[list[Event], int]:
+    """The run's events (archive + live) and the exit code its segment problems call for (each one a stderr line)."""
+    scan = _scan(client, run_id)
+    return [s.event for s in scan.entries], _report_segments(scan, command)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -365,6 +390,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         snapshot_checks=rep.snapshot_checks,
         undecodable=scan.undecodable,
         dead_letters=dead,
+        log_gaps=[(p.first_id, p.last_id, p.reason) for p in scan.problems],
     )
     print(report.to_json() if args.json else report.render())
     return 0 if report.passed else 1
@@ -374,13 +400,13 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from rolledger.workflows.lineage import lineage
 
     with _open(args) as (client, run_id):
-        events = _events(client, run_id)
+        events, code = _events(client, run_id, "lineage")
     try:
         chain = lineage(events, args.trajectory_id)
     except KeyError as exc:  # a trajectory the run does not have: an input error
         raise CliError(str(exc.args[0] if exc.args else exc)) from None
     print(chain.to_json() if args.json else chain.render())
-    return 0
+    return code
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
@@ -390,11 +416,11 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     if Path(args.out).suffix not in SUFFIXES:  # refused before the run is opened
         raise CliError(f"--out must end in {' or '.join(SUFFIXES)}, not {args.out!r}")
     with _open(args) as (client, run_id):
-        events = _events(client, run_id)
+        events, code = _events(client, run_id, "timeline")
     out = Path(args.out)
     write_timeline(build_timeline(events), out)
     print(out)
-    return 0
+    return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:

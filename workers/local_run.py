@@ -45,6 +45,7 @@ import structlog
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from rolledger.events.archive import Archiver, archive_dir, iter_run
 from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
@@ -314,6 +315,8 @@ class LocalRun:
             metrics.serve(self.opts.metrics_port)
         incidents = IncidentLog(client, self.run_id)  # each abort, quarantine, halt, refusal... as a warning line
         give_up = time.monotonic() + self.cfg.run_deadline_s + DEADLINE_GRACE_S
+        archiver = self._archiver(client)
+        unarchived = 0  # entries this loop saw since the archiver last looked: no Redis command until it matters
         while not follower.state.status.is_terminal:
             if self._signal_seen.is_set():
                 self._cancel(client)
@@ -323,6 +326,10 @@ class LocalRun:
             incidents.events(got)
             incidents.poll_dead_letters()
             metrics.observe(follower.state, got)
+            unarchived += len(got)
+            if archiver is not None and unarchived >= archiver.archive_every:
+                unarchived = 0
+                archiver.run_once()
             if self.opts.on_progress is not None:
                 self.opts.on_progress(follower)
             self._restart_dead()
@@ -333,13 +340,25 @@ class LocalRun:
                 give_up = float("inf")
         return follower
 
+    def _archiver(self, client: redis.Redis) -> Archiver | None:
+        """The run's archiver (config `log`), run by this driver between its polls: the one process of a run that
+        has both the run directory and the whole run's lifetime, in-process and external-workers modes alike. A pass
+        costs a few Redis commands plus one XRANGE per entry page it archives, and runs once per `archive_every`
+        entries."""
+        cfg = self.cfg.log
+        if not cfg.archive:
+            return None
+        return Archiver(
+            client, self.run_id, archive_dir(self.run_dir), keep_live=cfg.keep_live, archive_every=cfg.archive_every
+        )
+
     def _summarize(
         self, client: redis.Redis, follower: Follower, keep_events: dict[str, list[ev.Event]] | None
     ) -> Summary:
         """Once every worker stopped: fold the rest of the log, snapshot it, and write summary.json from it."""
         follower.catch_up()
         take_snapshot(client, self.run_id, follower.state, follower.last_id)
-        events = [s.event for s in follower.log.read()]
+        events = [s.event for s in iter_run(client, self.run_id, archive_dir(self.run_dir))]
         if keep_events is not None:
             keep_events["events"] = events
         dead = [

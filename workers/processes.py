@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import redis
 import structlog
 
+from rolledger.events.archive import iter_run
 from rolledger.events.connection import RedisUnavailable, connect
 from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog, RunClosed
@@ -42,7 +43,7 @@ class RunNotStarted(LookupError):
 
 
 def _run_started(client: redis.Redis, run_id: str) -> ev.RunStarted:
-    for stored in EventLog(client, run_id).read():
+    for stored in iter_run(client, run_id):  # archive + live: a trimmed stream no longer holds RunStarted
         if isinstance(stored.event.payload, ev.RunStarted):
             return stored.event.payload
     raise RunNotStarted(f"run {run_id!r} has no RunStarted event yet; start it with `rolledger run` first")

@@ -17,11 +17,14 @@ from collections.abc import Sequence
 import redis
 import structlog
 
+from rolledger.events.archive import trimmed_before
 from rolledger.events.connection import RedisUnavailable
 from rolledger.events.envelope import make_event
+from rolledger.events.snapshots import latest_snapshot
 from rolledger.events.store import ConcurrencyConflict, EventLog, RunClosed, StoredEvent
 from rolledger.schemas import events as ev
 from rolledger.workflows.reducer import fold
+from rolledger.workflows.replay import restore
 from rolledger.workflows.state import RunState
 
 
@@ -35,12 +38,28 @@ class Follower:
         self.state = RunState()
         self.last_id = "0-0"
         self.lock = lock
+        self._placed = False
 
     def start_from(self, state: RunState, stream_id: str) -> None:
         """Begin at a snapshot (state as of `stream_id`) instead of the first entry: replay = snapshot + tail."""
         self.state, self.last_id = state, stream_id
+        self._placed = True
+
+    def _place(self) -> None:
+        """Once, before the first read of a follower starting at the first entry: if the archiver trimmed the live
+        stream (events/archive.py), the first entries are only in the archive; begin at the latest snapshot instead,
+        which the archiver never trims past (one HGET, plus the snapshot when there is a trim)."""
+        if self._placed:
+            return
+        self._placed = True
+        if self.last_id != "0-0" or trimmed_before(self.log.client, self.log.run_id) is None:
+            return
+        snap = latest_snapshot(self.log.client, self.log.run_id)
+        if snap is not None:
+            self.start_from(restore(snap), snap.stream_id)
 
     def poll(self, block_ms: int = 100) -> list[StoredEvent]:
+        self._place()
         got = self.log.tail(self.last_id, block_ms=block_ms)
         for stored in got:
             fold(self.state, stored.event)
@@ -50,6 +69,7 @@ class Follower:
     def catch_up(self, block_ms: int = 0) -> list[StoredEvent]:
         """Fold everything appended so far (waiting up to `block_ms` for the first new entry; 0: do not wait): the
         whole log up to its last entry as of this call, however long. Returns the events folded."""
+        self._place()
         got = self.log.tail(self.last_id, block_ms=block_ms) if block_ms else []
         after = got[-1].stream_id if got else self.last_id
         got.extend(self.log.read("(" + after if after != "0-0" else "-"))

@@ -39,6 +39,7 @@ import redis
 import structlog
 import torch
 
+from rolledger.events.archive import iter_run
 from rolledger.events.connection import connect
 from rolledger.events.store import EventLog, RunClosed
 from rolledger.schemas import events as ev
@@ -247,7 +248,7 @@ class TrainerClient:
 
     @staticmethod
     def _model_dir(log_: EventLog) -> str:
-        for stored in log_.read():
+        for stored in iter_run(log_.client, log_.run_id):  # archive + live: RunStarted may be archived
             if isinstance(stored.event.payload, ev.RunStarted):
                 return stored.event.payload.model_dir
         raise ClientError(f"run {log_.run_id!r} has no RunStarted")

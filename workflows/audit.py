@@ -13,7 +13,9 @@ update-attempt tracker that lineage shares audit_attempts.
 The precise definitions checked (v is a policy version, r a rank):
 
 0. The log is whole. Every entry decodes: an undecodable entry is a warning, and a violation naming its stream id
-   when its type field names a decision (`DECISION_TYPES`: what the coordinator decides); every dead-letter entry
+   when its type field names a decision (`DECISION_TYPES`: what the coordinator decides); an archived segment that
+   is missing or tampered (or entries lost between the archive and the live stream) is a violation naming the
+   segment's first and last stream ids, since the events in it were not checked; every dead-letter entry
    is a warning; an event after RunFinished is a violation (the first few named). Duplicate event ids are found
    over the whole log (the reducer's id window is bounded; its folds are idempotent by their own keys instead).
    A log without RunFinished makes the report UNFINISHED, not OK (`AuditReport.verdict`).
@@ -287,12 +289,23 @@ def audit(
     snapshot_checks: Sequence[tuple[str, str, str]] = (),
     undecodable: Sequence[UndecodableEntry] = (),
     dead_letters: Sequence[DeadLetterEntry] = (),
+    log_gaps: Sequence[tuple[str, str, str]] = (),
 ) -> AuditReport:
     """Check invariants 1-8 over `events` (log order). `replay_digests`: the state digests of two replays of the
     log; `snapshot_checks`: (snapshot event id, digest stored in the snapshot, digest the replay computed);
-    `undecodable`: the log's entries that did not decode; `dead_letters`: the run's dead-letter stream."""
+    `undecodable`: the log's entries that did not decode; `dead_letters`: the run's dead-letter stream; `log_gaps`:
+    (first stream id, last stream id, why) of each archived segment that could not be read (events/archive.py)."""
     auditor = Auditor()
     for event in events:
         _feed(auditor, event)
     _log_findings(auditor, undecodable, dead_letters)
+    for first, last, why in log_gaps:
+        auditor.checked[LOG_INTEGRITY] += 1
+        auditor.violations.append(
+            Violation(
+                LOG_INTEGRITY,
+                f"archived log segment {first}..{last} was not read, its events were not checked: {why}",
+                (first, last),
+            )
+        )
     return _finish(auditor, replay_digests, snapshot_checks)
