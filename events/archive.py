@@ -31,6 +31,7 @@ and a snapshot ago) would be written again. `once:` keys (append_once guards, on
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import uuid
@@ -225,7 +226,7 @@ def load_segment(directory: Path | None, segment: Segment) -> list[tuple[str, di
     ids = [position(e[0]) for e in entries]
     if entries and (entries[0][0] != segment.first_id or entries[-1][0] != segment.last_id):
         raise SegmentError(segment, f"runs {entries[0][0]}..{entries[-1][0]}, not the ids it is named by")
-    if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
+    if any(a >= b for a, b in itertools.pairwise(ids)):
         raise SegmentError(segment, "its entry ids are not increasing")
     return entries
 

@@ -112,7 +112,8 @@ def test_archive_and_trim_keep_replay_and_audit_and_bound_the_live_stream(
 
     # the dedupe hash lost the fields of trimmed events; an append retried inside the live window is still idempotent
     first_live = position(live[0][0].decode())
-    left = {k: v.decode() for k, v in redis_client.hgetall(dedupe_key(run_id)).items()}
+    hash_now: Any = redis_client.hgetall(dedupe_key(run_id))
+    left = {k: v.decode() for k, v in hash_now.items()}
     assert len(left) < dedupe_before and all(position(v) >= first_live for v in left.values())
     assert EventLog(redis_client, run_id).append_many([events[-2]]) == [ids[-2]]
 
@@ -274,7 +275,9 @@ def test_a_crash_between_the_steps_of_a_pass_loses_and_duplicates_nothing(
     assert scan_run(redis_client, run_id, d).problems == []
 
 
-def test_entries_trimmed_without_being_archived_are_reported(redis_client: redis.Redis, run_id: str, runs: Path) -> None:
+def test_entries_trimmed_without_being_archived_are_reported(
+    redis_client: redis.Redis, run_id: str, runs: Path
+) -> None:
     events = build_log(8)
     ids = write_log(redis_client, run_id, events, snapshot_at=1.0)
     a = archiver(redis_client, runs, run_id, keep_live=10, archive_every=20)
