@@ -4,11 +4,13 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
 
 - `log_key(run)`: the stream of events, the source of truth. Each entry holds `e` = codec bytes and `t` = the event
   type (for cheap peeking without decoding). Never trimmed by length: XTRIM/MAXLEN deletes entries no consumer has
-  read (reference notes, section 1.4).
+  read (reference notes, section 1.4). events/archive.py trims it by MINID behind verified archive segments; `read`
+  and `tail` see only the live stream, `archive.scan_run` / `iter_run` the whole log.
 - `dedupe_key(run)`: hash event id -> stream id, written by every append in the same Lua call as the XADD, so a
   retried append (a reply lost to a dropped connection, then redis-py's retry) returns the original stream id
   instead of writing a duplicate. Redis 7.0 has no idempotent XADD (IDMP arrived in 8.6), hence the scripts.
-  `append_once` records its batch key there as `once:<key>`.
+  `append_once` records its batch key there as `once:<key>`. The archiver (events/archive.py) deletes the event ids
+  whose stream id it trimmed; `once:` keys stay.
 - `finished_key(run)`: set by the script that appends the run's RunFinished (to its stream id). Any later append of
   an event not already recorded is refused (`RunClosed`) and nothing of its batch is written.
 - `dead_letter_key(run)`: entries nobody could process, each with `source` (stream id), `raw` (the bytes), `reason`,
