@@ -25,7 +25,7 @@ from rolledger.events.archive import (
     successor,
 )
 from rolledger.events.keys import dedupe_key, log_key
-from rolledger.events.snapshots import take_snapshot
+from rolledger.events.snapshots import latest_snapshot, take_snapshot
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.workers.cli import main
@@ -300,3 +300,34 @@ def test_a_follower_starting_on_a_trimmed_log_starts_from_the_snapshot(
     follower = Follower(EventLog(redis_client, run_id))
     follower.catch_up()
     assert follower.state.digest() == replay(events).digest()
+
+
+def test_a_run_archives_as_it_goes_and_its_log_replays_and_audits(
+    redis_url: str, run_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real `rolledger run` (torch engine) with a tiny window: the driver archives and trims (while the run goes
+    once a snapshot allows it, and at its end); the archived + live log replays to the final snapshot's digest (folded from the live stream as the run went),
+    every stored snapshot agrees, and the audit passes."""
+    from test_run_loop import small
+
+    from rolledger.workers.local_run import LocalRun, RunOptions
+
+    cfg = small(steps=3, log={"keep_live": 60, "archive_every": 60})
+    summary = LocalRun(RunOptions(config=cfg, redis_url=redis_url, run_id=run_id, runs_dir=tmp_path)).execute()
+    assert summary.status == "completed"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        manifest = read_manifest(client, run_id)
+        added = int(client.xinfo_stream(log_key(run_id))["entries-added"])
+        assert manifest.segments and manifest.trimmed is not None, added
+        assert client.xlen(log_key(run_id)) < added
+        final = latest_snapshot(client, run_id)
+    finally:
+        client.close()
+    capsys.readouterr()  # the run's own log lines
+    common = ("--redis", redis_url, "--runs-dir", str(tmp_path))
+    code, out, _ = cli(capsys, "replay", run_id, "--json", *common)
+    assert code == 0 and out["archive_problems"] == [] and all(s["ok"] for s in out["snapshots"])
+    assert final is not None and out["digest"] == final.digest
+    code, audit_out, _ = cli(capsys, "audit", run_id, "--json", *common)
+    assert code == 0, audit_out

@@ -223,6 +223,8 @@ def _events(args: argparse.Namespace) -> int:
     try:
         with _open(args) as (client, run_id):
             scan = _scan(client, run_id)
+            for problem in scan.problems:  # a missing or tampered archive segment: its events are not listed
+                print(f"rolledger events: {problem.line()}", file=sys.stderr)
             window.resolve(scan.entries)
             printer = _Printer(flt, window, args.json)
             items: list[tuple[tuple[int, int], StoredEvent | Undecodable]] = [

@@ -358,6 +358,9 @@ class LocalRun:
         """Once every worker stopped: fold the rest of the log, snapshot it, and write summary.json from it."""
         follower.catch_up()
         take_snapshot(client, self.run_id, follower.state, follower.last_id)
+        archiver = self._archiver(client)
+        if archiver is not None:  # the finished run's Redis (and its AOF) keeps the window too
+            archiver.run_once()
         events = [s.event for s in iter_run(client, self.run_id, archive_dir(self.run_dir))]
         if keep_events is not None:
             keep_events["events"] = events
