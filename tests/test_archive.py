@@ -336,9 +336,7 @@ def test_a_run_archives_as_it_goes_and_its_log_replays_and_audits(
     first = manifest.segments[0]
     (archive_dir(tmp_path / run_id) / f"{first.name}.msgpack").unlink()
     code, out, _ = cli(capsys, "replay", run_id, "--json", *common)
-    assert code == 1 and [(p["first_id"], p["last_id"]) for p in out["archive_problems"]][0] == (
-        first.first_id,
-        first.last_id,
-    )
+    named = [(p["first_id"], p["last_id"]) for p in out["archive_problems"]]
+    assert code == 1 and named[0] == (first.first_id, first.last_id)
     code, audit_out, _ = cli(capsys, "audit", run_id, "--json", *common)
     assert code == 1 and any(f"{first.first_id}..{first.last_id}" in v["message"] for v in audit_out["violations"])

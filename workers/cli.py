@@ -326,7 +326,7 @@ def _verify(client: redis.Redis, run_id: str, until: str | None = None) -> tuple
     snapshots = stored_snapshots(client, run_id)
     try:
         return check_replay(scan.entries, snapshots, until), scan
-    except Exception:  # noqa: BLE001 - a fold that fails on a log with a hole is reported, not raised
+    except Exception:  # a fold that fails on a log with a hole is reported, not raised
         if not scan.problems:
             raise
     # A missing or tampered archive segment leaves a hole the reducer may not fold past (a group completed whose
