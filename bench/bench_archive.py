@@ -130,10 +130,11 @@ def main() -> int:
                     else f"{'-':>7} {'-':>10} {'-':>9} {'-':>11}"
                 )
             print(f"{added:>14} | {cells[0]} | {cells[1]}")
-        for name, smp in (("plain", base), ("archived", arch)):
+        for name, series in (("plain", base), ("archived", arch)):
             print(
-                f"peak {name}: live entries {max(x[1] for x in smp)}, log+dedupe {max(x[2] for x in smp) / 1e6:.2f} MB,"
-                f" snapshots {max(x[3] for x in smp) / 1e6:.2f} MB, used_memory {max(x[4] for x in smp) / 1e6:.2f} MB"
+                f"peak {name}: live entries {max(x[1] for x in series)}, "
+                f"log+dedupe {max(x[2] for x in series) / 1e6:.2f} MB, snapshots {max(x[3] for x in series) / 1e6:.2f}"
+                f" MB, used_memory {max(x[4] for x in series) / 1e6:.2f} MB"
             )
         print(
             "(the snapshots stream keeps the first and the newest 3 reducer states, and the state grows with the run"
