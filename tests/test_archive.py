@@ -340,3 +340,20 @@ def test_a_run_archives_as_it_goes_and_its_log_replays_and_audits(
     assert code == 1 and named[0] == (first.first_id, first.last_id)
     code, audit_out, _ = cli(capsys, "audit", run_id, "--json", *common)
     assert code == 1 and any(f"{first.first_id}..{first.last_id}" in v["message"] for v in audit_out["violations"])
+
+
+def test_archive_and_trim_through_a_cluster_client(redis_cluster: Any, run_id: str, runs: Path) -> None:
+    """The archiver's commands (one-key Lua, XINFO, XPENDING, XTRIM, HSCAN) all name a key of the run's slot: the same
+    pass through a Redis Cluster client keeps the whole log readable."""
+    from rolledger.events.connection import connect
+
+    client = connect(redis_cluster.url)
+    try:
+        events = build_log(8)
+        ids = write_log(client, run_id, events)
+        result = archiver(client, runs, run_id, keep_live=10, archive_every=20).run_once()
+        assert result.segments and result.trimmed > 0
+        assert [s.stream_id for s in iter_run(client, run_id)] == ids
+        assert scan_run(client, run_id, archive_dir(runs / run_id)).problems == []
+    finally:
+        client.close()

@@ -95,6 +95,7 @@ def test_every_key_name_of_a_run_hashes_to_the_runs_one_slot(redis_cluster: Redi
         keys.lease_key(run, "coordinator"),
         keys.fence_key(run, "coordinator"),
         keys.finished_key(run),
+        keys.archive_key(run),
     ]
     assert {_slot(redis_cluster, k) for k in names} == {_slot(redis_cluster, "{" + run + "}")}
 
