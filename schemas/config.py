@@ -279,7 +279,12 @@ class LogConfig(ConfigModel):
     run. Trimming never passes a consumer group's undelivered or pending entries or the latest reducer snapshot."""
 
     archive: bool = Field(True, description="archive the log into segment files and trim the live stream behind them")
-    keep_live: int = Field(10_000, ge=0, description="entries always left in the live stream (tailing readers)")
+    keep_live: int = Field(
+        10_000,
+        ge=1,
+        description="entries always left in the live stream (tailing readers; never empty, so a resumed run "
+        "sees its log)",
+    )
     archive_every: int = Field(
         10_000, ge=1, description="a segment is written once this many entries beyond keep_live wait (its length)"
     )
