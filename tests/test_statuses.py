@@ -153,8 +153,11 @@ def golden_log() -> list[ev.Event]:
 # once TrainStepFinished is applied only as trainer.step + 1; then the recovery fields: a rank's `quarantined_at`, the
 # run's `reclaimed` and `late_results`, the `recovery` config; then a rank's
 # `incarnation`; then the update config's transport fields and `staging_fsync`; then the model config's
-# `architecture`; then the task config's plug-in fields; then the trainer config's `importance`, `is_cap` and `checkpoint_every`).
-GOLDEN_DIGEST = "5f32368c44583fb5ae0696505b106c2c"
+# `architecture`; then the task config's plug-in fields; then the trainer config's `importance`, `is_cap` and `checkpoint_every`;
+# then the bounded live state of issue 12: retired groups leave `groups` for the `retired` tombstones and the
+# `retired_digest` hash chain, with `retired_groups`, `after_retired`, `raced`, `recent_prompts` and admission's
+# `gone_before_training`).
+GOLDEN_DIGEST = "3d7cb9b0a724c98be7f9bb5660d6e8ea"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:
