@@ -36,8 +36,8 @@ from rolledger.schemas.statuses import (
     WakeTag,
 )
 
-RETIRED_KEPT: Final = 4096  # tombstones of retired groups kept (the oldest is dropped first)
-PROMPTS_KEPT: Final = 4096  # prompt ids of the newest admitted groups (admission skips them; see recent_prompts)
+RETIRED_KEPT: Final = 1024  # tombstones of retired groups kept (the oldest is dropped first)
+PROMPTS_KEPT: Final = 1024  # prompt ids of the newest admitted groups (admission skips them; see recent_prompts)
 
 
 @dataclass(slots=True)
@@ -246,10 +246,38 @@ class RunState:
     def from_dict(cls, data: dict[str, Any]) -> RunState:
         return _ADAPTER.validate_python(data)
 
+    def frozen(self) -> FrozenState:
+        """A copy to snapshot on another thread (events.snapshots.SnapshotWriter): the plain dict, taken now, O(live
+        state); its digest is computed from the copy, later, by whoever needs it."""
+        return FrozenState(self.last_event_id, self.to_dict())
+
     def digest(self) -> str:
-        """xxh3-128 of the canonical form; excludes nothing, so any divergence shows: the live state in full, and
-        every retired group through `retired_digest`. Its cost follows the live state, not the run."""
-        return xxhash.xxh3_128_hexdigest(msgpack.packb(_canonical(self.to_dict())))
+        """xxh3-128 of the canonical form, so any divergence shows: the live state in full, and every retired group
+        through `retired_digest`. Its cost follows the live state, not the run. The two windows `retired` and
+        `recent_prompts` are left out of the hashed form: each is the newest N of an insertion sequence the digest
+        already covers (each retirement's record, id and status included, is in the chain; each admitted prompt is in
+        its group, live or chained), so hashing them again would only add a cost that grows until they fill."""
+        return digest_of(_ADAPTER.dump_python(self, mode="json", exclude=_NOT_HASHED))
+
+
+def digest_of(data: dict[str, Any]) -> str:
+    """RunState.digest of a state's `to_dict()` (the keys the digest leaves out are skipped)."""
+    hashed = {k: v for k, v in data.items() if k not in _NOT_HASHED}
+    return xxhash.xxh3_128_hexdigest(msgpack.packb(_canonical(hashed)))
+
+
+@dataclass(frozen=True, slots=True)
+class FrozenState:
+    """A RunState as a plain dict, to snapshot off the decision thread (a SnapshotSource)."""
+
+    last_event_id: str
+    data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
+
+    def digest(self) -> str:
+        return digest_of(self.data)
 
 
 _TERMINAL_GROUP = frozenset({GroupStatus.CONSUMED, GroupStatus.DROPPED, GroupStatus.CANCELLED})
@@ -326,6 +354,7 @@ def _canonical(obj: Any) -> Any:
 
 
 _ADAPTER: TypeAdapter[RunState] = TypeAdapter(RunState)
+_NOT_HASHED = {"retired", "recent_prompts"}  # see RunState.digest
 
 
 def group_version(g: GroupState) -> int:
