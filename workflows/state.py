@@ -5,7 +5,7 @@ transaction per version, each rank's engine, admission, and the trainer. Snapsho
 pydantic (`to_dict` / `from_dict`); `digest` is xxh3-128 over its canonical msgpack form, so two replays of one log
 give the same digest exactly when they give the same state.
 
-Bounded live state. `groups` holds the *live* groups only: a group leaves it (`retire`) once it is terminal
+Bounded live state. `groups` holds the *live* groups only: a group leaves it (`retire_if_done`) once it is terminal
 (consumed, dropped or cancelled) and nothing more is owed to it (no sample still running, no finished sample still
 waiting for its score). What stays of it: a tombstone in `retired` (its id and terminal status, the newest
 RETIRED_KEPT of them, so a late event for it is judged as before), the counters (`retired_groups`,
