@@ -244,7 +244,10 @@ class RunState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:
-        return _ADAPTER.validate_python(data)
+        state = _ADAPTER.validate_python(data)
+        if "retired_groups" not in data:  # a snapshot taken before the live state was bounded (issue 12)
+            _bound(state)
+        return state
 
     def frozen(self) -> FrozenState:
         """A copy to snapshot on another thread (events.snapshots.SnapshotWriter): the plain dict, taken now, O(live
@@ -329,6 +332,21 @@ def group_record(g: GroupState) -> list[Any]:
         g.versions,
         g.consumed_step,
     ]
+
+
+def _bound(state: RunState) -> None:
+    """Bring a state restored from an older snapshot (every group kept) to the bounded form: the counters the deciders
+    read instead of scanning every group, then every group that owes nothing retired (in the snapshot's group order,
+    so its retired-groups chain is not the one a replay from the start gives: the old snapshot's digest differs
+    anyway, the digest's definition having changed with it)."""
+    groups = list(state.groups.values())
+    state.admission.gone_before_training = sum(1 for g in groups if g.status in _GONE_BEFORE_TRAINING)
+    state.recent_prompts = {g.prompt_id: None for g in groups[-PROMPTS_KEPT:]}
+    for g in groups:
+        retire_if_done(state, g)
+
+
+_GONE_BEFORE_TRAINING = frozenset({GroupStatus.CANCELLED, GroupStatus.DROPPED})
 
 
 def retire_if_done(state: RunState, g: GroupState) -> None:
