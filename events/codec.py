@@ -13,9 +13,11 @@ model's core validator is called directly. Every field is still validated by the
 Trust. `decode(data, trust=Trust.VALIDATE)` (the default) validates every field: bytes from anywhere (a foreign
 log, a dead-letter check, a tampered entry) are held to the schema. `Trust.OWN_LOG` is for entries this project wrote
 through `encode` (which only takes validated models) into a log it trusts, read back by the process that relies on
-them (rebuilding its state, its own tail): the unpacked maps are turned into the models directly, without running
+them (rebuilding its state, its own tail): the unpacked maps of the types that carry arrays or nested models
+(SampleFinished, GroupAdmitted: most of a log's bytes) are turned into the models directly, without running
 pydantic's validators again (the `trusted_builder` plans below: enums are rebuilt as enums, tuples as tuples, packed
-arrays as lists, nested models recursively). The trust is in the *writer*, not the bytes' shape: an entry whose shape
+arrays as lists, nested models recursively); flat types are validated anyway, pydantic-core being as fast as a
+hand-built model there (`_heavy`). The trust is in the *writer*, not the bytes' shape: an entry whose shape
 is not exactly what `encode` writes (a missing or extra field, an older schema version, a type the plans cannot
 build, anything the build trips on) falls back to full validation, so a malformed entry still becomes a DecodeError
 (and a dead-letter entry) under either trust. What OWN_LOG does not re-check is field *values* (ranges, cross-field
@@ -310,9 +312,25 @@ def trusted_builder(cls: type[BaseModel]) -> Callable[[dict[str, Any]], Any]:
     return build
 
 
+def _heavy(cls: type[BaseModel]) -> bool:
+    """Whether a payload type holds packed arrays or nested models: where building it in Python beats pydantic-core's
+    validator. For a flat model the validator (one Rust call) is as fast as building it by hand or faster (measured:
+    SampleStarted 5.0 us validated vs 6.8 us built, SampleFinished 18.1 vs 15.8, GroupAdmitted 11.1 vs 9.9), so flat
+    types are validated under either trust."""
+    for info in cls.model_fields.values():
+        if any(isinstance(m, PackedArraySchema) for m in info.metadata):
+            return True
+        for a in (info.annotation, *typing.get_args(info.annotation)):
+            if isinstance(a, type) and issubclass(a, BaseModel):
+                return True
+    return False
+
+
 def _payload_builder(cls: type[BaseModel]) -> Callable[[dict[str, Any]], Any] | None:
-    """The trusted builder of a payload type (its wire map lacks `type`, which decode adds back), or None when one
-    of its fields has a type the plans cannot build (that type is always validated)."""
+    """The trusted builder of a payload type (its wire map lacks `type`, which decode adds back), or None for a flat
+    type (`_heavy`) or one with a field of a type the plans cannot build: such types are always validated."""
+    if not _heavy(cls):
+        return None
     try:
         inner = trusted_builder(cls)
     except TypeError:
