@@ -6,18 +6,27 @@ digest, and the state itself (msgpack of its `to_dict()`). This module only writ
 takes any object shaped like `Snapshot`. It never imports the reducer: the state is anything with `last_event_id`,
 `digest()` and `to_dict()` (`SnapshotSource`).
 
-Retention: a snapshot holds the whole state, which grows with the run, so keeping every one is quadratic in the log.
-`take_snapshot` keeps the first one and the newest `KEEP_LATEST` (the trim runs in the same Lua call as the XADD);
-storage is then bounded by a few states, and the replay check still compares every kept snapshot with the log.
+Retention: a snapshot holds the whole state, so keeping every one would grow with the log. `take_snapshot` keeps the
+first one and the newest `KEEP_LATEST` (the trim runs in the same Lua call as the XADD); storage is then bounded by a
+few states, and the replay check still compares every kept snapshot with the log.
+
+Off the decision thread: `SnapshotWriter` takes snapshots on a thread of its own. The caller hands it a *frozen*
+state (a SnapshotSource holding a copy, e.g. `RunState.frozen()`: a plain dict taken on the caller's thread, O(live
+state)); the digest, the msgpack and the XADD happen on the writer's thread. One snapshot is in flight at a time and
+a newer one replaces one still waiting (only the newest matters). `due` says when one is due: every `every_events`
+events or `every_s` seconds (with at least one new event), whichever comes first.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
 import redis
+import structlog
 
 from rolledger.events.keys import snapshots_key
 
@@ -107,3 +116,87 @@ def latest_snapshot(client: redis.Redis, run_id: str) -> Snapshot | None:
     """The newest stored snapshot, to start a replay from (snapshot + tail); None when there is none."""
     entries: Any = client.xrevrange(snapshots_key(run_id), count=1) or []
     return _snapshot(entries[0][1]) if entries else None
+
+
+class SnapshotWriter:
+    """Takes snapshots on its own thread (module docstring): `submit` returns at once; `close` waits for the last."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run_id: str,
+        *,
+        every_events: int = 500,
+        every_s: float = 30.0,
+        keep_latest: int = KEEP_LATEST,
+        events_at_start: int = 0,
+    ) -> None:
+        if every_events < 1 or every_s <= 0:
+            raise ValueError(f"every_events must be >= 1 and every_s > 0, got {every_events} and {every_s}")
+        self.client, self.run_id, self.keep_latest = client, run_id, keep_latest
+        self.every_events, self.every_s = every_events, every_s
+        self.taken = 0
+        self.failed = 0
+        self.last: Snapshot | None = None
+        self._at_events = events_at_start
+        self._at_time = time.monotonic()
+        self._pending: tuple[SnapshotSource, str] | None = None
+        self._busy = False
+        self._cond = threading.Condition()
+        self._closed = False
+        self._log = structlog.get_logger("rolledger.snapshots").bind(run_id=run_id)
+        self._thread = threading.Thread(target=self._run, name=f"snapshots-{run_id}", daemon=True)
+        self._thread.start()
+
+    def due(self, events_applied: int, now: float | None = None) -> bool:
+        """Whether a snapshot is due at `events_applied` events: by count, or by time with new events."""
+        new = events_applied - self._at_events
+        t = time.monotonic() if now is None else now
+        return new >= self.every_events or (new > 0 and t - self._at_time >= self.every_s)
+
+    def submit(self, frozen: SnapshotSource, stream_id: str, events_applied: int) -> None:
+        """Queue a snapshot of `frozen` (a copy the caller no longer changes) at `stream_id`; returns at once."""
+        with self._cond:
+            self._pending = (frozen, stream_id)
+            self._at_events, self._at_time = events_applied, time.monotonic()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                frozen, stream_id = self._pending
+                self._pending, self._busy = None, True
+            try:
+                self.last = take_snapshot(self.client, self.run_id, frozen, stream_id, keep_latest=self.keep_latest)
+                self.taken += 1
+            except Exception as exc:  # noqa: BLE001 - a lost snapshot costs a longer replay, never the run
+                self.failed += 1
+                self._log.warning("snapshot failed", error=f"{type(exc).__name__}: {exc}", at=stream_id)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until nothing is pending or in flight (True), or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Write what is pending, then stop the thread; False when that took longer than `timeout_s`."""
+        done = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=max(0.0, timeout_s))
+        return done and not self._thread.is_alive()

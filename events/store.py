@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from rolledger.events.codec import DecodeError, decode, encode
+from rolledger.events.codec import DecodeError, Trust, decode, encode
 from rolledger.events.connection import at_key, node_client
 from rolledger.events.keys import (
     dead_letter_key,
@@ -336,9 +336,18 @@ class EventLog:
         return int(self.client.xlen(self.key))
 
     def read(
-        self, start: str = "-", end: str = "+", *, batch: int = 1000, types: Collection[str] | None = None
+        self,
+        start: str = "-",
+        end: str = "+",
+        *,
+        batch: int = 1000,
+        types: Collection[str] | None = None,
+        trust: Trust = Trust.VALIDATE,
     ) -> Iterator[StoredEvent]:
         """Replay [start, end] in XRANGE pages of `batch`. A malformed entry is dead-lettered (once) and skipped.
+
+        `trust`: Trust.OWN_LOG for a log only this project writes, read back to rebuild its own state (entries of the
+        shape `encode` writes are built without re-validation; see events.codec); the default validates every field.
 
         `types`: only events of these types, filtered on the entry's `t` field before decoding (decoding is most
         of the cost of a replay, so a reader that needs a few types skips the rest almost for free).
@@ -350,7 +359,7 @@ class EventLog:
             page: Any = self.client.xrange(self.key, lo, end, count=batch)
             if not page:
                 return
-            yield from self._decode_entries(page, consumer="reader", types=types)
+            yield from self._decode_entries(page, consumer="reader", types=types, trust=trust)
             if len(page) < batch:
                 return
             lo = "(" + as_str(page[-1][0])
@@ -382,7 +391,11 @@ class EventLog:
             after = as_str(entries[-1][0])
 
     def _decode_entries(
-        self, entries: Sequence[Any], consumer: str, types: Collection[str] | None = None
+        self,
+        entries: Sequence[Any],
+        consumer: str,
+        types: Collection[str] | None = None,
+        trust: Trust = Trust.VALIDATE,
     ) -> Iterator[StoredEvent]:
         wanted = None if types is None else {t.encode() for t in types}
         for raw_id, fields in entries:
@@ -396,7 +409,7 @@ class EventLog:
                 dead_letter(self.client, self.run_id, stream_id=stream_id, raw=None, reason=reason, consumer=consumer)
                 continue
             try:
-                event = decode(data)
+                event = decode(data, trust)
             except DecodeError as exc:
                 dead_letter(
                     self.client, self.run_id, stream_id=stream_id, raw=data, reason=exc.reason, consumer=consumer

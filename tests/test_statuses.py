@@ -153,8 +153,12 @@ def golden_log() -> list[ev.Event]:
 # once TrainStepFinished is applied only as trainer.step + 1; then the recovery fields: a rank's `quarantined_at`, the
 # run's `reclaimed` and `late_results`, the `recovery` config; then a rank's
 # `incarnation`; then the update config's transport fields and `staging_fsync`; then the model config's
-# `architecture`; then the task config's plug-in fields; then the trainer config's `importance`, `is_cap` and `checkpoint_every`).
-GOLDEN_DIGEST = "30340b0a63efee2356cdc721bcc669e6"
+# `architecture`; then the task config's plug-in fields; then the trainer config's `importance`, `is_cap` and `checkpoint_every`;
+# then the log config (archive); then the bounded live state of issue 12: retired groups leave `groups` for the
+# `retired` tombstones and the `retired_digest` hash chain, with `retired_groups`, `after_retired`, `raced`,
+# `recent_prompts` and admission's `gone_before_training`; the digest hashes the state less its two bounded windows,
+# `retired` and `recent_prompts`).
+GOLDEN_DIGEST = "1b1d02c175c7e90c6ea4e670c10a3489"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import redis
 
 from rolledger.events.lease import LeaderLease
-from rolledger.events.snapshots import latest_snapshot, take_snapshot
+from rolledger.events.snapshots import SnapshotWriter, latest_snapshot
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.workers.runtime import Emitter, Follower, Worker
@@ -45,6 +45,7 @@ class Coordinator(Worker):
         *,
         lease_ttl_ms: int = 3000,
         snapshot_every: int = 500,
+        snapshot_every_s: float = 30.0,
     ) -> None:
         super().__init__(client, run_id, name)
         self.prompts = list(prompts)
@@ -54,8 +55,15 @@ class Coordinator(Worker):
             self.follower.start_from(restore(snap), snap.stream_id)
         self.lease = LeaderLease(client, run_id, "coordinator", name, ttl_ms=lease_ttl_ms)
         self.decisions = 0
-        self.snapshot_every = snapshot_every
-        self._snapshot_at = self.follower.state.events_applied  # 0, or the snapshot it started from
+        # snapshots every `snapshot_every` events or `snapshot_every_s` seconds, digested and written on their own
+        # thread: the decision thread only copies the (bounded) live state
+        self.snapshots = SnapshotWriter(
+            client,
+            run_id,
+            every_events=snapshot_every,
+            every_s=snapshot_every_s,
+            events_at_start=self.follower.state.events_applied,  # 0, or the snapshot it started from
+        )
         # (payloads, expected last stream id, policy version) -> appended?; a fault wrapper may replace it
         self.append_decisions: DecisionAppender = self._append_decisions
 
@@ -71,9 +79,8 @@ class Coordinator(Worker):
             state = self.follower.state
             if state.status.is_terminal:
                 break
-            if self.lease.token is not None and state.events_applied - self._snapshot_at >= self.snapshot_every:
-                take_snapshot(self.client, self.run_id, state, self.follower.last_id)
-                self._snapshot_at = state.events_applied
+            if self.lease.token is not None and self.snapshots.due(state.events_applied):
+                self.snapshots.submit(state.frozen(), self.follower.last_id, state.events_applied)
             now = time.time()
             if self.lease.token is None or now >= renew_at:
                 if self.lease.acquire() is None:  # takes a free lease or extends ours
@@ -85,6 +92,8 @@ class Coordinator(Worker):
             if payloads:
                 self.append_decisions(payloads, self.follower.last_id, state.policy_version)
         self.lease.release()
+        if not self.snapshots.close(timeout_s=10.0):
+            self.logger.warning("the last snapshot was not written within 10 s")
 
     def _append_decisions(self, payloads: Sequence[ev.Payload], expected_last_id: str, policy_version: int) -> bool:
         """Append if the log still ends where we decided; wait for the AOF after an update decision."""

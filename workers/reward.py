@@ -129,6 +129,9 @@ class RewardWorker(Worker):
 
     def _already_scored(self, p: ev.SampleFinished) -> bool:
         """Scored already, or not finished in the log (a late result of a rank that lost the sample's group)."""
-        g = self.follower.state.groups.get(p.trajectory.group_id)
+        state = self.follower.state
+        if state.group_gone(p.trajectory.group_id) is not None:
+            return True  # retired: every finished sample of it was scored (or it is a late result)
+        g = state.groups.get(p.trajectory.group_id)
         smp = g.samples.get(p.trajectory.index) if g else None
         return smp is not None and (smp.reward is not None or smp.status != SampleStatus.FINISHED)

@@ -148,8 +148,8 @@ class Rollout:
         """Under the lock: 'wait' (not in the folded state yet, or the rank may not serve), 'skip' (closed or
         reclaimed: the payloads close its orphans), or 'start' (the running count is raised)."""
         g = self.w.state.groups.get(p.group_id)
-        if g is None:
-            return "wait", []
+        if g is None:  # retired (terminal, owes nothing: closed before it could start here) or not folded yet
+            return ("skip" if self.w.state.group_gone(p.group_id) is not None else "wait"), []
         if g.samples:  # reclaimed from a dead worker: close what it left open, never run a sample twice
             return "skip", [
                 ev.SampleFailed(

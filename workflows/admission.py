@@ -22,6 +22,10 @@ Three gates, each a pause reason the controller owns (the update and handoff coo
   update period; this cap keeps the surplus from accumulating.
 Transitions only: AdmissionPaused when a gate closes, AdmissionResumed when it opens; while every gate is open,
 GroupAdmitted for the next prompts up to `max_inflight_groups`.
+
+Cost: O(open work). The gates scan the live groups only (retired ones are terminal and count through
+`admission.gone_before_training`), and the prompts already admitted are the state's `recent_prompts` window (a prompt
+admitted more than 4 x window admissions ago lies behind the candidate window for good).
 """
 
 from __future__ import annotations
@@ -31,14 +35,12 @@ from dataclasses import dataclass
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
-from rolledger.schemas.statuses import AdmissionReason, GroupStatus, RunStatus
+from rolledger.schemas.statuses import AdmissionReason, RunStatus
 from rolledger.schemas.trajectory import trajectory_nbytes
 from rolledger.workflows.scheduler import PromptItem, order_candidates
-from rolledger.workflows.state import RunState
+from rolledger.workflows.state import PROMPTS_KEPT, RunState
 
 OWNED_REASONS: tuple[AdmissionReason, ...] = (AdmissionReason.BYTES, AdmissionReason.LAG, AdmissionReason.RATE)
-
-_GONE_BEFORE_TRAINING = frozenset({GroupStatus.CANCELLED, GroupStatus.DROPPED})  # the lag gate counts the rest
 
 
 @dataclass(frozen=True)
@@ -93,11 +95,17 @@ def settled_version(state: RunState) -> int:
 def gates(state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int) -> Gates:
     """The three gates, as if `extra_groups` more groups of `extra_bytes` in all were admitted now."""
     adm = cfg.admission
-    inflight_bytes = sum(g.est_bytes for g in state.groups.values() if g.status.is_open)
+    inflight_bytes = untrained = 0
+    for g in state.groups.values():  # the live groups: O(open work)
+        if g.status.is_open:
+            inflight_bytes += g.est_bytes
+        if g.untrained:
+            untrained += 1
     projected_bytes = state.admission.queued_bytes + inflight_bytes + extra_bytes
-    live = sum(1 for g in state.groups.values() if g.status not in _GONE_BEFORE_TRAINING) + extra_groups
+    # every group ever admitted but those cancelled or dropped (consumed ones included: they set the trainer's pace)
+    live = state.admission.admitted - state.admission.gone_before_training + extra_groups
     projected_lag = (live - 1) // cfg.trainer.groups_per_step - settled_version(state) if live else 0
-    untrained = sum(1 for g in state.groups.values() if g.untrained) + extra_groups
+    untrained += extra_groups
     return Gates(
         bytes_ok=projected_bytes <= adm.max_queued_bytes,
         lag_ok=projected_lag <= adm.max_lag,
@@ -113,7 +121,9 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     if cfg is None or state.status != RunStatus.RUNNING or not inputs.prompts:
         return []
     n = cfg.group_size
-    admitted_prompts = {g.prompt_id for g in state.groups.values()}
+    if 4 * inputs.window >= PROMPTS_KEPT:
+        raise ValueError(f"admission window {inputs.window} too wide for the {PROMPTS_KEPT} prompts the state keeps")
+    admitted_prompts = state.recent_prompts
     start = state.admission.admitted
     candidates = [
         p

@@ -119,7 +119,8 @@ def decide_run_end(state: RunState) -> list[ev.Payload]:
     open_groups = [g for g in state.groups.values() if g.status.is_open]
     for g in open_groups:
         out.append(ev.GroupCancelled(group_id=g.group_id, reason="run finished"))
-    unsettled = any(s.status is SampleStatus.STARTED for g in state.groups.values() for s in g.samples.values())
+    unsettled = bool(state.raced)  # samples started on a group retired just before (workflows/reducer_rollout.py)
+    unsettled |= any(s.status is SampleStatus.STARTED for g in state.groups.values() for s in g.samples.values())
     unsettled |= any(
         r.status is EngineStatus.PAUSED for r in state.ranks.values()
     )  # let ranks resume after the last publish

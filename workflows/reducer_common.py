@@ -12,9 +12,11 @@ def anomaly(state: RunState, event: ev.Event, message: str) -> None:
 
 
 def find_group(s: RunState, e: ev.Event, group_id: str) -> GroupState | None:
+    """The live group; None (an anomaly) for a group that is unknown or already left the live state."""
     g = s.groups.get(group_id)
     if g is None:
-        anomaly(s, e, f"unknown group {group_id}")
+        gone = s.retired.get(group_id)
+        anomaly(s, e, f"unknown group {group_id}" if gone is None else f"group {group_id} already {gone} and retired")
     return g
 
 

@@ -6,6 +6,13 @@ pause) loses its group to another rank, which closes the samples still running w
 results for those samples before it sees it lost its claim, they are the expected leftovers of at-least-once
 delivery, not impossible transitions: each is counted in `state.late_results` and otherwise ignored (no anomaly).
 The same event from any other rank, or for a sample that was not reclaimed, is still an anomaly.
+
+Retired groups (workflows.state: terminal groups that owe nothing leave the live state). Every handler that can leave
+a group owing nothing retires it. An event for a retired group is judged from what is kept: a late result of a
+reclaimed sample is counted as above; a SampleStarted that raced the group's closure (a worker starting a group the
+coordinator had just cancelled) is counted in `state.after_retired` and held in `state.raced` until the sample ends
+(the worker sees the closure and cuts it short; the run's end waits for it, as it waited for such a sample in the
+group); anything else is an anomaly, as it was while such groups stayed in the state.
 """
 
 from __future__ import annotations
@@ -14,13 +21,34 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import GroupStatus, SampleStatus
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly, find_group, sample_index
-from rolledger.workflows.state import GroupState, RunState, SampleState
+from rolledger.workflows.state import GroupState, RunState, SampleState, retire_if_done
 
 handlers: Handlers[RunState, None] = Handlers("reducer: rollout and reward")
 
 
+def _late(s: RunState, group_id: str, sample_id: str, rank: int | None, *, start: bool = False) -> bool:
+    """An event for a sample of a retired group that is expected (counted, True) rather than an anomaly: a late result
+    of a reclaimed sample (from the rank that lost it, when the event names its rank), a start that raced the group's
+    closure (`start`: held in `raced`), or the end of such a raced sample."""
+    if group_id in s.groups or group_id not in s.retired:
+        return False
+    if sample_id in s.reclaimed and (rank is None or s.reclaimed[sample_id] == rank):
+        s.late_results += 1
+        return True
+    if start and sample_id not in s.raced:
+        s.raced[sample_id] = group_id
+        s.after_retired += 1
+        return True
+    if not start and s.raced.pop(sample_id, None) is not None:
+        s.after_retired += 1
+        return True
+    return False
+
+
 @handlers.on(ev.SampleStarted)
 def _sample_started(s: RunState, e: ev.Event, p: ev.SampleStarted) -> None:
+    if _late(s, p.group_id, p.sample_id, None, start=True):
+        return
     g = find_group(s, e, p.group_id)
     if g is None:
         return
@@ -45,6 +73,8 @@ def _sample(
     """The sample an end event is for, while it is still running; None (recorded) otherwise. `rank`: the rank the
     event comes from, when it says (a late result from the rank that lost the sample's group is counted, not an
     anomaly)."""
+    if _late(s, group_id, sample_id, rank):
+        return None
     g = find_group(s, e, group_id)
     if g is None:
         return None
@@ -76,6 +106,7 @@ def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
         if v not in g.versions:
             g.versions.append(v)
             g.versions.sort()
+    retire_if_done(s, g)
 
 
 @handlers.on(ev.SampleFailed)
@@ -85,15 +116,18 @@ def _sample_failed(s: RunState, e: ev.Event, p: ev.SampleFailed) -> None:
         return
     found = _sample(s, e, p.group_id, p.index, p.sample_id, p.rank)
     if found is not None:
-        smp = found[1]
+        g, smp = found
         smp.status = SampleStatus.FAILED
         if smp.rank >= 0 and p.rank != smp.rank:  # another rank closed it: it reclaimed the group
             s.reclaimed[p.sample_id] = smp.rank
+        retire_if_done(s, g)
 
 
 def _reward_failed(s: RunState, e: ev.Event, p: ev.SampleFailed) -> None:
     """A finished sample its reward functions could not score: failed, so its group cannot complete with it (an
     open one goes on without it or is cancelled, a completed one is cancelled by the coordinator, groups.py)."""
+    if _late(s, p.group_id, p.sample_id, None):
+        return
     g = find_group(s, e, p.group_id)
     if g is None:
         return
@@ -108,10 +142,13 @@ def _reward_failed(s: RunState, e: ev.Event, p: ev.SampleFailed) -> None:
     s.reward_failures += 1
     s.reward_failures_in_a_row += 1
     s.last_reward_failure = f"{p.sample_id}: {p.error}"
+    retire_if_done(s, g)
 
 
 @handlers.on(ev.SampleCancelled)
 def _sample_cancelled(s: RunState, e: ev.Event, p: ev.SampleCancelled) -> None:
+    if _late(s, p.group_id, p.sample_id, None):
+        return
     g = find_group(s, e, p.group_id)
     if g is None:
         return
@@ -125,6 +162,7 @@ def _sample_cancelled(s: RunState, e: ev.Event, p: ev.SampleCancelled) -> None:
             anomaly(s, e, f"sample {p.sample_id} already {smp.status}")
     else:
         smp.status = SampleStatus.CANCELLED
+    retire_if_done(s, g)
 
 
 def _maybe_scored(g: GroupState) -> None:
@@ -166,10 +204,14 @@ def _group_cancelled(s: RunState, e: ev.Event, p: ev.GroupCancelled) -> None:
         anomaly(s, e, f"group {p.group_id} cancelled while {g.status}")
         return
     g.status = GroupStatus.CANCELLED
+    s.admission.gone_before_training += 1
+    retire_if_done(s, g)
 
 
 @handlers.on(ev.SampleScored)
 def _sample_scored(s: RunState, e: ev.Event, p: ev.SampleScored) -> None:
+    if _late(s, p.group_id, p.sample_id, None):
+        return
     g = find_group(s, e, p.group_id)
     if g is None:
         return
@@ -187,3 +229,4 @@ def _sample_scored(s: RunState, e: ev.Event, p: ev.SampleScored) -> None:
     g.scored += 1
     s.reward_failures_in_a_row = 0
     _maybe_scored(g)
+    retire_if_done(s, g)

@@ -6,7 +6,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import AdmissionReason, RunStatus
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly
-from rolledger.workflows.state import GroupState, RunState
+from rolledger.workflows.state import PROMPTS_KEPT, GroupState, RunState
 
 handlers: Handlers[RunState, None] = Handlers("reducer: run and admission")
 
@@ -32,7 +32,7 @@ def _run_finished(s: RunState, e: ev.Event, p: ev.RunFinished) -> None:
 
 @handlers.on(ev.GroupAdmitted)
 def _group_admitted(s: RunState, e: ev.Event, p: ev.GroupAdmitted) -> None:
-    if p.group_id in s.groups:
+    if p.group_id in s.groups or p.group_id in s.retired:
         anomaly(s, e, f"group {p.group_id} admitted twice")
         return
     if s.admission.paused:
@@ -52,6 +52,9 @@ def _group_admitted(s: RunState, e: ev.Event, p: ev.GroupAdmitted) -> None:
     )
     s.admission.admitted += 1
     s.admission.inflight += 1
+    s.recent_prompts[p.prompt_id] = None
+    if len(s.recent_prompts) > PROMPTS_KEPT:
+        del s.recent_prompts[next(iter(s.recent_prompts))]
 
 
 @handlers.on(ev.AdmissionPaused)

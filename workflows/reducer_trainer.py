@@ -11,7 +11,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import GroupStatus
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly, find_group
-from rolledger.workflows.state import RunState
+from rolledger.workflows.state import RunState, retire_if_done
 
 handlers: Handlers[RunState, None] = Handlers("reducer: trainer")
 
@@ -34,6 +34,7 @@ def _batch_consumed(s: RunState, e: ev.Event, p: ev.BatchConsumed) -> None:
         s.trainer.lag_histogram[lag] = s.trainer.lag_histogram.get(lag, 0) + 1
         s.trainer.max_lag = max(s.trainer.max_lag, lag)
         s.trainer.consumed_groups += 1
+        retire_if_done(s, g)
     if newly == set(p.group_ids):
         s.trainer.consumed_trajectories += len(p.trajectory_ids)
     else:  # some groups were consumed before: count only the trajectories of the others
@@ -53,7 +54,9 @@ def _trajectory_dropped(s: RunState, e: ev.Event, p: ev.TrajectoryDropped) -> No
         anomaly(s, e, f"group {p.group_id} dropped while {g.status}")
         return
     g.status = GroupStatus.DROPPED
+    s.admission.gone_before_training += 1
     s.trainer.dropped_trajectories += len(p.trajectory_ids)
+    retire_if_done(s, g)
 
 
 @handlers.on(ev.TrainStepFinished)

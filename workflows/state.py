@@ -4,12 +4,20 @@ Groups (admitted -> generating -> complete | partial | cancelled -> scored -> co
 transaction per version, each rank's engine, admission, and the trainer. Snapshots serialise this state through
 pydantic (`to_dict` / `from_dict`); `digest` is xxh3-128 over its canonical msgpack form, so two replays of one log
 give the same digest exactly when they give the same state.
+
+Bounded live state. `groups` holds the *live* groups only: a group leaves it (`retire_if_done`) once it is terminal
+(consumed, dropped or cancelled) and nothing more is owed to it (no sample still running, no finished sample still
+waiting for its score). What stays of it: a tombstone in `retired` (its id and terminal status, the newest
+RETIRED_KEPT of them, so a late event for it is judged as before), the counters (`retired_groups`,
+`admission.gone_before_training`, the trainer's), and its canonical record folded into `retired_digest`, a hash
+chain in retirement order. So the state, its digest and a snapshot cost O(open work), not O(run), while the digest
+still covers every group the run ever had. The archive (the log) keeps the groups themselves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 import xxhash
@@ -27,6 +35,9 @@ from rolledger.schemas.statuses import (
     UpdateStatus,
     WakeTag,
 )
+
+RETIRED_KEPT: Final = 1024  # tombstones of retired groups kept (the oldest is dropped first)
+PROMPTS_KEPT: Final = 1024  # prompt ids of the newest admitted groups (admission skips them; see recent_prompts)
 
 
 @dataclass(slots=True)
@@ -141,6 +152,7 @@ class AdmissionState:
     max_queued_bytes: int = 0  # high-water mark
     admitted: int = 0
     inflight: int = 0  # admitted and not yet complete/cancelled
+    gone_before_training: int = 0  # admitted groups cancelled or dropped (the lag gate counts all the others)
     handoff_step: int = 0  # trainer step when the current (or last) colocated handoff began
     handoff_event: str = ""  # the AdmissionPaused(handoff) that began it (a rank's sleep answers it)
 
@@ -177,7 +189,13 @@ class RunState:
     started_event: str = ""  # the RunStarted id (a rank joining answers it)
     policy_version: int = 0  # the last published version
     weights_digest: str = ""
-    groups: dict[str, GroupState] = field(default_factory=dict)
+    groups: dict[str, GroupState] = field(default_factory=dict)  # the live ones (module docstring)
+    retired: dict[str, GroupStatus] = field(default_factory=dict)  # tombstones: the newest RETIRED_KEPT, oldest first
+    retired_groups: int = 0  # groups that ever left the live state
+    retired_digest: str = ""  # hash chain over the canonical record of each retired group, in retirement order
+    after_retired: int = 0  # sample events for a retired group that raced its closure (counted, otherwise ignored)
+    raced: dict[str, str] = field(default_factory=dict)  # sample id -> group id: started on a retired group, not ended
+    recent_prompts: dict[str, None] = field(default_factory=dict)  # prompt ids of the newest PROMPTS_KEPT admissions
     updates: dict[int, UpdateState] = field(default_factory=dict)
     ranks: dict[int, RankState] = field(default_factory=dict)
     admission: AdmissionState = field(default_factory=AdmissionState)
@@ -208,9 +226,14 @@ class RunState:
 
     @property
     def lag(self) -> int:
-        """Current version minus the oldest version among untrained groups (0 when nothing is untrained)."""
+        """Current version minus the oldest version among untrained groups (0 when nothing is untrained). Untrained
+        groups are live, so this scans the live groups only."""
         versions = [g.admitted_version for g in self.groups.values() if g.untrained]
         return self.policy_version - min(versions) if versions else 0
+
+    def group_gone(self, group_id: str) -> GroupStatus | None:
+        """The terminal status of a group that left the live state (None: live, or unknown/forgotten)."""
+        return self.retired.get(group_id)
 
     def ready_groups(self) -> list[GroupState]:
         """Groups completed (and scored) but not yet consumed, oldest first."""
@@ -221,11 +244,123 @@ class RunState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:
-        return _ADAPTER.validate_python(data)
+        state = _ADAPTER.validate_python(data)
+        if "retired_groups" not in data:  # a snapshot taken before the live state was bounded (issue 12)
+            _bound(state)
+        return state
+
+    def frozen(self) -> FrozenState:
+        """A copy to snapshot on another thread (events.snapshots.SnapshotWriter): the plain dict, taken now, O(live
+        state); its digest is computed from the copy, later, by whoever needs it."""
+        return FrozenState(self.last_event_id, self.to_dict())
 
     def digest(self) -> str:
-        """xxh3-128 of the canonical form; excludes nothing, so any divergence shows."""
-        return xxhash.xxh3_128_hexdigest(msgpack.packb(_canonical(self.to_dict())))
+        """xxh3-128 of the canonical form, so any divergence shows: the live state in full, and every retired group
+        through `retired_digest`. Its cost follows the live state, not the run. The two windows `retired` and
+        `recent_prompts` are left out of the hashed form: each is the newest N of an insertion sequence the digest
+        already covers (each retirement's record, id and status included, is in the chain; each admitted prompt is in
+        its group, live or chained), so hashing them again would only add a cost that grows until they fill."""
+        return digest_of(_ADAPTER.dump_python(self, mode="json", exclude=_NOT_HASHED))
+
+
+def digest_of(data: dict[str, Any]) -> str:
+    """RunState.digest of a state's `to_dict()` (the keys the digest leaves out are skipped)."""
+    hashed = {k: v for k, v in data.items() if k not in _NOT_HASHED}
+    return xxhash.xxh3_128_hexdigest(msgpack.packb(_canonical(hashed)))
+
+
+@dataclass(frozen=True, slots=True)
+class FrozenState:
+    """A RunState as a plain dict, to snapshot off the decision thread (a SnapshotSource)."""
+
+    last_event_id: str
+    data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
+
+    def digest(self) -> str:
+        return digest_of(self.data)
+
+
+_TERMINAL_GROUP = frozenset({GroupStatus.CONSUMED, GroupStatus.DROPPED, GroupStatus.CANCELLED})
+
+
+def owes_nothing(g: GroupState) -> bool:
+    """A terminal group none of whose samples still runs or waits for its score: no event can change it any more
+    except a late one (a result of a rank that lost it, a race with its closure)."""
+    if g.status not in _TERMINAL_GROUP:
+        return False
+    for smp in g.samples.values():
+        if smp.status is SampleStatus.STARTED or (smp.status is SampleStatus.FINISHED and smp.reward is None):
+            return False
+    return True
+
+
+def group_record(g: GroupState) -> list[Any]:
+    """The canonical record of a group (every field, samples by index) that the retired-groups hash chain covers."""
+    return [
+        g.group_id,
+        g.prompt_id,
+        g.n,
+        g.required,
+        str(g.policy_kind),
+        g.admitted_event,
+        g.admitted_version,
+        g.est_remaining_tokens,
+        g.est_bytes,
+        g.prompt_tokens,
+        g.deadline,
+        str(g.status),
+        [
+            [
+                s.sample_id,
+                s.index,
+                str(s.status),
+                s.rank,
+                s.policy_version,
+                s.weights_digest,
+                s.tokens,
+                s.reward,
+                s.correct,
+            ]
+            for _, s in sorted(g.samples.items())
+        ],
+        g.accepted,
+        g.bytes,
+        g.scored,
+        g.versions,
+        g.consumed_step,
+    ]
+
+
+def _bound(state: RunState) -> None:
+    """Bring a state restored from an older snapshot (every group kept) to the bounded form: the counters the deciders
+    read instead of scanning every group, then every group that owes nothing retired (in the snapshot's group order,
+    so its retired-groups chain is not the one a replay from the start gives: the old snapshot's digest differs
+    anyway, the digest's definition having changed with it)."""
+    groups = list(state.groups.values())
+    state.admission.gone_before_training = sum(1 for g in groups if g.status in _GONE_BEFORE_TRAINING)
+    state.recent_prompts = {g.prompt_id: None for g in groups[-PROMPTS_KEPT:]}
+    for g in groups:
+        retire_if_done(state, g)
+
+
+_GONE_BEFORE_TRAINING = frozenset({GroupStatus.CANCELLED, GroupStatus.DROPPED})
+
+
+def retire_if_done(state: RunState, g: GroupState) -> None:
+    """Move a group that owes nothing out of the live state: a tombstone, the counters, the hash chain."""
+    if not owes_nothing(g) or state.groups.get(g.group_id) is not g:
+        return
+    del state.groups[g.group_id]
+    state.retired[g.group_id] = g.status
+    if len(state.retired) > RETIRED_KEPT:
+        del state.retired[next(iter(state.retired))]
+    state.retired_groups += 1
+    state.retired_digest = xxhash.xxh3_128_hexdigest(
+        msgpack.packb([state.retired_digest, group_record(g)], use_bin_type=True)
+    )
 
 
 def _canonical(obj: Any) -> Any:
@@ -237,6 +372,7 @@ def _canonical(obj: Any) -> Any:
 
 
 _ADAPTER: TypeAdapter[RunState] = TypeAdapter(RunState)
+_NOT_HASHED = {"retired", "recent_prompts"}  # see RunState.digest
 
 
 def group_version(g: GroupState) -> int:

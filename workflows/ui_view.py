@@ -289,7 +289,8 @@ class RunView:
     def lineage(self, ref: str) -> dict[str, Any]:
         """The lineage of trajectory `ref`, or of the first finished trajectory of group `ref`; a KeyError naming
         `ref` if the log has neither."""
-        if ref in self.state.groups:
+        admitted = (e.payload.group_id for e in self.events if isinstance(e.payload, ev.GroupAdmitted))
+        if ref in self.state.groups or any(gid == ref for gid in admitted):  # live, or retired from the live state
             siblings = self.trajectories_of(ref)
             if not siblings:
                 raise KeyError(f"group {ref!r} has no finished trajectory in the log")

@@ -1,0 +1,266 @@
+"""Bounded live state (issue 12, item 3): terminal groups that owe nothing leave `RunState.groups`, the counters the
+deciders read stay exact, and the digest still covers every group (hash chain) and survives snapshot + tail.
+
+The reference is the same reducer with retirement switched off (every group stays, as before issue 12): the bounded
+state must hold exactly its groups that still owe something, tombstone the others in retirement order, and every
+decider must decide the same on both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from logbuilder import LogBuilder
+
+from rolledger.schemas import events as ev
+from rolledger.schemas.config import PartialPolicy
+from rolledger.workflows import reducer_rollout, reducer_trainer
+from rolledger.workflows import state as state_mod
+from rolledger.workflows.admission import AdmissionInputs, gates
+from rolledger.workflows.coordinator import decide
+from rolledger.workflows.reducer import replay
+from rolledger.workflows.scheduler import PromptItem
+from rolledger.workflows.state import GroupState, RunState, group_record, owes_nothing
+
+OPS = st.lists(
+    st.sampled_from(["group", "partial_group", "first_k", "consume", "update", "cancel", "drop", "race", "late"]),
+    min_size=1,
+    max_size=30,
+)
+PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "6", 4) for i in range(40)]
+
+
+def build_log(ops: list[str]) -> list[ev.Event]:
+    """A valid log of one run, with the lifecycles that end a group: consumed, dropped, cancelled (before or after
+    its samples started, with a start racing the cancel), first-k leftovers cancelled after the group completed and
+    was consumed, and the late result of a rank whose group was reclaimed."""
+    b = LogBuilder(group_size=2, ranks=2).start_run()
+    ready: list[str] = []
+    version = 0
+    for op in ops:
+        if op == "group":
+            b.group()
+            ready.append(b.last_group)
+        elif op == "partial_group":  # stays open: one sample still running
+            b.admit(n=2)
+            gid = b.last_group
+            b.start(f"{gid}/0").start(f"{gid}/1").finish(f"{gid}/0")
+        elif op == "first_k":  # completes with one sample while the other runs; the other is cut short later
+            b.admit(n=2, partial_policy=PartialPolicy(kind="first_k", k=1))
+            gid = b.last_group
+            b.start(f"{gid}/0").start(f"{gid}/1").finish(f"{gid}/0").score(f"{gid}/0")
+            b.complete(gid, accepted=(f"{gid}/0",))
+            b.consume([gid])
+            b.cancel(f"{gid}/1")
+        elif op == "consume" and ready:
+            b.consume(ready[:2])
+            ready = ready[2:]
+        elif op == "update":
+            version += 1
+            b.update(version)
+        elif op == "cancel" and ready:
+            b.cancel_group(ready.pop())
+        elif op == "drop" and ready:
+            b.drop(ready.pop())
+        elif op == "race":  # cancelled before any sample started; a worker's start races the cancel, then cuts it
+            b.admit(n=2)
+            gid = b.last_group
+            b.cancel_group(gid, reason="run finished")
+            b.start(f"{gid}/0", rank=1).cancel(f"{gid}/0", reason="cancelled while generating")
+        elif op == "late":  # rank 0 loses the group to rank 1, which finishes it; rank 0's late finish comes after
+            b.admit(n=2)
+            gid = b.last_group
+            b.start(f"{gid}/0", rank=0).start(f"{gid}/1", rank=0)
+            for i in (0, 1):
+                b.emit(ev.SampleFailed(sample_id=f"{gid}/{i}", group_id=gid, index=i, rank=1, error="worker lost"))
+            b.cancel_group(gid)
+            b.emit(
+                ev.SampleFailed(sample_id=f"{gid}/0", group_id=gid, index=0, rank=0, error="engine error"),
+            )
+    return b.finish_run().build()
+
+
+@contextmanager
+def retirement_off() -> Iterator[None]:
+    """The reducer as before issue 12: every group stays in `groups`."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(reducer_rollout, "retire_if_done", lambda s, g: None)
+    mp.setattr(reducer_trainer, "retire_if_done", lambda s, g: None)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+def records(groups: dict[str, GroupState]) -> dict[str, list[object]]:
+    return {gid: group_record(g) for gid, g in groups.items()}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, cut=st.floats(0, 1))
+def test_bounded_state_holds_what_the_unbounded_one_still_owes_and_decides_alike(ops: list[str], cut: float) -> None:
+    events = build_log(ops)
+    k = int(cut * len(events)) or 1
+    with retirement_off():
+        ref = replay(events[:k])
+    bounded = replay(events[:k])
+    assert bounded.anomalies == ref.anomalies
+    # live = the groups that still owe something; the rest are tombstoned, with their terminal status. A group
+    # retired before a start raced its closure owes that sample, which `raced` holds instead of the group.
+    started = {s.sample_id for g in ref.groups.values() for s in g.samples.values() if s.status == "started"}
+
+    def gone_for_good(g: GroupState) -> bool:
+        return owes_nothing(g) or (
+            g.status.is_terminal
+            and all(s.sample_id in bounded.raced for s in g.samples.values() if s.status == "started")
+            and all(s.status != "finished" or s.reward is not None for s in g.samples.values())
+        )
+
+    assert records(bounded.groups) == records({gid: g for gid, g in ref.groups.items() if not gone_for_good(g)})
+    gone = {gid: g.status for gid, g in ref.groups.items() if gone_for_good(g)}
+    assert bounded.retired == gone
+    assert bounded.retired_groups == len(gone)
+    # the counters the deciders read instead of scanning every group, recounted from the unbounded state
+    assert bounded.admission.gone_before_training == sum(
+        1 for g in ref.groups.values() if g.status in ("cancelled", "dropped")
+    )
+    assert set(bounded.recent_prompts) == {g.prompt_id for g in ref.groups.values()}
+    assert set(bounded.raced) == {sid for sid in started if sid.rsplit("/", 1)[0] in bounded.retired}
+    assert bounded.lag == ref.lag
+    assert [g.group_id for g in bounded.ready_groups()] == [g.group_id for g in ref.ready_groups()]
+    cfg = bounded.config
+    assert cfg is not None
+    assert gates(bounded, cfg, 1, 100) == gates(ref, cfg, 1, 100)
+    for now in (0.0, 1e12):  # before and after every deadline
+        inputs = AdmissionInputs(now=now, prompts=PROMPTS)
+        assert decide(bounded, now, 1, inputs) == decide(ref, now, 1, inputs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, cut=st.floats(0, 1))
+def test_digest_of_snapshot_plus_tail_equals_the_full_replay(ops: list[str], cut: float) -> None:
+    events = build_log(ops)
+    full = replay(events)
+    assert replay(events).digest() == full.digest()
+    k = int(cut * len(events))
+    snapshot = RunState.from_dict(replay(events[:k]).to_dict())  # through the serialised form, as stored
+    tail = replay(events[k:], snapshot)
+    assert tail.digest() == full.digest()
+    assert tail.retired_digest == full.retired_digest
+
+
+def test_consumed_dropped_and_cancelled_groups_leave_the_live_state() -> None:
+    b = LogBuilder(group_size=2).start_run()
+    for _ in range(4):
+        b.group()
+    consumed, dropped, cancelled, waiting = ("g000001", "g000002"), "g000003", "g000004", None
+    b.consume(list(consumed)).drop(dropped).cancel_group(cancelled)
+    b.group()
+    waiting = b.last_group
+    state = replay(b.build())
+    assert state.anomalies == []
+    assert list(state.groups) == [waiting]
+    assert state.retired == {
+        "g000001": "consumed",
+        "g000002": "consumed",
+        "g000003": "dropped",
+        "g000004": "cancelled",
+    }
+    assert state.retired_groups == 4
+    assert state.admission.gone_before_training == 2
+    assert state.trainer.consumed_groups == 2
+
+
+def test_a_group_with_a_running_sample_stays_live_until_the_sample_ends() -> None:
+    b = LogBuilder(group_size=2).start_run()
+    b.admit(n=2, partial_policy=PartialPolicy(kind="first_k", k=1))
+    gid = b.last_group
+    b.start(f"{gid}/0").start(f"{gid}/1").finish(f"{gid}/0").score(f"{gid}/0").complete(gid, accepted=(f"{gid}/0",))
+    b.consume([gid])
+    state = replay(b.build())
+    assert state.groups[gid].status == "consumed"  # its second sample still runs
+    state = replay(b.cancel(f"{gid}/1").build())
+    assert gid not in state.groups and state.retired[gid] == "consumed"
+    assert state.anomalies == []
+
+
+def test_the_digest_still_covers_retired_groups() -> None:
+    """Two runs whose only difference is a reward in a group long consumed have different digests."""
+
+    def run(reward: float) -> RunState:
+        b = LogBuilder(group_size=2).start_run()
+        b.group(score=False, complete=False)
+        gid = b.last_group
+        b.score(f"{gid}/0", reward=reward).score(f"{gid}/1").complete(gid)
+        b.consume([gid])
+        return replay(b.build())
+
+    one, other = run(1.0), run(0.0)
+    assert one.anomalies == other.anomalies == []
+    assert one.groups == other.groups == {}
+    assert one.retired == other.retired
+    assert one.retired_digest != other.retired_digest
+    assert one.digest() != other.digest()
+
+
+def test_tombstones_are_kept_to_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_mod, "RETIRED_KEPT", 3)
+    b = LogBuilder(group_size=2).start_run()
+    for _ in range(6):
+        b.group()
+        b.consume([b.last_group])
+    state = replay(b.build())
+    assert state.anomalies == []
+    assert list(state.retired) == ["g000004", "g000005", "g000006"]  # the newest, oldest first
+    assert state.retired_groups == 6 and state.groups == {}
+    # an event for a tombstoned group names it; one for a forgotten group is an unknown group, as before
+    for gid, message in (
+        ("g000006", "group g000006 already consumed and retired"),
+        ("g000001", "unknown group g000001"),
+    ):
+        b.emit(ev.GroupCancelled(group_id=gid, reason="late"))
+        state = replay(b.events[-1:], state)
+        assert state.anomalies[-1].message == message
+
+
+def test_a_retired_group_record_has_every_field() -> None:
+    """group_record must list every GroupState (and SampleState) field, or the chain would miss a change."""
+    b = LogBuilder(group_size=2).start_run()
+    b.group()
+    g = replay(b.build()).groups[b.last_group]
+    assert len(group_record(g)) == len(dataclasses.fields(GroupState))
+    assert len(group_record(g)[12][0]) == len(dataclasses.fields(type(next(iter(g.samples.values())))))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, cut=st.floats(0, 1))
+def test_a_snapshot_from_before_the_bound_restores_to_a_state_that_decides_alike(ops: list[str], cut: float) -> None:
+    """A snapshot taken before issue 12 (every group kept, none of the new fields): restored, it holds what the
+    bounded reducer holds and its deciders decide as a bounded replay's do."""
+    events = build_log(ops)
+    k = int(cut * len(events)) or 1
+    with retirement_off():
+        old = replay(events[:k]).to_dict()
+    for name in ("retired", "retired_groups", "retired_digest", "after_retired", "raced", "recent_prompts"):
+        del old[name]
+    del old["admission"]["gone_before_training"]
+    restored = RunState.from_dict(old)
+    bounded = replay(events[:k])
+    if bounded.raced:
+        return  # a start that raced a closure: the old state holds it in its group, which stays live here
+    assert records(restored.groups) == records(bounded.groups)
+    assert set(restored.retired) == set(bounded.retired)
+    assert restored.admission == bounded.admission
+    assert set(restored.recent_prompts) == set(bounded.recent_prompts)
+    cfg = bounded.config
+    assert cfg is not None
+    for now in (0.0, 1e12):
+        inputs = AdmissionInputs(now=now, prompts=PROMPTS)
+        assert decide(restored, now, 1, inputs) == decide(bounded, now, 1, inputs)
+    later = replay(events[k:], restored)
+    assert records(later.groups) == records(replay(events).groups)
