@@ -44,7 +44,7 @@ class RewardWorker(Worker):
         )
         self.task: tuple[dict[str, Prompt], Rewards] | None = None  # loaded from the run's config on first use
         self.claim_idle_ms = claim_idle_ms  # None: the run's recovery.lost_after_s, once its config is folded
-        self.consumer = GroupConsumer(
+        self.consumer = GroupConsumer.work(
             client, run_id, "reward", name, claim_idle_ms=claim_idle_ms if claim_idle_ms is not None else 30_000
         )
         self.follower = Follower(self.log)

@@ -1,6 +1,8 @@
-"""A rank's rollout thread: generates the groups it takes from the `rollout` consumer group.
+"""A rank's rollout thread: generates the groups it takes from the `rollout` work group.
 
-It reads GroupAdmitted entries (acking every other entry type at once), waits until the rank may serve
+It reads the `rollout` work stream (events/work.py), which holds only the GroupAdmitted events (written there by
+the append that logs them), one group per read: a rank takes a group only when it is free to run it, so the groups
+are balanced across ranks by readiness. It waits until the rank may serve
 (`workflows.rank.may_serve` on the rank's folded state, under the rank's lock, where the running-group count is
 raised in the same step), and generates the group: SampleStarted for each sample, SampleFinished as each sample ends
 (streamed, so a first-k group completes while the others still run), SampleCancelled for a sample cut short because
@@ -103,7 +105,7 @@ class Rollout:
             return
         self.incarnation += 1
         name = self.w.name if self.incarnation == 1 else f"{self.w.name}.{self.incarnation}"
-        consumer = GroupConsumer(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_ms())
+        consumer = GroupConsumer.work(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_ms())
         consumer.ensure_group()
         self._thread = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
         self._thread.start()
