@@ -263,7 +263,7 @@ def test_work_groups_get_only_their_events_written_with_the_log_and_deleted_once
     assert [d.event.type for d in got["rollout"]] == ["GroupAdmitted"]
     assert [d.event.type for d in got["reward"]] == ["SampleFinished"] * 2
     for d in got["rollout"] + got["reward"]:
-        assert d.log_id == log_ids[d.event.event_id] and d.stream_id != d.log_id and d.deliveries == 1
+        assert d.log_id == log_ids[d.event.event_id] and d.deliveries == 1
     assert redis_client.xlen(work_key(run_id, "rollout")) == 0 and redis_client.xlen(work_key(run_id, "reward")) == 0
     assert rollout.pending() == 0 and reward.pending() == 0
     assert log.length() == len(built)  # the log is never trimmed by a work consumer
