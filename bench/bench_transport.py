@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import multiprocessing.connection
 import shutil
 import statistics
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_update import qwen25_05b_shapes
+from rank_procs import RankProcesses
 
 from rolledger.workers import transport_dist as td
 from rolledger.workers.staging_checksums import raw_bytes
@@ -99,42 +99,10 @@ def rank_main(
         conn.send((cmd, time.perf_counter() - t0, detail))
 
 
-class Ranks:
-    def __init__(self, n: int, port: int, shapes: dict[str, tuple[int, ...]]) -> None:
-        ctx = mp.get_context("spawn")
-        self.conns: list[multiprocessing.connection.Connection] = []
-        self.procs = []
-        for r in range(n):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(child, r, port, shapes), daemon=True)
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
-        self.collect("ready")
-
-    def send(self, cmd: str, args: list[Any]) -> None:
-        for c, a in zip(self.conns, args, strict=True):
-            c.send((cmd, a))
-
-    def collect(self, cmd: str) -> list[tuple[float, Any]]:
-        out = []
-        for c in self.conns:
-            if not c.poll(DEADLINE_S):
-                raise TimeoutError(f"a rank did not finish {cmd!r}")
-            name, secs, detail = c.recv()
-            assert name == cmd, (name, cmd, detail)
-            out.append((secs, detail))
-        return out
-
+class Ranks(RankProcesses):
     def digests(self) -> set[str]:
-        self.send("digest", [None] * len(self.conns))
+        self.send("digest")
         return {d for _, d in self.collect("digest")}
-
-    def close(self) -> None:
-        for c in self.conns:
-            c.send(("exit", None))
-        for p in self.procs:
-            p.join(timeout=30)
 
 
 def raw_send(master: dist.TCPStore, sd: dict[str, torch.Tensor], prefix: str, bucket_bytes: int) -> None:
@@ -217,7 +185,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     raw_master = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=DEADLINE_S)
     )
-    ranks = Ranks(args.ranks, raw_master.port, shapes)
+    ranks = Ranks(rank_main, [(r, raw_master.port, shapes) for r in range(args.ranks)], DEADLINE_S)
     try:
         version = 0
         for rep in range(args.reps):
@@ -246,7 +214,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
                 results.setdefault(f"checked fsync={fsync}", []).append(total)
                 results.setdefault(f"receive+verify fsync={fsync}", []).append(total - stage_s)
                 results.setdefault("rank checksum s", []).extend(d.checksum_s for _, d in per_rank)
-        ranks.send("commit", [None] * args.ranks)
+        ranks.send("commit")
         ranks.collect("commit")
         digests = ranks.digests()
         assert digests == {staged.manifest.weights_digest}, "the ranks do not hold the manifest's weights"
@@ -271,7 +239,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
             total = time.perf_counter() - t0
             results.setdefault("delta total", []).append(total)
             results.setdefault("delta receive+apply+verify", []).append(total - stage_s)
-            ranks.send("commit", [None] * args.ranks)
+            ranks.send("commit")
             ranks.collect("commit")
             digests = ranks.digests()
             assert digests == {staged.manifest.weights_digest}, "a delta did not give the manifest's weights"

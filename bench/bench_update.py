@@ -4,7 +4,8 @@ The update is a Qwen2.5-0.5B-shaped bf16 state dict (hidden 896, intermediate 48
 tied embeddings, so about 0.99 GB). Each "rank" is its own process with its own live weights and staging buffer.
 Every phase is timed next to the unverified baseline a naive loop would use, in the same run, on the same file:
 
-  stage     DirectoryStagingStore.stage (checksum + write + fsync + rename)  vs  safetensors save_file (no fsync)
+  stage     DirectoryStagingStore.stage (checksum + write [+ fsync] + rename)  vs  safetensors save_file (no fsync);
+            without fsync as a run stages by default (update.staging_fsync), and with it
   prepare   load_verified, fresh memory / into a reused buffer             vs  load_file + clone / + copy_
   commit    copy the verified buffer into the live tensors
 
@@ -19,7 +20,6 @@ It writes about 2 GB under a temporary directory (or --dir) and deletes it after
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import shutil
@@ -38,6 +38,9 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rank_procs import RankProcesses
 
 from rolledger.schemas.weights import WeightManifest
 from rolledger.workers.staging_loader import load_verified
@@ -132,55 +135,12 @@ def rank_main(conn: multiprocessing.connection.Connection, path: str, uri: str, 
     }
     conn.send(("ready", 0.0, None))
     while True:
-        cmd = conn.recv()
+        cmd, _ = conn.recv()
         if cmd == "exit":
             return
         t0 = time.perf_counter()
         detail = commands[cmd]()
         conn.send((cmd, time.perf_counter() - t0, detail))
-
-
-class Ranks:
-    """N rank processes driven in lock step: each phase starts on all ranks at once and ends when all are done."""
-
-    def __init__(self, n: int, path: str, uri: str, manifest: WeightManifest) -> None:
-        ctx = mp.get_context("spawn")
-        self.conns = []
-        self.procs = []
-        for _ in range(n):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(child, path, uri, manifest.model_dump_json()), daemon=True)
-            p.start()
-            self.conns.append(parent)
-            self.procs.append(p)
-        self._collect("ready")
-
-    def _collect(self, cmd: str) -> list[tuple[float, Any]]:
-        out = []
-        deadline = time.monotonic() + RANK_DEADLINE_S
-        for c in self.conns:
-            if not c.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"a rank did not finish {cmd!r} within {RANK_DEADLINE_S}s")
-            name, secs, detail = c.recv()
-            assert name == cmd, (name, cmd)
-            out.append((secs, detail))
-        return out
-
-    def run(self, cmd: str) -> tuple[float, list[tuple[float, Any]]]:
-        """Wall seconds for all ranks, and each rank's own (seconds, detail)."""
-        t0 = time.perf_counter()
-        for c in self.conns:
-            c.send(cmd)
-        per_rank = self._collect(cmd)
-        return time.perf_counter() - t0, per_rank
-
-    def close(self) -> None:
-        for c in self.conns:
-            c.send("exit")
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -231,38 +191,41 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         f"  blake3 (threads)  {checksum_gbps(sd, lambda v: blake3.blake3(v, max_threads=auto).hexdigest()):6.2f} GB/s"
     )
 
-    # stage vs raw save, same bytes, same disk, alternating which goes first
-    store = DirectoryStagingStore(workdir / "staging")
+    # stage vs raw save, same bytes, same disk, alternating which goes first; the directory store as a run uses it
+    # (update.staging_fsync = false, the default: a torn copy fails its checksums) and with fsync
+    stores = {fsync: DirectoryStagingStore(workdir / f"staging-fsync-{fsync}", fsync=fsync) for fsync in (False, True)}
     raw_path = workdir / "raw.safetensors"
     raw_saves: list[float] = []
-    stages = []
+    stages: dict[bool, list[Any]] = {False: [], True: []}
     for rep in range(args.reps):
         version = rep + 1
-        for what in ("raw", "stage") if rep % 2 == 0 else ("stage", "raw"):
+        for what in ("raw", False, True) if rep % 2 == 0 else (True, False, "raw"):
             if what == "raw":
                 t = time.perf_counter()
                 save_file(sd, str(raw_path))
                 raw_saves.append(time.perf_counter() - t)
                 raw_path.unlink()
-            else:
-                stages.append(store.stage(version, version - 1, sd))
-                store.gc(keep_versions=[version])
-    upd = stages[-1]
+            elif isinstance(what, bool):
+                stages[what].append(stores[what].stage(version, version - 1, sd))
+                stores[what].gc(keep_versions=[version])
+    store = stores[False]
+    upd = stages[False][-1]
     del sd
     raw_save_s = statistics.median(raw_saves)
-    stage_s = statistics.median(u.timings.total_s for u in stages)
-    stage_ratio = statistics.median(u.timings.total_s / r for u, r in zip(stages, raw_saves, strict=True))
+    stage_s = {f: statistics.median(u.timings.total_s for u in stages[f]) for f in stages}
     print(f"\nstage (trainer side, once per update; median of {args.reps}, ratio = median of paired ratios):")
     print(f"  raw save_file (no checksum, no fsync)    {raw_save_s:7.3f} s")
-    print(
-        f"  stage total                              {stage_s:7.3f} s  = checksum "
-        f"{statistics.median(u.timings.checksum_s for u in stages):.3f} + write/fsync/rename "
-        f"{statistics.median(u.timings.write_s for u in stages):.3f} (of which fsync "
-        f"{statistics.median(u.timings.fsync_s for u in stages):.3f})   ratio {stage_ratio:.2f}x"
-    )
+    for fsync, ups in stages.items():
+        stage_ratio = statistics.median(u.timings.total_s / r for u, r in zip(ups, raw_saves, strict=True))
+        print(
+            f"  stage total, fsync={fsync!s:<5}              {stage_s[fsync]:7.3f} s  = checksum "
+            f"{statistics.median(u.timings.checksum_s for u in ups):.3f} + write/fsync/rename "
+            f"{statistics.median(u.timings.write_s for u in ups):.3f} (of which fsync "
+            f"{statistics.median(u.timings.fsync_s for u in ups):.3f})   ratio {stage_ratio:.2f}x"
+        )
 
     path = str(store.version_dir(upd.manifest.version) / upd.manifest.file)
-    ranks = Ranks(args.ranks, path, upd.uri, upd.manifest)
+    ranks = RankProcesses(rank_main, [(path, upd.uri, upd.manifest.model_dump_json())] * args.ranks, RANK_DEADLINE_S)
     try:
         results: dict[str, list[float]] = {}
         ours_detail: dict[str, list[Any]] = {"ours_fresh": [], "ours_buf": []}
@@ -299,19 +262,21 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
             f" (per rank, median)"
         )
     print(f"  commit (copy into live)                             {med['commit']:7.3f} s")
-    total = stage_s + med["ours_buf"] + med["commit"]
     naive = raw_save_s + med["raw_buf"] + med["commit"]
-    overhead = (
-        statistics.median(u.timings.checksum_s + u.timings.fsync_s for u in stages) + med["ours_buf"] - med["raw_buf"]
-    )
-    print(
-        f"\nupdate total (stage + prepare into reused buffer + commit): {total:.3f} s for {gb:.2f} GB x {args.ranks} "
-        f"ranks; unverified save_file + load_file/copy + commit: {naive:.3f} s; ratio {total / naive:.2f}x"
-    )
-    print(
-        f"cost of fail-closed verification (stage checksum + fsync + extra prepare time): {overhead:.3f} s; the rest "
-        "of any stage/save gap is page-cache writeback, which varies run to run on a shared disk"
-    )
+    for fsync, ups in stages.items():
+        total = stage_s[fsync] + med["ours_buf"] + med["commit"]
+        print(
+            f"\nupdate total, fsync={fsync!s:<5} (stage + prepare into reused buffer + commit): {total:.3f} s for "
+            f"{gb:.2f} GB x {args.ranks} ranks; unverified save_file + load_file/copy + commit: {naive:.3f} s; "
+            f"ratio {total / naive:.2f}x"
+        )
+        overhead = (
+            statistics.median(u.timings.checksum_s + u.timings.fsync_s for u in ups) + med["ours_buf"] - med["raw_buf"]
+        )
+        print(
+            f"  cost of fail-closed verification (stage checksum + fsync + extra prepare time): {overhead:.3f} s; the "
+            "rest of any stage/save gap is page-cache writeback, which varies run to run on a shared disk"
+        )
     print("(the file is read from the page cache: it was just written; a cold read would add disk time to both sides)")
 
 

@@ -1,6 +1,14 @@
 """Redis connections for every rolledger process: one function from a URL (and credentials, TLS files) to a client.
 
-URLs: `redis://[user:password@]host:port/db`, `rediss://...` (TLS), `unix:///path/to/redis.sock[?db=N]`.
+URLs: `redis://[user:password@]host:port/db`, `rediss://...` (TLS), `unix:///path/to/redis.sock[?db=N]`, and for a
+Redis Cluster `redis+cluster://[user:password@]host:port[,host:port...]` (`rediss+cluster://` with TLS): the nodes
+named are where the client first learns the cluster's layout (one reachable node is enough; name several so a dead
+one does not stop a start), and the client then routes each command to the primary serving its key's hash slot.
+Every key of a run carries the `{run-id}` hash tag (events/keys.py), so a run's keys, Lua scripts and MULTI blocks
+stay on one slot of one primary, and several runs spread over the shards. A cluster client is redis-py's
+`RedisCluster` (as `ClusterClient`), handed out under the `redis.Redis` type: it answers every command the project
+sends (streams, strings, hashes, scripts routed by their KEYS); a keyless command meant for a run's server (INFO,
+WAITAOF) goes through `at_key`. A cluster has no databases: a path other than `/` or `/0` is refused.
 Credentials, first found wins: the `username`/`password` arguments, then the URL's user info, then the
 `REDIS_USERNAME`/`REDIS_PASSWORD` environment variables. Clients return bytes (`decode_responses=False`: the event
 codec needs the raw bytes), check idle connections with a PING every `health_check_interval` seconds, and fail a
@@ -11,8 +19,10 @@ Outages: every command (and every connect) is retried through `OutageRetry`, red
 `ExponentialBackoff` on ConnectionError / TimeoutError / BusyLoadingError (a server restarting over its AOF answers
 LOADING), for up to `retry_deadline_s` (argument, else `ROLLEDGER_REDIS_DEADLINE_S`, default 60 s) from the first
 failure. An outage logs one warning ("redis unavailable, retrying") and one line when Redis is back, whatever the
-number of threads and connections. When the deadline runs out the command raises `RedisUnavailable`. Retrying is
-safe because every write the project makes is idempotent: appends dedupe by event id (events/store.py), XACK and
+number of threads and connections. When the deadline runs out the command raises `RedisUnavailable`. On a cluster the
+same deadline also covers CLUSTERDOWN, TRYAGAIN and a slot not covered yet (a failover in progress): each retry
+re-reads the layout first (redis-py's cluster client does that on the error), so a command lands on the new primary.
+Retrying is safe because every write the project makes is idempotent: appends dedupe by event id (events/store.py), XACK and
 lease scripts are idempotent, and a consumer re-reads its own pending entries after a reconnect (events/consumer.py).
 """
 
@@ -23,18 +33,25 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import structlog
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     BusyLoadingError,
+    ClusterDownError,
+    ClusterError,
     ExternalAuthProviderError,
     MaxConnectionsError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
 )
 from redis.retry import Retry
 
@@ -44,6 +61,10 @@ HEALTH_CHECK_INTERVAL_S = 30
 DEADLINE_ENV = "ROLLEDGER_REDIS_DEADLINE_S"
 DEFAULT_RETRY_DEADLINE_S = 60.0
 RETRY_ON = (redis.ConnectionError, redis.TimeoutError, BusyLoadingError)
+# ... and on a cluster: the cluster is down or a slot has no primary yet (a failover in progress), a slot is migrating
+# (TRYAGAIN), a command redirected until redis-py gave up (ClusterError "TTL exhausted")
+CLUSTER_RETRY_ON = (*RETRY_ON, ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError)
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
 # ConnectionError subclasses that no wait cures: credentials, permissions, the client's own pool limit
 NOT_TRANSIENT = (AuthenticationError, AuthorizationError, ExternalAuthProviderError, MaxConnectionsError)
@@ -77,7 +98,10 @@ def transient(error: BaseException) -> bool:
 
 def outages(client: redis.Redis) -> int:
     """How many outages this client has ridden out (or is in); 0 for a client `connect` did not make."""
-    retry = client.connection_pool.connection_kwargs.get("retry")
+    if isinstance(client, RedisCluster):
+        retry = getattr(client, "outage_retry", None)
+    else:
+        retry = client.connection_pool.connection_kwargs.get("retry")
     return retry.outage.count if isinstance(retry, OutageRetry) else 0
 
 
@@ -124,8 +148,15 @@ class _Outage:
 class OutageRetry(Retry):
     """redis-py's Retry with exponential backoff, bounded by a deadline instead of a count."""
 
-    def __init__(self, deadline_s: float, *, cap_s: float = 2.0, base_s: float = 0.05) -> None:
-        super().__init__(ExponentialBackoff(cap=cap_s, base=base_s), -1, RETRY_ON)
+    def __init__(
+        self,
+        deadline_s: float,
+        *,
+        cap_s: float = 2.0,
+        base_s: float = 0.05,
+        errors: tuple[type[Exception], ...] = RETRY_ON,
+    ) -> None:
+        super().__init__(ExponentialBackoff(cap=cap_s, base=base_s), -1, errors)
         self.deadline_s = deadline_s
         self.outage = _Outage()
 
@@ -160,6 +191,113 @@ class OutageRetry(Retry):
             return result
 
 
+class RoleChanged(redis.ConnectionError):
+    """A blocking read (XREAD/XREADGROUP BLOCK) cut short by its node turning replica in a failover (`-UNBLOCKED`):
+    nothing was delivered, so it is retried like an outage, on the new layout."""
+
+
+class ClusterClient(RedisCluster):
+    """redis-py's RedisCluster whose commands ride out an outage (and a failover) like `connect`'s single-node client:
+    every command goes through `outage_retry` (an `OutageRetry` over `CLUSTER_RETRY_ON`), on top of redis-py's own
+    handling of MOVED/ASK redirections and one layout refresh per failed attempt."""
+
+    def __init__(self, *, outage_retry: OutageRetry, **kwargs: Any) -> None:
+        self.outage_retry = outage_retry  # first: the constructor already sends commands (COMMAND)
+        # redis-py retries a failed command once itself, after re-reading the layout; the deadline is ours
+        super().__init__(retry=Retry(NoBackoff(), 1), **kwargs)
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        base = super().execute_command
+
+        def attempt() -> Any:
+            try:
+                return base(*args, **kwargs)
+            except ResponseError as exc:
+                if not str(exc).startswith("UNBLOCKED"):
+                    raise
+                self.nodes_manager.initialize()  # the node turned replica: read the layout again, then retry
+                raise RoleChanged(str(exc)) from exc
+
+        return self.outage_retry.call_with_retry(attempt, _ignore)
+
+    def at_key(self, key: str, *args: Any) -> Any:
+        """Run a keyless command on the primary serving `key`'s slot (looked up again on every retry)."""
+        base = super().execute_command
+        return self.outage_retry.call_with_retry(lambda: base(*args, target_nodes=self.get_node_from_key(key)), _ignore)
+
+
+def _ignore(*_: Any) -> None:
+    pass
+
+
+def is_cluster_url(url: str) -> bool:
+    """Does this URL name a Redis Cluster (`redis+cluster://`, `rediss+cluster://`)?"""
+    return url.split("://", 1)[0] in CLUSTER_SCHEMES if "://" in url else False
+
+
+def at_key(client: redis.Redis, key: str, *args: Any) -> Any:
+    """A keyless command (INFO, WAITAOF) on the server that holds `key`: the client's server, or on a Redis Cluster
+    the primary serving `key`'s hash slot (where a plain command without keys would land on any node)."""
+    if isinstance(client, ClusterClient):
+        return client.at_key(key, *args)
+    if isinstance(client, RedisCluster):
+        return client.execute_command(*args, target_nodes=client.get_node_from_key(key))
+    return client.execute_command(*args)
+
+
+def node_client(client: redis.Redis, key: str) -> redis.Redis:
+    """A client whose pipeline runs on one connection to the server holding `key`: the client itself, or on a Redis
+    Cluster the plain client of the primary serving `key`'s slot (no outage retry of its own: one attempt)."""
+    if isinstance(client, RedisCluster):
+        return client.get_redis_connection(client.get_node_from_key(key))
+    return client
+
+
+def cluster_nodes(url: str) -> list[tuple[str, int]]:
+    """The (host, port) startup nodes a `redis+cluster://` URL names. Raises ValueError naming what is wrong."""
+    _scheme, _, rest = url.partition("://")
+    netloc, _, tail = rest.partition("/")
+    if tail not in ("", "0") or "?" in rest or "#" in rest:
+        raise ValueError(
+            f"redis url {redact(url)!r}: a cluster URL is redis+cluster://[user:password@]host:port[,host:port...] "
+            "(no database, no query: a cluster has only database 0)"
+        )
+    hosts = netloc.rpartition("@")[2]
+    nodes = []
+    for item in hosts.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        host = host.strip("[]")  # [::1]:7000
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"redis url {redact(url)!r}: cluster node {item!r} is not host:port")
+        nodes.append((host, int(port)))
+    return nodes
+
+
+def parse_redis_url(url: str) -> tuple[str, dict[str, Any], list[tuple[str, int]]]:
+    """(scheme, redis-py connection options, cluster startup nodes) of a URL, without connecting; ValueError naming
+    what is wrong (the password redacted). `rolledger run` checks its --redis with it before anything starts."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+        raise ValueError(
+            f"redis url {redact(url)!r}: scheme must be redis://, rediss://, unix://, redis+cluster:// or "
+            "rediss+cluster://"
+        )
+    nodes: list[tuple[str, int]] = []
+    if scheme in CLUSTER_SCHEMES:
+        nodes = cluster_nodes(url)
+        userinfo = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+        parsed = parse_url("redis://" + (userinfo + "@" if userinfo else "") + "localhost")
+        options: dict[str, Any] = {k: v for k, v in parsed.items() if k in ("username", "password")}
+    else:
+        try:
+            options = parse_url(url)
+        except ValueError as exc:
+            raise ValueError(f"redis url {redact(url)!r}: {exc}") from None
+    if scheme == "unix" and not options.get("path"):
+        raise ValueError(f"redis url {redact(url)!r}: unix:// needs a socket path, e.g. unix:///run/redis.sock")
+    return scheme, options, nodes
+
+
 def connect(
     url: str,
     *,
@@ -172,26 +310,24 @@ def connect(
     connect_timeout_s: float = 5.0,
     retry_deadline: float | None = None,
 ) -> redis.Redis:
-    """A redis.Redis for `url` (redis://, rediss://, unix://). Raises ValueError naming what is wrong with the input.
+    """A client for `url`: a redis.Redis for redis://, rediss://, unix://; a `ClusterClient` for redis+cluster:// and
+    rediss+cluster:// (see the module docstring). Raises ValueError naming what is wrong with the input.
 
     tls_ca: CA bundle to verify the server with (default: the system store); tls_cert/tls_key: client certificate
     and key for servers with `tls-auth-clients yes`; tls_insecure: skip certificate and host name verification
-    (tests, self-signed lab setups only). TLS options with a redis:// or unix:// URL are an error.
+    (tests, self-signed lab setups only). TLS options with a URL that is not rediss:// or rediss+cluster:// are an error.
     retry_deadline: how long an outage is ridden out (seconds; default: see `retry_deadline_s`).
     """
-    scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"redis url {redact(url)!r}: scheme must be redis://, rediss:// or unix://")
-    options: dict[str, Any] = parse_url(url)
-    if scheme == "unix" and not options.get("path"):
-        raise ValueError(f"redis url {redact(url)!r}: unix:// needs a socket path, e.g. unix:///run/redis.sock")
-    if scheme != "unix" and not options.get("host"):
+    scheme, options, nodes = parse_redis_url(url)
+    tls = scheme in ("rediss", "rediss+cluster")
+    cluster = scheme in CLUSTER_SCHEMES
+    if scheme in ("redis", "rediss") and not options.get("host"):
         options["host"] = "localhost"
 
     tls_given = [n for n, v in (("tls_ca", tls_ca), ("tls_cert", tls_cert), ("tls_key", tls_key)) if v]
     if tls_insecure:
         tls_given.append("tls_insecure")
-    if scheme != "rediss" and tls_given:
+    if not tls and tls_given:
         raise ValueError(f"{', '.join(tls_given)} given but redis url {redact(url)!r} is not rediss:// (TLS)")
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("tls_cert and tls_key must be given together (client certificate and its key)")
@@ -203,8 +339,11 @@ def connect(
     options["username"] = user
     options["password"] = secret
 
-    if scheme == "rediss":
-        options["connection_class"] = SSLConnection
+    if tls:
+        if cluster:
+            options["ssl"] = True
+        else:
+            options["connection_class"] = SSLConnection
         options["ssl_ca_certs"] = tls_ca
         options["ssl_certfile"] = tls_cert
         options["ssl_keyfile"] = tls_key
@@ -216,8 +355,28 @@ def connect(
     options["decode_responses"] = False
     options["health_check_interval"] = HEALTH_CHECK_INTERVAL_S
     options["socket_connect_timeout"] = connect_timeout_s
-    options["retry"] = OutageRetry(retry_deadline_s(retry_deadline))
-    options["retry_on_error"] = list(RETRY_ON)
     if scheme != "unix":
         options["socket_keepalive"] = True
+    if cluster:
+        outage = OutageRetry(retry_deadline_s(retry_deadline), errors=CLUSTER_RETRY_ON)
+        startup = [ClusterNode(host, port) for host, port in nodes]
+
+        def start() -> ClusterClient:
+            try:  # the client reads the layout now: an unreachable cluster is ridden out like any outage
+                return ClusterClient(outage_retry=outage, startup_nodes=startup, **options)
+            except RedisClusterException as exc:  # every startup node failed; `from` holds the last node's error
+                if "Cluster mode is not enabled" in str(exc):
+                    raise ValueError(
+                        f"redis url {redact(url)!r}: the server is not a cluster node (cluster-enabled is off); "
+                        "use redis:// for a single server"
+                    ) from None
+                cause = exc.__cause__
+                if cause is not None and not transient(cause):
+                    raise cause from None
+                raise redis.ConnectionError(str(exc)) from exc
+
+        client = outage.call_with_retry(start, _ignore)
+        return cast(redis.Redis, client)  # see the module docstring: the commands the project sends, routed by key
+    options["retry"] = OutageRetry(retry_deadline_s(retry_deadline))
+    options["retry_on_error"] = list(RETRY_ON)
     return redis.Redis(connection_pool=ConnectionPool(**options))

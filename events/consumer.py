@@ -29,7 +29,7 @@ or a Lua script; see tests/_consumer_proc.py). Entries are never fatal to the co
 
 The stream is the run log by default. A work group (events/work.py: "rollout", "reward") reads its own work stream
 instead (`GroupConsumer.work`), which holds only the events it must act on, and deletes each entry with its
-acknowledgement (XACK + XDEL in one MULTI) so the work stream holds only work not yet done; the log is never touched.
+acknowledgement (XACK + XDEL in one Lua call) so the work stream holds only work not yet done; the log is never touched.
 A work delivery's `stream_id` is the work entry's id (what `ack`, `nack`, `refresh` take) and `log_id` the event's
 stream id in the log.
 
@@ -63,6 +63,13 @@ for i = 3, #ARGV do
   end
 end
 return owned
+"""
+
+
+# A work stream's acknowledgement: XACK, then XDEL of the same ids, in one call (never deleted while pending).
+_ACK_AND_DELETE_LUA = """
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+return redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
 """
 
 
@@ -108,6 +115,7 @@ class GroupConsumer:
         self.start_id = start_id
         self._own_cursor: str | None = "0"  # None once the own pending list has been drained
         self._refresh = client.register_script(_REFRESH_LUA)
+        self._ack_and_delete = client.register_script(_ACK_AND_DELETE_LUA)
         self._claim_cursor = "0-0"
         self.claim_every_ms = claim_every_ms
         self._claim_at = 0.0  # monotonic time of the next XAUTOCLAIM scan
@@ -254,10 +262,7 @@ class GroupConsumer:
         if not self.trim_acked:
             self.client.xack(self.key, self.group, *stream_ids)
             return
-        pipe = self.client.pipeline(transaction=True)  # one round trip; deleted only together with the XACK
-        pipe.xack(self.key, self.group, *stream_ids)
-        pipe.xdel(self.key, *stream_ids)
-        pipe.execute()
+        self._ack_and_delete(keys=[self.key], args=[self.group, *stream_ids])  # one round trip, both or neither
 
     def nack(self, *stream_ids: str) -> None:
         """Give entries back for redelivery at the next read of any consumer in the group, without waiting for

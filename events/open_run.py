@@ -1,7 +1,7 @@
 """Open a run's log for reading, given a run id or a run directory (DESIGN: `RUN` is either).
 
 Order: an explicit --redis URL or REDIS_URL; else the run directory's live embedded server (its `redis_url` file,
-if something answers there); else start an embedded server over the directory's AOF (a finished run), and stop it
+if something answers there; a redis+cluster:// URL there is used as it is: that run's log is in the cluster); else start an embedded server over the directory's AOF (a finished run), and stop it
 when done. The `redis_url` file holds the URL with its password redacted (events/redact.py); the password comes
 from REDIS_PASSWORD when the URL needs one.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from rolledger.events.connection import connect
+from rolledger.events.connection import connect, is_cluster_url
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.redact import MASK, with_password
 
@@ -87,6 +87,8 @@ def _live_url(run_dir: Path) -> str | None:
         url = with_password(url, password)
     if url.startswith("unix://") and not Path(url.removeprefix("unix://").split("?")[0]).exists():
         return None  # the server of a finished run: its socket went with it
+    if is_cluster_url(url):  # a cluster run's log lives in the cluster, never in the run directory's AOF: no fallback
+        return url
     try:  # one probe, no outage retry: a finished run's socket file outlives its server, and riding out an
         # "outage" there would cost the retry deadline (a minute) before the AOF is opened
         probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)

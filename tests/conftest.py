@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis_cluster import RedisClusterProcesses, redis_cli
 
 
 def _free_port() -> int:
@@ -123,3 +124,17 @@ def _one_torch_thread() -> None:
         torch.set_num_threads(int(os.environ.get("ROLLEDGER_TEST_THREADS", "1")))
     except ImportError:
         pass
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
+    """A real Redis Cluster on loopback for the session: 3 primaries, one replica each (the failover test needs
+    them), AOF on. Skipped, with the reason, only where there is no redis-cli to create it."""
+    if redis_cli() is None:
+        pytest.skip("redis-cli not found (needed for `redis-cli --cluster create`); the cluster tests cannot run")
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("cluster"), primaries=3, replicas=1)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

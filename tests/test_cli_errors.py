@@ -52,6 +52,18 @@ CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
     ("timeline-missing-run", args("timeline", "gone", "--runs-dir", "TMP", "--out", "TMP/t.png"), 2, ("'gone'",)),
     ("events-missing-run", args("events", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("no run directory",)),
     ("events-type", args("events", "x", "--type", "UpdateAbortd"), 2, ("did you mean UpdateAborted?",)),
+    (
+        "redis-fsync-with-url",
+        args("run", "--redis", "redis://127.0.0.1:1", "--redis-fsync", "always", "--runs-dir", "TMP/runs"),
+        2,
+        ("--redis-fsync always applies to the embedded server only",),
+    ),
+    (
+        "redis-cluster-url",
+        args("run", "--redis", "redis+cluster://u:secret@h", "--runs-dir", "TMP/runs"),
+        2,
+        ("cluster node 'h' is not host:port", "u:***@h"),
+    ),
     ("ui-missing-run", args("ui", "nonexistent-run", "--runs-dir", "TMP/runs"), 2, ("TMP/runs/nonexistent-run",)),
     ("ui-port", args("ui", "x", "--port", "http"), 2, ("--port", "invalid int value: 'http'")),
     ("timeline-svg", args("timeline", "gone", "--runs-dir", "TMP", "--out", "x.svg"), 2, ("'x.svg'", ".png or .html")),

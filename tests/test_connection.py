@@ -148,7 +148,11 @@ def test_unix_socket_url(auth_server: Server) -> None:
 @pytest.mark.parametrize(
     ("url", "kwargs", "message"),
     [
-        ("http://127.0.0.1:1", {}, "scheme must be redis://, rediss:// or unix://"),
+        (
+            "http://127.0.0.1:1",
+            {},
+            "scheme must be redis://, rediss://, unix://, redis\\+cluster:// or rediss\\+cluster://",
+        ),
         ("127.0.0.1:6380", {}, "scheme must be"),
         ("unix://", {}, "needs a socket path"),
         ("redis://127.0.0.1:1", {"tls_ca": "/ca.pem"}, "tls_ca given but redis url"),

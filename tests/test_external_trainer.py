@@ -81,11 +81,16 @@ def events_of(redis_url: str, run_id: str) -> list[ev.Event]:
         client.close()
 
 
-def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_id: str, tmp_path: Path) -> None:
+def learned_through_the_client(
+    redis_url: str, run_id: str, tmp_path: Path, name: str, example: Path
+) -> tuple[str, list[ev.Event], float, float]:
+    """Run 30 steps with `example` as the trainer named `name`; check what every learning run must show (completed,
+    audit clean with every version's lineage checked, every step and batch by `name`); return the trainer's output,
+    the events and the mean reward of the first and last 5 steps."""
     run = BackgroundRun(
         redis_url, run_id, tmp_path, steps=30, group_size=8, trainer={"warm_start_steps": 400, "groups_per_step": 4}
     )
-    out = finish(start_trainer(redis_url, run_id, "torch-example"))
+    out = finish(start_trainer(redis_url, run_id, name, example))
     summary = run.wait()
     assert summary.status == "completed", summary
     events = events_of(redis_url, run_id)
@@ -93,16 +98,22 @@ def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_i
     assert report.ok, report.violations
     assert report.checked[9] == 30  # every version's lineage recorded and checked
     steps = [e for e in events if isinstance(e.payload, ev.TrainStepFinished)]
-    assert len(steps) == 30 and {e.producer for e in steps} == {"torch-example"}
+    assert len(steps) == 30 and {e.producer for e in steps} == {name}
     consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
-    assert consumed and {e.producer for e in consumed} == {"torch-example"}
+    assert consumed and {e.producer for e in consumed} == {name}
+    assert "published v30" in out
     rewards = [e.payload.reward_mean for e in steps]  # type: ignore[union-attr]
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
-    print(f"external trainer: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
-    assert last > first + 0.05, (first, last, rewards)
-    assert "published v30" in out
+    print(f"{name}: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
+    return out, events, first, last
+
+
+def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    _, events, first, last = learned_through_the_client(redis_url, run_id, tmp_path, "torch-example", EXAMPLE)
+    assert last > first + 0.05, (first, last)
     from rolledger.workflows.lineage import lineage
 
+    consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
     traced = lineage(events, consumed[-1].payload.trajectory_ids[0]).render()  # type: ignore[union-attr]
     assert f"consumed by torch-example at trainer step {consumed[-1].payload.step}" in traced, traced  # type: ignore[union-attr]
 
@@ -110,26 +121,10 @@ def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_i
 def test_the_trl_example_learns_with_trls_grpo_loss(redis_url: str, run_id: str, tmp_path: Path) -> None:
     """examples/trl_trainer.py: the loss is TRL's own (GRPOTrainer.compute_loss on the run's batches)."""
     pytest.importorskip("trl", reason="examples/trl_trainer.py needs TRL (pip install trl; in the dev extra)")
-    run = BackgroundRun(
-        redis_url, run_id, tmp_path, steps=30, group_size=8, trainer={"warm_start_steps": 400, "groups_per_step": 4}
-    )
-    out = finish(start_trainer(redis_url, run_id, "trl-example", TRL_EXAMPLE))
-    summary = run.wait()
-    assert summary.status == "completed", summary
-    events = events_of(redis_url, run_id)
-    report = audit(events)
-    assert report.ok, report.violations
-    assert report.checked[9] == 30
-    steps = [e for e in events if isinstance(e.payload, ev.TrainStepFinished)]
-    assert len(steps) == 30 and {e.producer for e in steps} == {"trl-example"}
-    consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
-    assert consumed and {e.producer for e in consumed} == {"trl-example"}
-    rewards = [e.payload.reward_mean for e in steps]  # type: ignore[union-attr]
-    first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
-    print(f"TRL loss: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
+    out, _, first, last = learned_through_the_client(redis_url, run_id, tmp_path, "trl-example", TRL_EXAMPLE)
     # measured gains over 7 runs: 0.056-0.152 (0.056-0.091 on an idle machine); half the smallest is asserted
-    assert last > first + 0.025, (first, last, rewards)
-    assert "TRL loss dapo" in out and "published v30" in out
+    assert last > first + 0.025, (first, last)
+    assert "TRL loss dapo" in out
 
 
 def _wait_for_published(redis_url: str, run_id: str, version: int) -> None:

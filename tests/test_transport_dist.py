@@ -6,6 +6,7 @@ tensor; a receiver that dies mid-transfer ends only its own session."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -344,6 +345,50 @@ def test_the_dist_store_serves_a_snapshot_and_writes_the_same_version_behind(tmp
         got2 = td.receive_verified(v2.uri, 2, v2.manifest, timeout_s=60, base=base)
         assert torch.equal(got2["scale"], torch.tensor(2.0))
         assert store.server.deltas and store.server.deltas[-1].base_version == 1
+    finally:
+        store.close()
+
+
+def test_a_retired_snapshot_is_reused_only_once_no_transfer_reads_it(tmp_path: Path) -> None:
+    """The next snapshot is copied into the memory of a version that left the server, never into one a transfer
+    still reads: a version dropped mid-transfer keeps its bytes until that transfer ends."""
+    import contextlib
+
+    with td.WeightServer(tmp_path, timeout_s=30) as server:
+        v1 = _state(1)
+        _, dir1 = _offer(server, tmp_path, 1, v1)
+        assert server.reusable(v1) is None  # nothing retired yet
+        with contextlib.ExitStack() as reading:
+            server._source(dir1, None, reading)  # a transfer of v1 under way
+            server.drop(dir1)
+            assert server.reusable(v1) is None, "memory a transfer still reads was handed out"
+        free = server.reusable(v1)
+        assert free is not None and set(free) == set(v1)
+        assert server.reusable(v1) is None  # handed out once
+        assert server.reusable({"other": torch.zeros(2)}) is None  # another layout never matches
+
+
+def test_the_dist_store_copies_each_new_version_into_retired_memory(tmp_path: Path) -> None:
+    from rolledger.workers.transport import DistStagingStore
+
+    store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60, fsync=False)
+    reused: list[bool] = []
+    reusable = store.server.reusable
+
+    def spy(like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        got = reusable(like)
+        reused.append(got is not None)
+        return got
+
+    store.server.reusable = spy  # type: ignore[method-assign]
+    try:
+        for version in range(1, 5):
+            want = {k: v + version if v.is_floating_point() else v for k, v in _state(2).items()}
+            staged = store.stage(version, version - 1, want)
+            got = td.receive_verified(staged.uri, version, staged.manifest, timeout_s=60)
+            assert all(torch.equal(got[k], v) for k, v in want.items()), f"v{version} arrived wrong"
+            store.gc({version})  # as the trainer does: the older versions leave, their memory is free
+        assert reused == [False, False, True, True]
     finally:
         store.close()
 

@@ -28,10 +28,12 @@ from rolledger.schemas.injection import Injection, check_injections, parse_injec
 from rolledger.schemas.statuses import RunStatus
 from rolledger.workers.checkpoints import SUPPORTED_ARCHITECTURES, CheckpointRefused, checkpoint_model_type
 from rolledger.workers.run_inputs import (
+    REDIS_FSYNC,
     RUNS_DIR_HELP,
     RUNS_ENV,
     RunRefused,
     check_port_free,
+    check_redis_fsync,
     check_reuse,
     check_run_id,
     check_task,
@@ -171,6 +173,12 @@ def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
     try:
         injections = [parse_injection(s) for s in args.inject]
         check_injections(injections, cfg, in_process=not args.external_workers)
+        redis_url = args.redis or os.environ.get("REDIS_URL")
+        check_redis_fsync(args.redis_fsync, redis_url)
+        if redis_url:
+            from rolledger.events.connection import parse_redis_url
+
+            parse_redis_url(redis_url)
         if args.run_id is not None:
             check_run_id(args.run_id)
             check_reuse(args.run_id, Path(args.runs_dir), args.resume)
@@ -228,6 +236,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions(
         config=cfg,
         redis_url=args.redis,
+        redis_fsync=args.redis_fsync,
         run_id=args.run_id,
         runs_dir=Path(args.runs_dir),
         injections=injections,
@@ -483,7 +492,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--config", metavar="FILE", help="TOML, JSON or YAML run config (see examples/; default: none)")
     run.add_argument(
-        "--redis", help="Redis URL (redis://, rediss://, unix://); default: REDIS_URL or an embedded server"
+        "--redis",
+        help="Redis URL: redis://[user:pw@]host:port/db, rediss:// (TLS), unix:///path.sock, or a Redis Cluster "
+        "redis+cluster://host:port[,host:port...] (rediss+cluster:// with TLS; each run on one hash slot); "
+        "default: REDIS_URL or an embedded server",
+    )
+    run.add_argument(
+        "--redis-fsync",
+        choices=REDIS_FSYNC,
+        default="no",
+        help="the embedded server's appendfsync: `no` (default) writes every event into the AOF before Redis replies "
+        "(a killed redis-server loses nothing acknowledged; a host crash can lose the last ~30 s), `always` also "
+        "fsyncs before replying (survives a host crash, slower); refused with --redis/REDIS_URL",
     )
     run.add_argument("--engine", choices=_choices("engine"), help=_override("engine", "inference engine"))
     run.add_argument("--ranks", type=int, metavar="N", help=_override("ranks", "inference ranks"))
@@ -544,7 +564,11 @@ def build_parser() -> argparse.ArgumentParser:
     def run_ref(p: argparse.ArgumentParser) -> None:
         """The arguments of every command that reads a run: RUN, --redis, --runs-dir (one default, one help)."""
         p.add_argument("run", metavar="RUN", help="run id (looked up in --runs-dir) or run directory")
-        p.add_argument("--redis", help="Redis URL; default: REDIS_URL, the run directory's server or its AOF")
+        p.add_argument(
+            "--redis",
+            help="Redis URL (as `run --redis`, redis+cluster:// too); default: REDIS_URL, the run directory's server "
+            "or its AOF",
+        )
         p.add_argument(
             "--runs-dir",
             default=str(default_runs_dir()),

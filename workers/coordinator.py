@@ -93,7 +93,11 @@ class Coordinator(Worker):
         self.decisions += 1
         if any(isinstance(p, DURABLE_DECISIONS) for p in payloads) and not self.log.wait_durable(timeout_ms=1000):
             # the decision stands (it is in the log); say that a host crash could still lose it
-            self.logger.warning("update decision not known durable (AOF off?)", decisions=[p.type for p in payloads])
+            self.logger.warning(
+                "update decision not known durable (AOF off, or appendfsync no: safe from a redis-server crash, not "
+                "from an OS crash; see EventLog.wait_durable)",
+                decisions=[p.type for p in payloads],
+            )
         return True
 
 

@@ -63,7 +63,14 @@ from rolledger.workers.metrics import RunMetrics
 from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
-from rolledger.workers.run_inputs import RunRefused, check_port_free, check_reuse, check_run_id, check_task
+from rolledger.workers.run_inputs import (
+    RunRefused,
+    check_port_free,
+    check_redis_fsync,
+    check_reuse,
+    check_run_id,
+    check_task,
+)
 from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_store import StagingStore
 from rolledger.workers.task_plugins import load_prompts, prompt_token_ids
@@ -87,6 +94,7 @@ DEADLINE_GRACE_S = 30.0  # how long past the run deadline the driver waits for t
 class RunOptions:
     config: RunConfig
     redis_url: str | None = None
+    redis_fsync: str = "no"  # the embedded server's appendfsync (no | always); refused with redis_url (RunRefused)
     run_id: str | None = None
     runs_dir: Path = Path("runs")
     injections: list[Injection] = field(default_factory=list)
@@ -155,6 +163,7 @@ class LocalRun:
         self.injector = Injector(opts.injections)
         self.run_id = opts.run_id if opts.run_id is not None else new_run_id()
         check_run_id(self.run_id)
+        check_redis_fsync(opts.redis_fsync, opts.redis_url or os.environ.get("REDIS_URL"))
         check_task(self.cfg)
         if opts.metrics_port is not None:
             check_port_free(opts.metrics_port)
@@ -171,7 +180,7 @@ class LocalRun:
     def connect(self) -> redis.Redis:
         url = self.opts.redis_url or os.environ.get("REDIS_URL")
         if url is None:
-            self.embedded = EmbeddedRedis(self.run_dir)
+            self.embedded = EmbeddedRedis(self.run_dir, fsync=self.opts.redis_fsync)
             url = self.embedded.start()
         url_file = self.run_dir / "redis_url"
         url_file.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -70,6 +71,15 @@ def _resolve(host: str, port: int | None) -> tuple[IPAddress, ...]:
     return tuple(out)
 
 
+def _guard(addresses: tuple[IPAddress, ...], allow_remote: bool, refusal: Callable[[str], str]) -> bool:
+    """Whether any of `addresses` is outside the allowed networks; EngineAddressError(`refusal(those addresses)`)
+    when one is and `allow_remote` is off."""
+    outside = [a for a in addresses if not is_allowed_ip(a)]
+    if outside and not allow_remote:
+        raise EngineAddressError(refusal(", ".join(map(str, outside))))
+    return bool(outside)
+
+
 def check_engine_address(url: str, allow_remote: bool) -> CheckedAddress:
     """Validate an engine base URL; raise EngineAddressError unless every address is loopback/private.
 
@@ -87,26 +97,30 @@ def check_engine_address(url: str, allow_remote: bool) -> CheckedAddress:
     except ValueError as e:
         raise EngineAddressError(f"engine url {redact(url)!r}: bad port: {e}") from e
     addresses = _resolve(host, port)
-    outside = [a for a in addresses if not is_allowed_ip(a)]
-    if outside and not allow_remote:
-        raise EngineAddressError(
-            f"engine url {redact(url)!r}: host {host!r} resolves to {', '.join(map(str, outside))}, outside loopback and "
+    remote = _guard(
+        addresses,
+        allow_remote,
+        lambda outside: (
+            f"engine url {redact(url)!r}: host {host!r} resolves to {outside}, outside loopback and "
             "private networks. vLLM's RL routes (/pause, /collective_rpc, /update_weight_version) are "
             "unauthenticated; bind the server to a private network, or set allow_remote_engines=true to accept "
             "the risk."
-        )
-    return CheckedAddress(url=url, host=host, port=port, addresses=tuple(map(str, addresses)), remote=bool(outside))
+        ),
+    )
+    return CheckedAddress(url=url, host=host, port=port, addresses=tuple(map(str, addresses)), remote=remote)
 
 
 def check_host(host: str, allow_remote: bool, what: str = "weight server") -> tuple[str, ...]:
     """The same guard for a bare host another rolledger part listens on or connects to (the weight transport's
     server): every address it resolves to must be loopback/private unless `allow_remote`; returns the addresses."""
     addresses = _resolve(host, None)
-    outside = [a for a in addresses if not is_allowed_ip(a)]
-    if outside and not allow_remote:
-        raise EngineAddressError(
-            f"{what} host {host!r} resolves to {', '.join(map(str, outside))}, outside loopback and private "
-            "networks; the weight transport is unauthenticated: use a private address, or set "
-            "update.allow_remote_transport=true to accept the risk"
-        )
+    _guard(
+        addresses,
+        allow_remote,
+        lambda outside: (
+            f"{what} host {host!r} resolves to {outside}, outside loopback and private networks; the "
+            "weight transport is unauthenticated: use a private address, or set update.allow_remote_transport=true to "
+            "accept the risk"
+        ),
+    )
     return tuple(map(str, addresses))

@@ -45,6 +45,20 @@ def has_run(run_dir: Path) -> bool:
     )
 
 
+REDIS_FSYNC = ("no", "always")  # the embedded server's appendfsync choices (events/embedded.py FSYNC_POLICIES)
+
+
+def check_redis_fsync(fsync: str, redis_url: str | None) -> None:
+    """`--redis-fsync` sets the embedded server's appendfsync: refused for a server the run does not start."""
+    if fsync not in REDIS_FSYNC:
+        raise RunRefused(f"--redis-fsync {fsync!r}: must be one of {', '.join(REDIS_FSYNC)}")
+    if fsync != "no" and redis_url:
+        raise RunRefused(
+            f"--redis-fsync {fsync} applies to the embedded server only; with --redis/REDIS_URL set appendfsync on "
+            "that server (CONFIG SET appendfsync always, or redis.conf)"
+        )
+
+
 def check_reuse(run_id: str, runs_dir: Path, resume: bool) -> Path:
     """The run's directory; a RunRefused when it already holds a run and `resume` is not set."""
     run_dir = (runs_dir / run_id).absolute()

@@ -133,7 +133,7 @@ _TAILS_LOCK = threading.Lock()
 
 def shared_tail(log: EventLog) -> SharedTail:
     """This process's tail of `log`'s run on `log`'s connection pool (made on first use)."""
-    key = (id(log.client.connection_pool), log.run_id)
+    key = (id(getattr(log.client, "connection_pool", log.client)), log.run_id)  # a cluster client has no pool
     with _TAILS_LOCK:
         tail = _TAILS.get(key)
         if tail is None:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlparse
 
+from pydantic import ValidationError
+
 from rolledger.schemas.weights import TensorEntry, WeightManifest
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -70,6 +72,34 @@ class StagingError(RuntimeError):
         self.reason = reason
         self.kind: FailureKind = kind
         self.version = version
+
+
+def check_manifest(
+    manifest: WeightManifest, version: int, *, expected_digest: str | None = None, where: str = "manifest"
+) -> WeightManifest:
+    """`manifest` if it is for `version` (and has `expected_digest` when given); StagingError naming `where` (a path,
+    a URI) otherwise. The one check every transport applies to the manifest it is handed or fetches."""
+    if manifest.version != version:
+        raise StagingError(
+            None, f"{where} is for version {manifest.version}, asked for {version}", kind="manifest", version=version
+        )
+    if expected_digest is not None and manifest.digest != expected_digest:
+        raise StagingError(
+            None,
+            f"manifest digest {manifest.digest} is not the announced {expected_digest}",
+            kind="manifest",
+            version=version,
+        )
+    return manifest
+
+
+def parse_manifest(raw: str | bytes, version: int, *, expected_digest: str | None = None, where: str) -> WeightManifest:
+    """A manifest read from `where` (JSON), validated and checked as `check_manifest` does."""
+    try:
+        manifest = WeightManifest.model_validate_json(raw)
+    except ValidationError as e:
+        raise StagingError(None, f"invalid manifest from {where}: {e}", kind="manifest", version=version) from e
+    return check_manifest(manifest, version, expected_digest=expected_digest, where=where)
 
 
 # --------------------------------------------------------------------------------------------------- layout and URIs

@@ -25,6 +25,7 @@ from rolledger.workers.staging_checksums import new_hasher, raw_bytes
 from rolledger.workers.staging_format import (
     StagingError,
     check_against_manifest,
+    check_manifest,
     open_weights,
     read_header,
     version_path,
@@ -90,10 +91,7 @@ def read_verified(
     `corrupt`: fault injection: flip one byte of that tensor after reading, as a bad transfer would, so the
     checksum check must catch it.
     """
-    if version != manifest.version:
-        raise StagingError(
-            None, f"manifest is for version {manifest.version}, asked for {version}", kind="manifest", version=version
-        )
+    check_manifest(manifest, version)
     if corrupt is not None:
         entry = manifest.entry(corrupt)
         if entry.nbytes == 0:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, DTYPE_SIZES, ChecksumAlgo, TensorEntry, WeightManifest
@@ -37,6 +36,7 @@ from rolledger.workers.staging_format import (
     VERSION_DIR,
     WEIGHTS_FILE,
     StagingError,
+    parse_manifest,
     path_from_uri,
     version_dir,
     version_path,
@@ -274,23 +274,10 @@ def _read_manifest_at(directory: Path, version: int, *, expected_digest: str | N
     """The manifest in a version directory; StagingError when absent, invalid, or not the expected digest."""
     path = directory / MANIFEST_FILE
     try:
-        manifest = WeightManifest.model_validate_json(path.read_bytes())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise StagingError(None, f"no staged manifest at {path}", kind="not_found", version=version)
-    except ValidationError as e:
-        raise StagingError(None, f"invalid {MANIFEST_FILE}: {e}", kind="manifest", version=version) from e
-    if manifest.version != version:
-        raise StagingError(
-            None, f"{path} is for version {manifest.version}, asked for {version}", kind="manifest", version=version
-        )
-    if expected_digest is not None and manifest.digest != expected_digest:
-        raise StagingError(
-            None,
-            f"manifest digest {manifest.digest} is not the announced {expected_digest}",
-            kind="manifest",
-            version=version,
-        )
-    return manifest
+    return parse_manifest(raw, version, expected_digest=expected_digest, where=str(path))
 
 
 def build_manifest(

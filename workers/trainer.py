@@ -73,9 +73,7 @@ class TrainerWorker(Worker):
         restored = self.seat.restore()
         if restored.tensors is None:
             return
-        with torch.no_grad():
-            for name, p in policy_state(self.model).items():
-                p.copy_(restored.tensors[name])
+        restored.load_into(self.model)
         self.logger.info("weights restored from the log", version=restored.version)
         self.optimizer = load_optimizer(self._checkpoints, restored.version, self.model, self.seat.config.trainer.lr)
         if self.optimizer is None:

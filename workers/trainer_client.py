@@ -45,6 +45,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.statuses import UpdateStatus
 from rolledger.schemas.trajectory import Trajectory
+from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Emitter, Follower
 from rolledger.workers.staging_format import StagingError
 from rolledger.workers.staging_store import StagingStore
@@ -152,6 +153,15 @@ class Restored:
 
     version: int
     tensors: Mapping[str, torch.Tensor] | None
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Copy these weights into `model`'s parameters (by `policy_state` name); at v0 there is nothing to copy:
+        the model directory's weights are the run's."""
+        if self.tensors is None:
+            return
+        with torch.no_grad():
+            for name, p in policy_state(model).items():
+                p.copy_(self.tensors[name])
 
 
 def check_lineage(weights: Mapping[str, torch.Tensor] | str, state: RunState) -> str:

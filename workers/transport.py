@@ -130,7 +130,12 @@ class DistStagingStore:
         t0 = time.perf_counter()
         self.wait_persisted()
         prepared = staging_store.prepare_for_save(state_dict, version)
-        snapshot = {name: t.clone() for name, t in prepared.items()}  # the trainer trains on: serve a copy
+        snapshot = self.server.reusable(prepared)  # the trainer trains on: serve a copy
+        if snapshot is None:
+            snapshot = {name: t.clone() for name, t in prepared.items()}
+        else:
+            for name, t in prepared.items():
+                snapshot[name].copy_(t)
         manifest = staging_store.build_manifest(snapshot, version, base_version, checksum_algo, parent_digest)
         dirname = version_dir(self.local.root, version, manifest.digest).name
         uri = self.server.offer(dirname, manifest, snapshot)

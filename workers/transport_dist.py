@@ -52,7 +52,6 @@ import structlog
 import torch
 import torch.distributed as dist
 import zstandard
-from pydantic import ValidationError
 
 from rolledger.schemas.weights import WeightManifest
 from rolledger.workers.netguard import EngineAddressError, check_host
@@ -62,7 +61,9 @@ from rolledger.workers.staging_format import (
     VERSION_DIR,
     StagingError,
     check_against_manifest,
+    check_manifest,
     open_weights,
+    parse_manifest,
     read_header,
 )
 from rolledger.workers.staging_loader import LoadTimings, VerifiedWeights, destination
@@ -271,22 +272,7 @@ def read_manifest(
         raise StagingError(
             None, f"the weight server at {uri} has no manifest for it", kind="not_found", version=version
         )
-    try:
-        manifest = WeightManifest.model_validate_json(store.get(key))
-    except ValidationError as e:
-        raise StagingError(None, f"invalid manifest from {uri}: {e}", kind="manifest", version=version) from e
-    if manifest.version != version:
-        raise StagingError(
-            None, f"{uri} serves version {manifest.version}, asked for {version}", kind="manifest", version=version
-        )
-    if expected_digest is not None and manifest.digest != expected_digest:
-        raise StagingError(
-            None,
-            f"manifest digest {manifest.digest} is not the announced {expected_digest}",
-            kind="manifest",
-            version=version,
-        )
-    return manifest
+    return parse_manifest(store.get(key), version, expected_digest=expected_digest, where=uri)
 
 
 @dataclass(frozen=True)
@@ -335,10 +321,7 @@ def receive_verified(
     `base`: the weights this rank serves; the server may send a delta against them (see the module docstring). A
     delta that does not give the manifest's bytes is fetched again in full, once.
     """
-    if version != manifest.version:
-        raise StagingError(
-            None, f"manifest is for version {manifest.version}, asked for {version}", kind="manifest", version=version
-        )
+    check_manifest(manifest, version)
     timeout_s = timeout_s or parse_uri(uri, version).timeout_s  # each step's deadline: the URI's unless given
     if base is not None and base.fits(manifest):
         try:
@@ -536,16 +519,25 @@ def _release(views: list[memoryview]) -> None:
 
 
 IN_MEMORY = 2  # offered versions a server keeps in memory: the newest and the base of its delta
+FREE_SNAPSHOTS = 1  # retired versions' memory kept for the next snapshot (peak: IN_MEMORY + this + the one training)
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
 
 
 @dataclass
 class _Held:
-    """A version served from memory: its manifest, each tensor's bytes, and whether its durable copy is written."""
+    """A version served from memory: its manifest, its tensors and their bytes, whether its durable copy is written,
+    how many transfers are reading it, and whether it has left the server (its memory is reused once none is)."""
 
     manifest: WeightManifest
+    tensors: dict[str, torch.Tensor]
     views: list[memoryview]
     durable: threading.Event
     error: str | None = None
+    readers: int = 0
+    retired: bool = False
 
 
 @dataclass(frozen=True)
@@ -605,6 +597,7 @@ class WeightServer:
         self._delta_lock = threading.Lock()
         self._delta_cache: tuple[tuple[str, int], tuple[list[int], bytes]] | None = None
         self._held: dict[str, _Held] = {}  # versions offered from memory, oldest first
+        self._free: list[dict[str, torch.Tensor]] = []  # memory of retired versions no transfer reads, for reuse
         self._held_lock = threading.Lock()
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_s))
         self.port: int = self._store.port
@@ -688,11 +681,35 @@ class WeightServer:
         `IN_MEMORY` versions offered stay in memory (the next delta's base); older ones are served from disk."""
         views = [raw_bytes(tensors[e.name]) for e in manifest.tensors]
         with self._held_lock:
-            self._held[dirname] = _Held(manifest, views, threading.Event())
+            self._held[dirname] = _Held(manifest, dict(tensors), views, threading.Event())
             for old in list(self._held)[:-IN_MEMORY]:
-                del self._held[old]
+                self._retire(self._held.pop(old))
         self._store.set(f"manifest/{dirname}", manifest.model_dump_json(indent=1))
         return self.uri(dirname)
+
+    def reusable(self, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Tensors of a version that left the server and that no transfer reads any more, with the names, shapes and
+        dtypes of `like`, for the next snapshot to be copied into (None: allocate). Copying into memory already
+        mapped costs a fraction of a fresh allocation's page faults (bench/bench_transport.py)."""
+        key = _layout(like)
+        with self._held_lock:
+            for i, free in enumerate(self._free):
+                if _layout(free) == key:
+                    return self._free.pop(i)
+        return None
+
+    def _retire(self, held: _Held) -> None:
+        """Called under `_held_lock` when a version leaves the server: its memory is free once no transfer reads it
+        (at most `FREE_SNAPSHOTS` kept)."""
+        held.retired = True
+        if held.readers == 0 and len(self._free) < FREE_SNAPSHOTS:
+            self._free.append(held.tensors)
+
+    def _release(self, held: _Held) -> None:
+        with self._held_lock:
+            held.readers -= 1
+            if held.retired and held.readers == 0 and len(self._free) < FREE_SNAPSHOTS:
+                self._free.append(held.tensors)
 
     def persisted(self, dirname: str, error: str | None = None) -> None:
         """The durable copy of an offered version is complete (or failed: `error`, and its transfers fail)."""
@@ -705,7 +722,9 @@ class WeightServer:
     def drop(self, dirname: str) -> None:
         """Forget an offered version's memory and manifest (collected)."""
         with self._held_lock:
-            self._held.pop(dirname, None)
+            held = self._held.pop(dirname, None)
+            if held is not None:
+                self._retire(held)
         self.withdraw(dirname)
 
     def _send(self, session: str, dirname: str, digest: str, base_version: int) -> None:
@@ -756,7 +775,10 @@ class WeightServer:
         durable copy's record, to wait on), else mapped from its file (closed with `stack`)."""
         with self._held_lock:
             held = self._held.get(dirname)
+            if held is not None:
+                held.readers += 1
         if held is not None:
+            stack.callback(self._release, held)
             if digest is not None and held.manifest.digest != digest:
                 raise ValueError(f"{dirname} holds manifest {held.manifest.digest}, not {digest}")
             return held.manifest, held.views, held

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import socket
 import subprocess
 import sys
@@ -135,7 +136,13 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmClust
 
     def launch(rank: int) -> None:
         try:
-            servers[rank] = start_vllm_server(model_dir, free_port(), log_path=root / f"vllm-rank{rank}.log")
+            servers[rank] = start_vllm_server(
+                model_dir,
+                free_port(),
+                log_path=root / f"vllm-rank{rank}.log",
+                # rolledger's transport as a vLLM weight-transfer engine (workers/vllm_transfer_engine.py)
+                extra_args=["--weight-transfer-config", json.dumps({"backend": "rolledger"})],
+            )
         except BaseException as e:  # noqa: BLE001 - re-raised below on the test thread
             errors.append(e)
 

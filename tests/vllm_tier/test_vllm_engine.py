@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from rolledger.schemas.config import SamplingParams
 from rolledger.workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
@@ -262,3 +263,73 @@ def test_an_update_through_the_dist_transport_commits_on_both_servers(
             if e in committed:
                 e.rollback_weights()
     assert _snapshot(c) == before
+
+
+def test_vllms_own_update_routes_move_a_version_over_the_registered_rolledger_engine(
+    vllm_cluster: VllmCluster, tmp_path: Path
+) -> None:
+    """The dist transport registered as vLLM's weight-transfer engine `rolledger` (entry point
+    vllm.general_plugins): /update_weights receives and verifies a version without touching what serves,
+    /finish_weight_update loads it; bytes that do not match the manifest are refused naming the tensor and load
+    nothing; a discarded session loads nothing. The live digest proves each step, and loading the start-up weights
+    back through the same route gives the start-up live digest again (the route loads exactly the verified bytes)."""
+    from rolledger.workers.engines.vllm_http import VllmHttpError
+    from rolledger.workers.staging_format import version_dir
+    from rolledger.workers.staging_store import build_manifest, prepare_for_save
+    from rolledger.workers.transport import DistStagingStore
+
+    c = vllm_cluster
+    e = c.engines[0]
+    base = c.base_state()
+    assert e.weights_digest() == state_digest(base), "the servers should serve the start-up checkpoint between tests"
+    start_live = e.live_digest()
+    store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60)
+
+    def update(info: dict[str, object], *, refused: bool = False) -> None:
+        # a refusal is an unhandled exception in vLLM's ASGI app: uvicorn answers 500 and closes the connection, so
+        # the request that expects one does not leave its connection to be reused
+        headers = {"Connection": "close"} if refused else None
+        e.http.post("/update_weights", json={"update_info": info}, timeout=120, headers=headers)
+
+    def staged_info(version: int, tensors: dict[str, torch.Tensor]) -> dict[str, object]:
+        staged = store.stage(version, version - 1, tensors)
+        return {"uri": staged.uri, "version": version, "manifest_digest": staged.manifest_digest}
+
+    try:
+        new = c.other_state(seed=700)
+        e.http.post("/start_weight_update")
+        update(staged_info(c.next_version(), new))
+        assert e.live_digest() == start_live, "/update_weights changed what serves before the finish"
+        e.http.post("/finish_weight_update", json={"weight_version": None})
+        new_live = e.live_digest()
+        assert new_live != start_live
+
+        # bytes that are not the manifest's (a transport that delivered the wrong version) load nothing
+        wrong_version = c.next_version()
+        other = prepare_for_save(c.other_state(seed=701), wrong_version)
+        manifest = build_manifest(other, wrong_version, wrong_version - 1, "xxh3_128")
+        dirname = version_dir(store.root, wrong_version, manifest.digest).name
+        uri = store.server.offer(dirname, manifest, prepare_for_save(new, wrong_version))
+        store.server.persisted(dirname)
+        e.http.post("/start_weight_update")
+        with pytest.raises(VllmHttpError, match="checksum") as info:
+            update({"uri": uri, "version": wrong_version, "manifest_digest": manifest.digest}, refused=True)
+        assert manifest.tensors[0].name in info.value.message
+        with pytest.raises(VllmHttpError, match="without a matching start"):  # vLLM ended the session
+            e.http.post("/finish_weight_update", json={"weight_version": None}, headers={"Connection": "close"})
+        assert e.live_digest() == new_live
+
+        # received, then discarded (another rank failed): the finish loads nothing
+        e.http.post("/start_weight_update")
+        update(staged_info(c.next_version(), c.other_state(seed=702)))
+        update({"discard": True})
+        e.http.post("/finish_weight_update", json={"weight_version": None})
+        assert e.live_digest() == new_live
+
+        # the start-up weights back through the same route: exactly the start-up live digest
+        e.http.post("/start_weight_update")
+        update(staged_info(c.next_version(), base))
+        e.http.post("/finish_weight_update", json={"weight_version": None})
+        assert e.live_digest() == start_live
+    finally:
+        store.close()
