@@ -189,6 +189,7 @@ def test_the_logs_scripts_leases_groups_and_a_multi_block_work_on_a_cluster(
         keys.fence_key(run, "coordinator"),
         keys.fence_key(run, "probe"),
         keys.finished_key(run) + ":probe",
+        keys.work_key(run, "rollout"),  # the GroupAdmitted's work stream, empty once acknowledged, with its group
     }
     for port in redis_cluster.ports:  # nothing of the run anywhere else (replicas answer SCAN with their copy)
         if port == primary or port == redis_cluster.replica_of(primary):
