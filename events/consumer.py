@@ -5,7 +5,8 @@ The read loop (`GroupConsumer.read`), in order:
 1. After (re)start, this consumer's own pending entries (XREADGROUP from id 0): what it read before a crash and never
    acknowledged. Read until empty, then never again (later leftovers are reclaimed by step 2).
 2. XAUTOCLAIM of entries pending longer than `claim_idle_ms` in any consumer of the group (dead or slow ones, and this
-   one's own unacknowledged failures).
+   one's own unacknowledged failures), on a timer: at most once per `claim_every_ms` (default a quarter of
+   `claim_idle_ms`, at most 1 s), not on every read; `nack` makes the next read scan at once.
    After a Redis outage the client rode out (events.connection.outages), step 1 runs again: an XREADGROUP whose reply
    was lost to the dropped connection left its entries in this consumer's pending list, and redis-py's retry read
    new ones; the lost ones come back from there. One scan step per read, the cursor kept between reads.
@@ -26,12 +27,19 @@ or a Lua script; see tests/_consumer_proc.py). Entries are never fatal to the co
   acknowledged;
 - body gone (trimmed or deleted while pending; redis-py shows `{}`) -> dead letter "payload lost ...", acknowledged.
 
+The stream is the run log by default. A work group (events/work.py: "rollout", "reward") reads its own work stream
+instead (`GroupConsumer.work`), which holds only the events it must act on, and deletes each entry with its
+acknowledgement (XACK + XDEL in one Lua call) so the work stream holds only work not yet done; the log is never touched.
+A work delivery's `stream_id` is the work entry's id (what `ack`, `nack`, `refresh` take) and `log_id` the event's
+stream id in the log.
+
 Within a group entries are balanced by readiness, not partitioned: two consumers may process one aggregate's events
 out of order. Per-key order needs a stream (and one consumer) per key.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,8 +47,9 @@ import redis
 
 from rolledger.events.codec import DecodeError, decode
 from rolledger.events.connection import outages
-from rolledger.events.keys import log_key
+from rolledger.events.keys import log_key, work_key
 from rolledger.events.store import PAYLOAD_FIELD, PAYLOAD_LOST, as_str, dead_letter
+from rolledger.events.work import GROUPS, LOG_ID_FIELD
 from rolledger.schemas.events import Event
 
 # For each id: refresh it if this consumer owns it (XPENDING names the owner), else leave it. Returns the owned ids.
@@ -57,12 +66,21 @@ return owned
 """
 
 
+# A work stream's acknowledgement: XACK, then XDEL of the same ids, in one call (never deleted while pending).
+_ACK_AND_DELETE_LUA = """
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+return redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
+"""
+
+
 class Delivery(NamedTuple):
-    """One delivered entry; `deliveries` counts this delivery (1 the first time)."""
+    """One delivered entry; `deliveries` counts this delivery (1 the first time). `log_id`: the event's stream id in
+    the log (= `stream_id` for a consumer of the log; a work entry's `s` field for a work group)."""
 
     stream_id: str
     event: Event
     deliveries: int
+    log_id: str = ""
 
 
 class GroupConsumer:
@@ -78,6 +96,9 @@ class GroupConsumer:
         max_deliveries: int = 5,
         claim_idle_ms: int = 30_000,
         start_id: str = "0",
+        stream: str | None = None,
+        trim_acked: bool = False,
+        claim_every_ms: int | None = None,
     ) -> None:
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
@@ -85,7 +106,8 @@ class GroupConsumer:
             raise ValueError(f"claim_idle_ms must be >= 0, got {claim_idle_ms}")
         self.client = client
         self.run_id = run_id
-        self.key = log_key(run_id)
+        self.key = stream if stream is not None else log_key(run_id)
+        self.trim_acked = trim_acked  # delete acknowledged entries (a work stream; never the log)
         self.group = group
         self.consumer = consumer
         self.max_deliveries = max_deliveries
@@ -93,8 +115,47 @@ class GroupConsumer:
         self.start_id = start_id
         self._own_cursor: str | None = "0"  # None once the own pending list has been drained
         self._refresh = client.register_script(_REFRESH_LUA)
+        self._ack_and_delete = client.register_script(_ACK_AND_DELETE_LUA)
         self._claim_cursor = "0-0"
+        self.claim_every_ms = claim_every_ms
+        self._claim_at = 0.0  # monotonic time of the next XAUTOCLAIM scan
         self._outages = outages(client)
+
+    @classmethod
+    def work(
+        cls,
+        client: redis.Redis,
+        run_id: str,
+        group: str,
+        consumer: str,
+        *,
+        max_deliveries: int = 5,
+        claim_idle_ms: int = 30_000,
+        claim_every_ms: int | None = None,
+    ) -> GroupConsumer:
+        """A consumer of a work group's own stream (events/work.py), deleting entries as it acknowledges them."""
+        if group not in GROUPS:
+            raise ValueError(f"{group!r} is not a work group (events.work.GROUPS: {', '.join(GROUPS)})")
+        return cls(
+            client,
+            run_id,
+            group,
+            consumer,
+            max_deliveries=max_deliveries,
+            claim_idle_ms=claim_idle_ms,
+            claim_every_ms=claim_every_ms,
+            stream=work_key(run_id, group),
+            trim_acked=True,
+        )
+
+    def _claim_due(self) -> bool:
+        """Whether this read scans for reclaimable entries (see the module docstring, step 2)."""
+        now = time.monotonic()
+        if now < self._claim_at:
+            return False
+        every = self.claim_every_ms if self.claim_every_ms is not None else min(self.claim_idle_ms // 4, 1000)
+        self._claim_at = now + every / 1000
+        return True
 
     @property
     def name(self) -> str:
@@ -129,9 +190,10 @@ class GroupConsumer:
             if out:
                 return out
 
-        claimed = self._autoclaim(count)
-        if claimed:
-            return claimed
+        if self._claim_due():
+            claimed = self._autoclaim(count)
+            if claimed:
+                return claimed
 
         reply = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"}, count=count, block=block_ms)
         entries = reply[0][1] if reply else []
@@ -169,32 +231,38 @@ class GroupConsumer:
             stream_id = as_str(raw_id)
             n = counts.get(stream_id, 1)
             data = fields.get(PAYLOAD_FIELD) if fields else None
+            in_log = fields.get(LOG_ID_FIELD) if fields else None
+            log_id = as_str(in_log) if in_log is not None else stream_id  # a dead letter names the log's entry
             if n > self.max_deliveries:
-                self._dead_letter(stream_id, data, f"delivered {n} times", once=f"{self.group}/{stream_id}")
+                self._dead_letter(stream_id, log_id, data, f"delivered {n} times", once=f"{self.group}/{log_id}")
                 continue
             if data is None:
                 reason = PAYLOAD_LOST if not fields else f"entry has no {PAYLOAD_FIELD!r} field"
-                self._dead_letter(stream_id, None, reason, once=stream_id)
+                self._dead_letter(stream_id, log_id, None, reason, once=log_id)
                 continue
             try:
                 event = decode(data)
             except DecodeError as exc:
-                self._dead_letter(stream_id, data, exc.reason, once=stream_id)
+                self._dead_letter(stream_id, log_id, data, exc.reason, once=log_id)
                 continue
-            out.append(Delivery(stream_id, event, n))
+            out.append(Delivery(stream_id, event, n, log_id))
         return out
 
-    def _dead_letter(self, stream_id: str, raw: bytes | None, reason: str, *, once: str) -> None:
+    def _dead_letter(self, stream_id: str, log_id: str, raw: bytes | None, reason: str, *, once: str) -> None:
         dead_letter(
-            self.client, self.run_id, stream_id=stream_id, raw=raw, reason=reason, consumer=self.name, once_key=once
+            self.client, self.run_id, stream_id=log_id, raw=raw, reason=reason, consumer=self.name, once_key=once
         )
         self.ack(stream_id)
 
     # ------------------------------------------------------------------ acknowledging
     def ack(self, *stream_ids: str) -> None:
         """Mark entries processed (XACK); unknown or already acknowledged ids are ignored by Redis."""
-        if stream_ids:
+        if not stream_ids:
+            return
+        if not self.trim_acked:
             self.client.xack(self.key, self.group, *stream_ids)
+            return
+        self._ack_and_delete(keys=[self.key], args=[self.group, *stream_ids])  # one round trip, both or neither
 
     def nack(self, *stream_ids: str) -> None:
         """Give entries back for redelivery at the next read of any consumer in the group, without waiting for
@@ -204,6 +272,7 @@ class GroupConsumer:
                 self.key, self.group, self.consumer, 0, list(stream_ids), idle=self.claim_idle_ms, justid=True
             )
             self._claim_cursor = "0-0"
+            self._claim_at = 0.0
 
     def refresh(self, *stream_ids: str) -> set[str]:
         """The heartbeat: reset the idle time of those of `stream_ids` this consumer still owns, in one round trip;

@@ -52,6 +52,11 @@ def finished_key(run_id: str) -> str:
     return _k(run_id, "finished")
 
 
+def work_key(run_id: str, group: str) -> str:
+    """Work stream of a consumer group (events/work.py): the events it must act on, deleted once acknowledged."""
+    return _k(run_id, f"work:{group}")
+
+
 def durable_probe_key(run_id: str) -> str:
     """Counter INCR'd by `EventLog.wait_durable` just before its WAITAOF, on the same connection: WAITAOF waits for
     the last write of the connection it runs on, and this write comes after every write acknowledged before it."""

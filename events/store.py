@@ -13,6 +13,8 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
   whose stream id it trimmed; `once:` keys stay.
 - `finished_key(run)`: set by the script that appends the run's RunFinished (to its stream id). Any later append of
   an event not already recorded is refused (`RunClosed`) and nothing of its batch is written.
+- `work_key(run, group)`: for each consumer group of events/work.py, the events it must act on, written by the same
+  append script as the log entry (a copy, with the log stream id); its consumer deletes an entry once acknowledged.
 - `dead_letter_key(run)`: entries nobody could process, each with `source` (stream id), `raw` (the bytes), `reason`,
   `consumer`, `at` (unix seconds). `dead_letter_key(run) + ":seen"` remembers what was already dead-lettered so a
   replay or a redelivery copies an entry once.
@@ -40,7 +42,9 @@ from rolledger.events.keys import (
     durable_probe_key,
     finished_key,
     log_key,
+    work_key,
 )
+from rolledger.events.work import GROUPS, ROUTES
 from rolledger.schemas.events import Event
 
 PAYLOAD_FIELD = b"e"
@@ -100,10 +104,17 @@ if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], id) end
 return id
 """
 
-# Every append script: KEYS = log, dedupe hash, finished marker. An event id already in the dedupe hash is not
-# written again (its original stream id comes back); the XADD of a RunFinished sets the marker in the same call; a
-# batch with any event not yet recorded is refused while the marker is set ({-1, marker}).
-_APPEND_COMMON_LUA = """
+# Every append script: KEYS = log, dedupe hash, finished marker, then the work stream of each group of
+# events.work.GROUPS. An event id already in the dedupe hash is not written again (its original stream id comes
+# back); the XADD of a RunFinished sets the marker in the same call; a batch with any event not yet recorded is
+# refused while the marker is set ({-1, marker}). An event whose type events.work.ROUTES names is also added to that
+# group's work stream (e = bytes, t = type, s = its log stream id) in the same call, so it is there exactly once.
+_ROUTE_TABLE_LUA = (
+    "local route = {" + ", ".join(f"[{t!r}] = {4 + GROUPS.index(g)}" for t, g in sorted(ROUTES.items())) + "}\n"
+)
+_APPEND_COMMON_LUA = (
+    _ROUTE_TABLE_LUA
+    + """
 local function recorded(n, first)
   local ids = {}
   local fresh = 0
@@ -119,6 +130,8 @@ local function write(n, first, ids)
       local j = first + 3 * (i - 1)
       local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2])
       redis.call('HSET', KEYS[2], ARGV[j], id)
+      local work = route[ARGV[j + 2]]
+      if work then redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id) end
       if ARGV[j + 2] == 'RunFinished' and redis.call('EXISTS', KEYS[3]) == 0 then
         redis.call('SET', KEYS[3], id)
       end
@@ -129,6 +142,7 @@ local function write(n, first, ids)
   return ids
 end
 """
+)
 
 # ARGV: (event id, bytes, type) triples. Returns {1, id...}, or {-1, marker} after the run's end.
 _APPEND_MANY_LUA = (
@@ -262,7 +276,7 @@ class EventLog:
     # nothing) and refused with RunClosed after the run's RunFinished, so redis-py may retry any of them.
     @property
     def _keys(self) -> list[str]:
-        return [self.key, self.dedupe, self.finished]
+        return [self.key, self.dedupe, self.finished, *(work_key(self.run_id, g) for g in GROUPS)]
 
     def _ids(self, reply: Any) -> list[str]:
         if int(reply[0]) == -1:

@@ -24,6 +24,7 @@ from rolledger.events.consumer import GroupConsumer
 from rolledger.events.lease import LeaderLease
 from rolledger.events.snapshots import latest_snapshot, take_snapshot
 from rolledger.events.store import ConcurrencyConflict, EventLog, dead_letter, read_dead_letters
+from rolledger.events.work import GROUPS as WORK_GROUPS
 from rolledger.schemas import events as ev
 from rolledger.workflows.audit import audit
 
@@ -96,6 +97,7 @@ def test_every_key_name_of_a_run_hashes_to_the_runs_one_slot(redis_cluster: Redi
         keys.fence_key(run, "coordinator"),
         keys.finished_key(run),
         keys.archive_key(run),
+        *(keys.work_key(run, g) for g in WORK_GROUPS),
     ]
     assert {_slot(redis_cluster, k) for k in names} == {_slot(redis_cluster, "{" + run + "}")}
 
@@ -146,6 +148,12 @@ def test_the_logs_scripts_leases_groups_and_a_multi_block_work_on_a_cluster(
     assert [d.event.event_id for d in got] == [e.event_id for e in evs[:4]]
     assert group.refresh(*(d.stream_id for d in got)) == {d.stream_id for d in got}
     group.ack(*(d.stream_id for d in got))
+    work = GroupConsumer.work(client, run, "rollout", "r1")  # a work stream: written by the append scripts above
+    work.ensure_group()
+    got = work.read(count=10, block_ms=100)
+    assert [d.event.event_id for d in got] == [e.event_id for e in evs[:4] if e.type == "GroupAdmitted"]
+    work.ack(*(d.stream_id for d in got))  # XACK + XDEL in one script call on the run's slot
+    assert client.xlen(keys.work_key(run, "rollout")) == 0 and work.pending() == 0
 
     class _State:
         last_event_id = "e"
@@ -182,6 +190,7 @@ def test_the_logs_scripts_leases_groups_and_a_multi_block_work_on_a_cluster(
         keys.fence_key(run, "coordinator"),
         keys.fence_key(run, "probe"),
         keys.finished_key(run) + ":probe",
+        keys.work_key(run, "rollout"),  # the GroupAdmitted's work stream, empty once acknowledged, with its group
     }
     for port in redis_cluster.ports:  # nothing of the run anywhere else (replicas answer SCAN with their copy)
         if port == primary or port == redis_cluster.replica_of(primary):

@@ -1,5 +1,6 @@
 """events.consumer against the real redis-server: work sharing, crash recovery of a SIGKILLed consumer process,
-own-PEL recovery, poison entries, malformed entries and lost payloads going to the dead-letter stream."""
+own-PEL recovery, poison entries, malformed entries and lost payloads going to the dead-letter stream, the work
+streams (events/work.py) written with the log and trimmed on acknowledgement, reclaim on a timer."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import msgpack
 import pytest
 import redis
 from _consumer_proc import complete, completions_key, started_key
-from logbuilder import payload_of
+from logbuilder import LogBuilder, payload_of
 
 from rolledger.events.codec import encode
 from rolledger.events.consumer import Delivery, GroupConsumer
 from rolledger.events.envelope import make_event
-from rolledger.events.keys import dead_letter_key
-from rolledger.events.store import PAYLOAD_LOST, EventLog, as_str, read_dead_letters
+from rolledger.events.keys import dead_letter_key, work_key
+from rolledger.events.store import PAYLOAD_LOST, ConcurrencyConflict, EventLog, as_str, read_dead_letters
 from rolledger.schemas.events import Event, SampleScored
 
 REPO = Path(__file__).resolve().parent.parent
@@ -238,3 +239,65 @@ def test_a_heartbeat_keeps_the_claim_and_a_reclaimed_entry_is_not_taken_back(
     assert owner.refresh(entry) == set()
     row = redis_client.xpending_range(log.key, "workers", entry, entry, 1)[0]
     assert as_str(row["consumer"]) == "other"
+
+
+def test_work_groups_get_only_their_events_written_with_the_log_and_deleted_once_acknowledged(
+    redis_client: redis.Redis, run_id: str
+) -> None:
+    """GroupAdmitted goes to the rollout work stream, SampleFinished to the reward one, each in the same script call
+    as its log entry and exactly once (a retried append adds nothing); other types go nowhere but the log. A work
+    consumer reads only its events, each delivery names its log entry, and an acknowledged entry leaves the work
+    stream while the log keeps everything."""
+    built = LogBuilder(run_id=run_id).start_run().group("g1", n=2).build()
+    log = EventLog(redis_client, run_id)
+    ids = log.append_many(built)
+    assert log.append_many(built) == ids  # a retry (same event ids) writes nothing, to the log or a work stream
+    by_type = Counter(e.type for e in built)
+    assert by_type["GroupAdmitted"] == 1 and by_type["SampleFinished"] == 2 and len(by_type) > 2
+    rollout = GroupConsumer.work(redis_client, run_id, "rollout", "r")
+    reward = GroupConsumer.work(redis_client, run_id, "reward", "s")
+    for c in (rollout, reward):
+        c.ensure_group()  # created after the appends: a work group starts at its stream's first entry
+    log_ids = {e.event_id: sid for e, sid in zip(built, ids, strict=True)}
+    got = {c.group: drain(c) for c in (rollout, reward)}
+    assert [d.event.type for d in got["rollout"]] == ["GroupAdmitted"]
+    assert [d.event.type for d in got["reward"]] == ["SampleFinished"] * 2
+    for d in got["rollout"] + got["reward"]:
+        assert d.log_id == log_ids[d.event.event_id] and d.deliveries == 1
+    assert redis_client.xlen(work_key(run_id, "rollout")) == 0 and redis_client.xlen(work_key(run_id, "reward")) == 0
+    assert rollout.pending() == 0 and reward.pending() == 0
+    assert log.length() == len(built)  # the log is never trimmed by a work consumer
+
+
+def test_a_refused_append_writes_no_work(redis_client: redis.Redis, run_id: str) -> None:
+    b = LogBuilder(run_id=run_id).start_run()
+    log = EventLog(redis_client, run_id)
+    log.append_many(b.build())
+    admitted = LogBuilder(run_id=run_id).start_run().group("g1", n=1).find("GroupAdmitted")
+    with pytest.raises(ConcurrencyConflict):
+        log.append_if([admitted], expected_last_id="0-1")
+    assert redis_client.xlen(work_key(run_id, "rollout")) == 0
+    log.append_if([admitted], expected_last_id=log.last_id())
+    assert redis_client.xlen(work_key(run_id, "rollout")) == 1
+
+
+def test_reclaim_runs_on_a_timer_not_on_every_read(redis_client: redis.Redis, run_id: str) -> None:
+    log = EventLog(redis_client, run_id)
+    owner = GroupConsumer(redis_client, run_id, "g", "owner")
+    other = GroupConsumer(redis_client, run_id, "g", "other", claim_idle_ms=0, claim_every_ms=600_000)
+    owner.ensure_group()
+    assert other.read(count=1, block_ms=10) == []  # its first read scans (nothing to reclaim) and sets the timer
+    sid = log.append(scored(1))
+    assert [d.stream_id for d in owner.read(count=1, block_ms=10)] == [sid]  # pending to owner, reclaimable at once
+    assert other.read(count=1, block_ms=10) == []  # but the timer is not due: no scan, nothing taken
+    calls = int(redis_client.info("commandstats").get("cmdstat_xautoclaim", {}).get("calls", 0))
+    for _ in range(5):
+        assert other.read(count=1, block_ms=1) == []
+    assert int(redis_client.info("commandstats").get("cmdstat_xautoclaim", {}).get("calls", 0)) == calls
+    other.nack(sid)  # a nack makes the next read scan at once
+    assert [(d.stream_id, d.deliveries) for d in other.read(count=1, block_ms=10)] == [(sid, 2)]
+
+
+def test_work_consumer_refuses_a_group_without_a_work_stream(redis_client: redis.Redis, run_id: str) -> None:
+    with pytest.raises(ValueError, match="not a work group"):
+        GroupConsumer.work(redis_client, run_id, "workers", "c")

@@ -113,7 +113,7 @@ class Run:
         return RankWorker(self.client, self.run_id, rank, SlowEngine(engine, delay_s) if delay_s else engine)
 
     def nothing_pending(self) -> bool:
-        return GroupConsumer(self.client, self.run_id, "rollout", "observer").pending() == 0
+        return GroupConsumer.work(self.client, self.run_id, "rollout", "observer").pending() == 0
 
 
 def test_a_live_rank_slower_than_lost_after_keeps_its_group(redis_url: str, run_id: str, tmp_path: Path) -> None:

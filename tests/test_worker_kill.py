@@ -123,7 +123,7 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(
             return len(ends) == GROUPS * N
 
         _wait_for(all_terminal, 180, "every sample to reach a terminal event")
-        consumer = GroupConsumer(client, run_id, "rollout", "observer")
+        consumer = GroupConsumer.work(client, run_id, "rollout", "observer")
         _wait_for(lambda: consumer.pending() == 0, 60, "the rollout group to have nothing pending")
     finally:
         b.send_signal(signal.SIGTERM)

@@ -71,7 +71,8 @@ class RankWorker(Worker):
     def run(self) -> None:
         acted = True
         while not self.stop_event.is_set():
-            self.follower.catch_up(block_ms=0 if acted else 100)
+            # own appends (this thread's and the rollout's) surely; the rest as this process's tail brings it
+            self.follower.catch_up(block_ms=0 if acted else 100, through=self.emitter.last_id)
             with self.lock:
                 if RunStatus(self.state.status).is_terminal:
                     break

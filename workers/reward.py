@@ -19,6 +19,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import SampleStatus
 from rolledger.workers.rewards import Rewards, resolve
 from rolledger.workers.runtime import Follower, Worker
+from rolledger.workers.shared_tail import order
 from rolledger.workers.task_plugins import load_prompts
 from rolledger.workers.tasks import Prompt
 from rolledger.workflows.admission import dataset_prompt_id
@@ -44,7 +45,7 @@ class RewardWorker(Worker):
         )
         self.task: tuple[dict[str, Prompt], Rewards] | None = None  # loaded from the run's config on first use
         self.claim_idle_ms = claim_idle_ms  # None: the run's recovery.lost_after_s, once its config is folded
-        self.consumer = GroupConsumer(
+        self.consumer = GroupConsumer.work(
             client, run_id, "reward", name, claim_idle_ms=claim_idle_ms if claim_idle_ms is not None else 30_000
         )
         self.follower = Follower(self.log)
@@ -72,9 +73,10 @@ class RewardWorker(Worker):
             if not deliveries:
                 if self.follower.state.status.is_terminal:
                     break
-                self.follower.catch_up()
+                self.follower.poll(block_ms=10)  # what the log brought meanwhile (the run's end)
                 continue
-            self.follower.catch_up()
+            # the delivered samples and this worker's own scores (a redelivered sample it scored is skipped)
+            self.follower.catch_up(through=max([*(d.log_id for d in deliveries), self.emitter.last_id], key=order))
             cfg = self.follower.state.config
             if self.claim_idle_ms is None and cfg is not None:
                 self.consumer.claim_idle_ms = cfg.recovery.lost_after_ms

@@ -1,6 +1,8 @@
-"""A rank's rollout thread: generates the groups it takes from the `rollout` consumer group.
+"""A rank's rollout thread: generates the groups it takes from the `rollout` work group.
 
-It reads GroupAdmitted entries (acking every other entry type at once), waits until the rank may serve
+It reads the `rollout` work stream (events/work.py), which holds only the GroupAdmitted events (written there by
+the append that logs them), one group per read: a rank takes a group only when it is free to run it, so the groups
+are balanced across ranks by readiness. It waits until the rank may serve
 (`workflows.rank.may_serve` on the rank's folded state, under the rank's lock, where the running-group count is
 raised in the same step), and generates the group: SampleStarted for each sample, SampleFinished as each sample ends
 (streamed, so a first-k group completes while the others still run), SampleCancelled for a sample cut short because
@@ -50,12 +52,26 @@ class ClaimLost(Exception):
 
 class Heartbeat:
     """Keeps this consumer's claim on one entry alive while the rollout works on it (a thread beating every
-    `interval_s`); `lost` is set once a beat finds the entry owned by another consumer."""
+    `interval_s`); `lost` is set once a beat finds the entry owned by another consumer.
 
-    def __init__(self, consumer: GroupConsumer, stream_id: str, interval_s: float) -> None:
+    A confirmed beat is trusted for `trust_s` (default: the smaller of `interval_s` and a quarter of the consumer's
+    `claim_idle_ms`), measured from before it was sent: the beat reset the entry's idle time, so no consumer whose
+    claim deadline is at least that long can have reclaimed it since. Within that window `owned` answers without a
+    round trip, so the check before each streamed sample costs nothing while the beats are fresh."""
+
+    def __init__(
+        self,
+        consumer: GroupConsumer,
+        stream_id: str,
+        interval_s: float,
+        trust_s: float | None = None,
+        confirmed_at: float = float("-inf"),
+    ) -> None:
         self.consumer = consumer
         self.stream_id = stream_id
         self.interval_s = interval_s
+        self.trust_s = trust_s if trust_s is not None else min(interval_s, consumer.claim_idle_ms / 4000)
+        self._confirmed = confirmed_at  # monotonic time the last confirming beat (or the delivery's read) was sent
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"{consumer.consumer}-heartbeat", daemon=True)
@@ -70,17 +86,22 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s) and not self.lost.is_set():
-            self.owned()
+            self.owned(fresh=True)  # a beat always refreshes: trust never stretches the time between beats
 
-    def owned(self) -> bool:
+    def owned(self, *, fresh: bool = False) -> bool:
         """Beat now: is the entry still this consumer's? (A failed round trip is a missed beat, not a loss.)"""
         if self.lost.is_set():
             return False
+        sent = time.monotonic()
+        if not fresh and sent - self._confirmed < self.trust_s:
+            return True
         try:
             mine = self.stream_id in self.consumer.refresh(self.stream_id)
         except redis.RedisError:
             return True
-        if not mine:
+        if mine:
+            self._confirmed = max(self._confirmed, sent)
+        else:
             self.lost.set()
         return mine
 
@@ -103,7 +124,7 @@ class Rollout:
             return
         self.incarnation += 1
         name = self.w.name if self.incarnation == 1 else f"{self.w.name}.{self.incarnation}"
-        consumer = GroupConsumer(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_ms())
+        consumer = GroupConsumer.work(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_ms())
         consumer.ensure_group()
         self._thread = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
         self._thread.start()
@@ -129,11 +150,12 @@ class Rollout:
     def _main(self, consumer: GroupConsumer) -> None:
         try:
             while not self.w.stop_event.is_set():
+                read_at = time.monotonic()  # a delivery resets the entry's idle time: the claim is fresh from here
                 for d in consumer.read(count=1, block_ms=100):
                     if not isinstance(d.event.payload, ev.GroupAdmitted):
                         consumer.ack(d.stream_id)
                         continue
-                    if not self._generate_group(d, consumer):
+                    if not self._generate_group(d, consumer, read_at):
                         return
         except WorkerKilled as exc:
             self.w.logger.warning("rollout thread killed by injection", reason=str(exc))
@@ -173,8 +195,8 @@ class Rollout:
         self.w.running += 1
         return "start", []
 
-    def _generate_group(self, d: Delivery, consumer: GroupConsumer) -> bool:
-        with Heartbeat(consumer, d.stream_id, self.heartbeat_s()) as beat:
+    def _generate_group(self, d: Delivery, consumer: GroupConsumer, read_at: float) -> bool:
+        with Heartbeat(consumer, d.stream_id, self.heartbeat_s(), confirmed_at=read_at) as beat:
             try:
                 return self._take_group(d, consumer, beat)
             except ClaimLost:

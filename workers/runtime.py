@@ -1,7 +1,8 @@
 """What every worker and coordinator shares: following the log into a RunState, and appending stamped events.
 
 A `Follower` tails the run's log from its first entry and folds every event through the reducer, so a process that
-restarts rebuilds exactly the state it had. An `Emitter` wraps payloads into envelopes (id, producer, causation,
+restarts rebuilds exactly the state it had; the followers of one process share one read and one decode of the log
+(workers/shared_tail.py). An `Emitter` wraps payloads into envelopes (id, producer, causation,
 policy version in force) and appends them; after the run's RunFinished the store refuses appends (RunClosed) and the
 emitter drops them with one log line, so a worker still finishing its last action when the run ends stops cleanly
 on its next fold instead of crashing. `Worker` is the small base class with the stop flag and the loop; a Redis
@@ -23,6 +24,7 @@ from rolledger.events.envelope import make_event
 from rolledger.events.snapshots import latest_snapshot
 from rolledger.events.store import ConcurrencyConflict, EventLog, RunClosed, StoredEvent
 from rolledger.schemas import events as ev
+from rolledger.workers.shared_tail import order, shared_tail
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.replay import restore
 from rolledger.workflows.state import RunState
@@ -30,6 +32,9 @@ from rolledger.workflows.state import RunState
 
 class Follower:
     """Tails the log and folds it; `state` is always the fold of everything up to `last_id`.
+
+    Every follower of a process reads through the process's one tail of the run (workers/shared_tail.py): the log
+    is read and decoded once per process, whatever the number of roles following it.
 
     `lock`: for a state other threads read (a rank's rollout thread): `catch_up` folds under it and notifies it."""
 
@@ -39,6 +44,8 @@ class Follower:
         self.last_id = "0-0"
         self.lock = lock
         self._placed = False
+        self.tail = shared_tail(log)
+        self.tail.register(self)
 
     def start_from(self, state: RunState, stream_id: str) -> None:
         """Begin at a snapshot (state as of `stream_id`) instead of the first entry: replay = snapshot + tail."""
@@ -59,20 +66,24 @@ class Follower:
             self.start_from(restore(snap), snap.stream_id)
 
     def poll(self, block_ms: int = 100) -> list[StoredEvent]:
+        """Fold what has arrived after our position, waiting up to `block_ms` for a first entry."""
         self._place()
-        got = self.log.tail(self.last_id, block_ms=block_ms)
+        got = self.tail.after(self.last_id, block_ms=block_ms)
         for stored in got:
             fold(self.state, stored.event)
             self.last_id = stored.stream_id
         return got
 
-    def catch_up(self, block_ms: int = 0) -> list[StoredEvent]:
+    def catch_up(self, block_ms: int = 0, *, through: str | None = None) -> list[StoredEvent]:
         """Fold everything appended so far (waiting up to `block_ms` for the first new entry; 0: do not wait): the
-        whole log up to its last entry as of this call, however long. Returns the events folded."""
+        whole log up to its last entry as of this call, however long. Returns the events folded.
+
+        `through`: fold at least up to this stream id instead of the log's end as of this call (one round trip
+        less): a worker that must see its own appends passes its emitter's `last_id`, and takes what other
+        processes appended as the process's tail brings it ("0-0": only what the tail already has)."""
         self._place()
-        got = self.log.tail(self.last_id, block_ms=block_ms) if block_ms else []
-        after = got[-1].stream_id if got else self.last_id
-        got.extend(self.log.read("(" + after if after != "0-0" else "-"))
+        target = through if through is not None else self.log.last_id()
+        got = self.tail.after(self.last_id, block_ms=block_ms, through=target)
         if not got:
             return got
         with self.lock if self.lock is not None else contextlib.nullcontext():
@@ -92,6 +103,11 @@ class Emitter:
         self.log = log
         self.producer = producer
         self.closed = False
+        self.last_id = "0-0"  # stream id of the newest event this emitter appended (what read-your-writes needs)
+
+    def _appended(self, ids: Sequence[str]) -> None:
+        if ids and order(ids[-1]) > order(self.last_id):
+            self.last_id = ids[-1]
 
     def refused(self, exc: RunClosed, payloads: Sequence[ev.Payload]) -> None:
         if not self.closed:
@@ -132,10 +148,12 @@ class Emitter:
             for p in payloads
         ]
         try:
-            return self.log.append_many(events)
+            ids = self.log.append_many(events)
         except RunClosed as exc:
             self.refused(exc, payloads)
             return []
+        self._appended(ids)
+        return ids
 
     def emit_if(
         self,
@@ -148,7 +166,7 @@ class Emitter:
         """Append only if nothing was appended since `expected_last_id`; False on a conflict (re-decide and retry)."""
         events = [self.wrap(p, policy_version=policy_version, causation_id=causation_id) for p in payloads]
         try:
-            self.log.append_if(events, None if expected_last_id == "0-0" else expected_last_id)
+            self._appended(self.log.append_if(events, None if expected_last_id == "0-0" else expected_last_id))
         except ConcurrencyConflict:
             return False
         except RunClosed as exc:

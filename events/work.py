@@ -1,0 +1,25 @@
+"""Work queues: the commands a worker must act on, derived from the log by their producer.
+
+The log is the source of truth and is never trimmed by length; a worker that must *act* on some events (a rank on
+GroupAdmitted, the reward worker on SampleFinished) does not consume the log. Each such event is also written, by
+the append script that writes it to the log (events/store.py, the same Lua call: both or neither), to the work
+stream of the consumer group that acts on it (`events.keys.work_key(run, group)`). That stream holds only those
+events, as entries `e` (the same codec bytes), `t` (the type) and `s` (the event's stream id in the log). Its
+consumer group (events.consumer, `GroupConsumer.work`) reads it in batches, reclaims on a timer, acknowledges each
+entry once and deletes it with the acknowledgement, so a work stream holds only work not yet done.
+
+`ROUTES`: event type -> the consumer group whose work stream receives it. A type is routed to at most one group.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+ROUTES: Final[dict[str, str]] = {
+    "GroupAdmitted": "rollout",  # a rank generates the group (workers/rollout.py)
+    "SampleFinished": "reward",  # the reward worker scores the sample (workers/reward.py)
+}
+
+GROUPS: Final[tuple[str, ...]] = tuple(sorted(set(ROUTES.values())))
+
+LOG_ID_FIELD: Final = b"s"  # a work entry's field holding the event's stream id in the log
