@@ -161,7 +161,14 @@ class DirectoryStagingStore:
         t0 = time.perf_counter()
         tensors = prepare_for_save(state_dict, version)
         manifest = build_manifest(tensors, version, base_version, checksum_algo, parent_digest)
-        t1 = time.perf_counter()
+        return self.write(tensors, manifest, started=t0)
+
+    def write(self, tensors: Mapping[str, torch.Tensor], manifest: WeightManifest, *, started: float) -> StagedUpdate:
+        """Write `tensors`, already prepared (`prepare_for_save`) and checksummed into `manifest`, as `stage` does
+        (the dist transport's durable copy of a snapshot it hashed once). `started`: when the stage began, for the
+        timings. A manifest that is not these tensors' is caught by every later read, which verifies each tensor."""
+        t0, t1 = started, time.perf_counter()
+        version, base_version = manifest.version, manifest.base_version
         final = version_dir(self.root, version, manifest.digest)
         if final.exists():
             return self._existing(final, manifest, t0)
@@ -170,7 +177,9 @@ class DirectoryStagingStore:
         tmp.mkdir()
         try:
             weights_path = tmp / manifest.file
-            save_file(tensors, str(weights_path), metadata={"version": str(version), "base_version": str(base_version)})
+            save_file(
+                dict(tensors), str(weights_path), metadata={"version": str(version), "base_version": str(base_version)}
+            )
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=1))
             tf = time.perf_counter()
             if self.fsync:

@@ -142,7 +142,7 @@ class DistStagingStore:
         took = time.perf_counter() - t0
         self._writer = threading.Thread(
             target=self._persist,
-            args=(dirname, manifest.digest, version, base_version, snapshot, checksum_algo, parent_digest),
+            args=(dirname, manifest, snapshot),
             name=f"persist-v{version}",
             daemon=True,
         )
@@ -155,27 +155,16 @@ class DistStagingStore:
             timings=StageTimings(checksum_s=took, write_s=0.0, fsync_s=0.0, total_s=took),
         )
 
-    def _persist(
-        self,
-        dirname: str,
-        digest: str,
-        version: int,
-        base_version: int,
-        tensors: Mapping[str, torch.Tensor],
-        checksum_algo: ChecksumAlgo,
-        parent_digest: str | None,
-    ) -> None:
+    def _persist(self, dirname: str, manifest: WeightManifest, tensors: Mapping[str, torch.Tensor]) -> None:
         error = None
         try:
-            staged = self.local.stage(
-                version, base_version, tensors, checksum_algo=checksum_algo, parent_digest=parent_digest
-            )
-            if staged.manifest_digest != digest:
-                error = f"the copy's manifest is {staged.manifest_digest}, the offered one {digest}"
+            staged = self.local.write(tensors, manifest, started=time.perf_counter())
+            if staged.manifest_digest != manifest.digest:
+                error = f"the copy's manifest is {staged.manifest_digest}, the offered one {manifest.digest}"
         except Exception as e:  # noqa: BLE001 - reported to every transfer of this version, which then fails
             error = f"{type(e).__name__}: {e}"
         if error is not None:
-            log.error("transport.persist_failed", version=version, error=error)
+            log.error("transport.persist_failed", version=manifest.version, error=error)
         self.server.persisted(dirname, error)
 
     def wait_persisted(self) -> None:
