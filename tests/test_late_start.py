@@ -45,3 +45,36 @@ def test_a_process_started_after_the_end_exits_at_once(
     assert len(lines) == 1, proc.stderr
     assert f"run {run_id} already finished (RunFinished at {end_id}); nothing to do" in lines[0]
     assert log.length() == 1  # it appended nothing
+
+
+def test_a_rank_whose_run_ends_as_it_starts_exits(redis_client: redis.Redis, run_id: str) -> None:
+    """The race the chaos suite found (seed 15 of CI on a03c7fd): a rank process starts while the run is live, its
+    process's shared tail already holds the run's start, the run ends, and the rank's RankJoined is refused. A rank
+    that caught up only through its own appends (none yet) then never read the log again and spun after the end."""
+    import threading
+
+    from logbuilder import LogBuilder
+
+    from rolledger.schemas.config import RunConfig
+    from rolledger.workers.engines.torch_engine import TorchEngine
+    from rolledger.workers.policy_model import build_model, build_tokenizer
+    from rolledger.workers.rank import RankWorker
+    from rolledger.workers.runtime import Follower
+
+    log = EventLog(redis_client, run_id)
+    started = LogBuilder(run_id=run_id).start_run(join_ranks=False).build()
+    for e in started:
+        log.append(e)
+    other = Follower(log)  # another role of this process (kept alive: the tail is shared while a follower lives)
+    other.catch_up()  # this process's tail now holds the run's start
+    log.append(make_event(RunFinished(status="completed", steps=1), run_id=run_id, producer="test", policy_version=0))
+    tok = build_tokenizer()
+    worker = RankWorker(redis_client, run_id, 0, TorchEngine(build_model(RunConfig().model, len(tok), 0), tok, rank=0))
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True)
+    thread.start()
+    try:
+        assert done.wait(60), "the rank did not see the run's end"
+    finally:
+        worker.stop()
+    assert log.length() == len(started) + 1  # its RankJoined was refused: nothing appended after the end

@@ -71,8 +71,13 @@ class RankWorker(Worker):
     def run(self) -> None:
         acted = True
         while not self.stop_event.is_set():
-            # own appends (this thread's and the rollout's) surely; the rest as this process's tail brings it
-            self.follower.catch_up(block_ms=0 if acted else 100, through=self.emitter.last_id)
+            # own appends (this thread's and the rollout's) surely; the rest as this process's tail brings it. Until
+            # this rank has appended anything, and once the store refuses its appends (the run is over), up to the
+            # log's end: with nothing of its own to read through, it would otherwise never read the log again
+            # (tests/test_late_start.py)
+            own = self.emitter.last_id
+            through = None if own == "0-0" or self.emitter.closed else own
+            self.follower.catch_up(block_ms=0 if acted else 100, through=through)
             with self.lock:
                 if RunStatus(self.state.status).is_terminal:
                     break
