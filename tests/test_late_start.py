@@ -70,11 +70,10 @@ def test_a_rank_whose_run_ends_as_it_starts_exits(redis_client: redis.Redis, run
     log.append(make_event(RunFinished(status="completed", steps=1), run_id=run_id, producer="test", policy_version=0))
     tok = build_tokenizer()
     worker = RankWorker(redis_client, run_id, 0, TorchEngine(build_model(RunConfig().model, len(tok), 0), tok, rank=0))
-    done = threading.Event()
-    thread = threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True)
+    thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    try:
-        assert done.wait(60), "the rank did not see the run's end"
-    finally:
-        worker.stop()
+    thread.join(60)
+    alive = thread.is_alive()
+    worker.stop()
+    assert not alive, "the rank did not see the run's end"
     assert log.length() == len(started) + 1  # its RankJoined was refused: nothing appended after the end
