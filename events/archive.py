@@ -231,8 +231,9 @@ def load_segment(directory: Path | None, segment: Segment) -> list[tuple[str, di
     return entries
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so a rename or a new entry in it survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -355,7 +356,7 @@ class Archiver:
             "format": "msgpack: one [stream id, {field: value}] per entry; e = event codec bytes, t = event type",
         }
         _write_atomic(path.with_suffix(INDEX_SUFFIX), (json.dumps(index, indent=2) + "\n").encode())
-        _fsync_dir(self.directory)
+        fsync_path(self.directory)
         load_segment(self.directory, segment)  # verify what is on disk before anything relies on it
         recorded = self._record(
             keys=[archive_key(self.run_id)],

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from audit_check import audited_clean
 
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
-from rolledger.workflows.audit import audit
 
 pytestmark = pytest.mark.slow
 
@@ -96,9 +96,7 @@ def test_a_run_across_processes_completes_and_audits_clean(
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
-    events = [s.event for s in log.read()]
-    report = audit(events)
-    assert report.ok, report.render()
+    events = audited_clean(log.read())
     summary = json.loads((tmp_path / run_id / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["anomalies"] == 0
     producers = {e.producer for e in events}

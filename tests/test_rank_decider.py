@@ -435,6 +435,7 @@ def test_the_rank_decider_is_level_triggered_and_safe(scenario: Scenario) -> Non
         sim.move(kind, r)
     settle(sim)
     never_started_while_drained(sim.log)
+    no_generation_in_an_update_window(sim.log)
     s = sim.state
     assert s.open_update is None, s.open_update
     assert not s.anomalies, s.anomalies
@@ -462,6 +463,7 @@ def test_restarted_ranks_announce_their_incarnation_and_serve_only_the_logged_ve
                 assert me.incarnation == e.incarnation, (rr, me.incarnation, e.incarnation)
     settle(sim)
     never_started_while_drained(sim.log)
+    no_generation_in_an_update_window(sim.log)
     s = sim.state
     assert s.open_update is None, s.open_update
     assert not s.anomalies, s.anomalies
@@ -627,3 +629,48 @@ def test_an_update_aborted_while_a_rank_sleeps_wakes_it_on_the_published_weights
     ]
     settle(sim)
     assert all(r.status == EngineStatus.AWAKE for r in sim.state.ranks.values())
+
+
+def no_generation_in_an_update_window(log: list[ev.Event]) -> None:
+    """The audit's invariant 2 on the whole log: no rank (in the update or not) starts a group between an update's
+    pause and its publish or abort."""
+    window = [v for v in audit(log).violations if v.invariant == 2]
+    assert not window, window
+
+
+def test_a_rank_that_rejoins_during_an_update_it_is_not_part_of_starts_nothing_until_that_update_closes() -> None:
+    """Rank 1 failed its prepare of v1 and was quarantined by the abort; v2 goes to rank 0 alone. Rank 1 rejoins on
+    the published v0 after v2's pause: it may not serve until v2 is published (generation stops on every rank during
+    an update, not only on its members), then it is sent to reload v2 and serves that."""
+    sim = Sim(2, RunConfig(ranks=2, group_size=2), {(1, 1): "prepare"})
+    sim.rank_turn(0)
+    sim.rank_turn(1)
+    sim.trainer()
+    for _ in range(3):  # prepare requested, one prepared and one failed, aborted with rank 1 quarantined
+        sim.coordinator()
+        sim.rank_turn(0)
+    sim.rank_turn(1)  # (its failure)
+    sim.coordinator()
+    assert sim.state.updates[1].status == UpdateStatus.ABORTED
+    assert sim.state.ranks[1].status == EngineStatus.QUARANTINED
+    sim.rank_turn(0)  # resumes after the abort
+    sim.trainer()
+    sim.coordinator()  # v2 to rank 0 alone
+    assert sim.state.updates[2].ranks == [0]
+    sim.rank_turn(0)  # prepared
+    sim.coordinator()  # paused
+    assert "update" in sim.state.admission.paused
+    sim.rank_turn(1)  # rejoins on v0
+    assert sim.state.ranks[1].status == EngineStatus.AWAKE and sim.engines[1].version == 0
+    assert not rd.may_serve(sim.state, 1, live_version=0)
+    sim.admit()
+    sim.start(1)
+    assert not sim.engines[1].running
+    sim.rank_turn(0)  # drained
+    sim.coordinator()  # committed
+    assert UpdateStatus(sim.state.updates[2].status).is_decided_commit
+    assert not rd.may_serve(sim.state, 1, live_version=0)
+    settle(sim)
+    v = sim.state.policy_version
+    assert v >= 2 and sim.engines[1].version == v and rd.may_serve(sim.state, 1, live_version=v)
+    no_generation_in_an_update_window(sim.log)

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from safetensors.torch import save_file
 
+from rolledger.events.archive import fsync_path
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, DTYPE_SIZES, ChecksumAlgo, TensorEntry, WeightManifest
 from rolledger.workers.staging_checksums import checksum_bytes, raw_bytes
 from rolledger.workers.staging_format import (
@@ -184,7 +185,7 @@ class DirectoryStagingStore:
             tf = time.perf_counter()
             if self.fsync:
                 for p in (weights_path, tmp / MANIFEST_FILE, tmp):
-                    _fsync_path(p)
+                    fsync_path(p)
             fsync_s = time.perf_counter() - tf
             try:
                 os.rename(tmp, final)
@@ -193,7 +194,7 @@ class DirectoryStagingStore:
                 return self._existing(final, manifest, t0)
             if self.fsync:
                 tf = time.perf_counter()
-                _fsync_path(self.root)
+                fsync_path(self.root)
                 fsync_s += time.perf_counter() - tf
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -345,14 +346,6 @@ def prepare_for_save(state_dict: Mapping[str, torch.Tensor], version: int) -> di
             seen_storage.add(ptr)
         out[name] = t
     return out
-
-
-def _fsync_path(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_store(uri: str) -> DirectoryStagingStore:

@@ -76,6 +76,33 @@ class _PrepareError(Exception):
         self.reason = reason
 
 
+class TiedHeadDiffers(ValueError):
+    """An update's lm_head.weight differs from its embedding on a model that ties them (vLLM would ignore it)."""
+
+    def __init__(self) -> None:
+        self.tensor = "lm_head.weight"
+        self.reason = "differs from the tied model.embed_tokens.weight"
+        super().__init__(f"tensor {self.tensor!r}: {self.reason}")
+
+
+def ties_embeddings(hf_config: Any) -> bool:
+    """Does the model (its text part, for a multimodal config) tie lm_head to the input embedding?"""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return bool(getattr(text, "tie_word_embeddings", False))
+
+
+def drop_tied_head(tensors: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """With tied embeddings vLLM has no lm_head parameter of its own and ignores lm_head.weight: drop it from
+    `tensors` (in place), and raise TiedHeadDiffers instead when it is not the embedding's copy, since the update
+    would then serve other weights than its manifest says."""
+    if "lm_head.weight" in tensors and ties_embeddings(hf_config):
+        head = tensors.pop("lm_head.weight")
+        emb = tensors.get("model.embed_tokens.weight")
+        if emb is not None and tensor_checksum(head) != tensor_checksum(emb):
+            raise TiedHeadDiffers()
+    return tensors
+
+
 def _finite(t: torch.Tensor) -> bool:
     if not t.is_floating_point() or t.numel() == 0:
         return True
@@ -139,19 +166,12 @@ class RolledgerWorkerExtension:
             tensors.update(load_file(str(f), device="cpu"))
         return self._rolledger_drop_tied(tensors)
 
-    def _rolledger_tied(self) -> bool:
-        cfg = self.vllm_config.model_config.hf_config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        return bool(getattr(text, "tie_word_embeddings", False))
-
     def _rolledger_drop_tied(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """With tied embeddings vLLM ignores lm_head.weight; refuse one that differs instead of dropping it."""
-        if "lm_head.weight" in tensors and self._rolledger_tied():
-            head = tensors.pop("lm_head.weight")
-            emb = tensors.get("model.embed_tokens.weight")
-            if emb is not None and tensor_checksum(head) != tensor_checksum(emb):
-                raise _PrepareError("lm_head.weight", "differs from the tied model.embed_tokens.weight")
-        return tensors
+        """`drop_tied_head` for this worker's model, its refusal as a prepare error naming the tensor."""
+        try:
+            return drop_tied_head(tensors, self.vllm_config.model_config.hf_config)
+        except TiedHeadDiffers as e:
+            raise _PrepareError(e.tensor, e.reason) from e
 
     def _rolledger_live_names(self) -> dict[str, torch.Tensor]:
         model = self._rolledger_model()

@@ -89,7 +89,9 @@ class RolledgerTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def receive_weights(self, update_info: RolledgerUpdateInfo) -> None:
         """Receive and verify the version into host memory; StagingError naming the tensor that does not match."""
+        from rolledger.workers.staging_format import StagingError
         from rolledger.workers.transport import load_verified, read_manifest
+        from rolledger.workers.vllm_extension import TiedHeadDiffers, drop_tied_head
 
         if update_info.discard:
             self._received = None
@@ -98,9 +100,10 @@ class RolledgerTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             raise ValueError("update_info needs uri, version >= 1 and manifest_digest (or discard: true)")
         manifest = read_manifest(update_info.uri, update_info.version, expected_digest=update_info.manifest_digest)
         got = load_verified(update_info.uri, update_info.version, manifest)
-        tensors = dict(got.tensors)
-        if "lm_head.weight" in tensors and self._tied():
-            tensors.pop("lm_head.weight")  # vLLM ties it to the embedding, which the manifest also carries
+        try:
+            tensors = drop_tied_head(dict(got.tensors), self.model_config.hf_config)
+        except TiedHeadDiffers as e:
+            raise StagingError(e.tensor, e.reason, kind="checksum", version=update_info.version) from e
         self._received, self._received_version = tensors, update_info.version
         log.info("received and verified", version=update_info.version, tensors=len(tensors))
 
@@ -122,11 +125,6 @@ class RolledgerTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._received = None
-
-    def _tied(self) -> bool:
-        cfg = self.model_config.hf_config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        return bool(getattr(text, "tie_word_embeddings", False))
 
 
 def register() -> None:

@@ -251,12 +251,14 @@ def _my_update(state: RunState, rank: int) -> UpdateState | None:
 
 
 def _held(state: RunState, rank: int) -> bool:
-    """Must generation stay stopped for an update? From the update's pause on (or, rejoined mid-transaction, until
-    the transaction closes), through the commit, until the version is published or aborted."""
+    """Must generation stay stopped for an update? From the update's pause on (for a rank quarantined out of it and
+    rejoined mid-transaction: until the transaction closes), through the commit, until the version is published or
+    aborted. On every rank, not only the update's own: a rank that was out of service when the update began and
+    rejoined during it generates nothing either until it closes (invariant 2), then reloads the published version."""
     u = state.open_update
-    if u is None or rank not in u.ranks:
+    if u is None:
         return False
-    if rank in u.quarantined:
+    if rank in u.ranks and rank in u.quarantined:
         return True
     return "update" in state.admission.paused or UpdateStatus(u.status).is_decided_commit
 
