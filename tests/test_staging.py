@@ -489,3 +489,38 @@ def test_stage_load_round_trips(sd: dict[str, torch.Tensor], algo: Any) -> None:
         assert state_digest(loaded) == state_digest(sd)
         if algo == "xxh3_128":
             assert upd.manifest.weights_digest == state_digest(sd)
+
+
+@pytest.mark.parametrize("before_bytes", [0, 10, 1 << 16])
+def test_a_safetensors_file_written_in_place_reads_back_through_the_library(tmp_path: Path, before_bytes: int) -> None:
+    """`overwrite_safetensors` (the dist store's write into a collected version's file) gives a file the
+    safetensors library itself reads back tensor for tensor, with its metadata, whatever size the file had."""
+    from safetensors import safe_open
+
+    from rolledger.workers.staging_checksums import raw_bytes
+    from rolledger.workers.staging_format import overwrite_safetensors, safetensors_layout
+    from rolledger.workers.weights import dtype_name
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "b.bf16": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+        "a.f32": torch.randn(7, generator=gen),
+        "c.i64": torch.arange(4, dtype=torch.int64),
+        "d.scalar": torch.tensor(2.5, dtype=torch.float16),
+        "e.mask": torch.tensor([True, False, True]),
+        "f.empty": torch.zeros(0, 3),
+        "g.u8": torch.arange(9, dtype=torch.uint8),
+    }
+    meta = {"version": "3", "base_version": "2"}
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"\xff" * before_bytes)
+    specs = [(n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+    head, offsets = safetensors_layout(specs, meta)
+    size = len(head) + sum(s[3] for s in specs)
+    overwrite_safetensors(path, head, [(offsets[n], raw_bytes(t)) for n, t in tensors.items()], size)
+    assert path.stat().st_size == size
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == meta and set(f.keys()) == set(tensors)
+        for name, want in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name

@@ -94,8 +94,11 @@ def test_a_communicator_that_moves_nothing_is_caught_naming_the_tensor(staged) -
     with td.WeightServer(store.root, timeout_s=60) as server:
         uri = server.uri(_dirname(v2))
         manifest = td.read_manifest(uri, 2, timeout_s=60)
+        # zeroed buffers: fresh ones are uninitialised, and the allocator may hand back memory that held these very
+        # bytes (an earlier copy of v2, freed), which a transfer moving nothing would then leave right
+        out = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in manifest.tensors}
         with pytest.raises(StagingError) as e:
-            td.receive_verified(uri, 2, manifest, timeout_s=60, communicator=td.NoOpCommunicatorFake)
+            td.receive_verified(uri, 2, manifest, timeout_s=60, communicator=td.NoOpCommunicatorFake, out=out)
     assert e.value.kind == "checksum"
     assert e.value.tensor == manifest.tensors[0].name
     assert "after the transfer" in str(e.value)
@@ -429,3 +432,61 @@ def test_a_restarted_trainer_whose_last_copy_was_never_written_resumes_from_the_
         assert all(torch.equal(p, v1_weights[k]) for k, p in policy_state(model).items())
     finally:
         store.close()
+
+
+def test_the_dist_store_overwrites_a_collected_versions_file_in_place_unless_a_transfer_reads_it(
+    tmp_path: Path,
+) -> None:
+    """The trainer's copy of each new version goes into the file of a version it collected (overwritten in place:
+    the page cache already holds its pages), and every version still arrives and loads byte-exact. A file that a
+    transfer is reading is never taken: it is deleted as before, and the reader's bytes stay what they were."""
+    import contextlib
+    import os
+
+    from rolledger.workers.staging_format import FREE_FILE, WEIGHTS_FILE
+    from rolledger.workers.transport import DistStagingStore
+
+    store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60, fsync=False)
+    root = store.root
+
+    def weights_of(version: int) -> Path:
+        return store.local.version_dir(version) / WEIGHTS_FILE
+
+    try:
+        inodes: dict[int, int] = {}
+        for version in range(1, 5):
+            want = {k: v + version if v.is_floating_point() else v for k, v in _state(2).items()}
+            staged = store.stage(version, version - 1, want)
+            store.wait_persisted()
+            inodes[version] = os.stat(weights_of(version)).st_ino
+            got = td.receive_verified(staged.uri, version, staged.manifest, timeout_s=60)
+            assert all(torch.equal(got[k], v) for k, v in want.items()), f"v{version} arrived wrong"
+            loaded = store.local.load_verified(version, staged.manifest)  # every tensor hashed against the manifest
+            assert all(torch.equal(loaded.tensors[k], v) for k, v in want.items())
+            store.gc({version})
+        # gc after each stage collects v(n-1), whose file the next stage, v(n+1), overwrites
+        assert inodes[3] == inodes[1] and inodes[4] == inodes[2], inodes
+        assert (root / FREE_FILE).exists()  # v3's, waiting for v5
+
+        # a transfer reading v4's file (v4 left memory: two newer versions are offered) keeps it from being taken
+        (root / FREE_FILE).unlink()
+        for version in (5, 6):
+            store.stage(version, version - 1, {k: v * version for k, v in _state(2).items()})
+            store.wait_persisted()
+            inodes[version] = os.stat(weights_of(version)).st_ino
+        v4_dir = store.local.version_dir(4).name
+        with contextlib.ExitStack() as stack:
+            _, views, held = store.server._source(v4_dir, None, stack)
+            assert held is None  # read from the file
+            before = [bytes(v) for v in views]
+            store.gc({6})  # collects v4 (read: deleted, not kept) and v5 (kept as the free file)
+            assert not (root / v4_dir).exists() and os.stat(root / FREE_FILE).st_ino == inodes[5]
+            store.stage(7, 6, {k: v * 7 for k, v in _state(2).items()})
+            store.wait_persisted()
+            assert os.stat(weights_of(7)).st_ino == inodes[5]
+            assert [bytes(v) for v in views] == before  # the reader's file was not overwritten
+        store.gc({7})
+        assert os.stat(root / FREE_FILE).st_ino == inodes[6]
+    finally:
+        store.close()
+    assert not (root / FREE_FILE).exists()  # nothing but versions is left on disk

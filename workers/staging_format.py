@@ -20,14 +20,16 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
 
-from rolledger.schemas.weights import TensorEntry, WeightManifest
+from rolledger.schemas.weights import DTYPE_SIZES, TensorEntry, WeightManifest
 
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
+FREE_FILE = ".free-weights.safetensors"  # a collected version's weights file, kept to be overwritten by the next one
 VERSION_DIR = re.compile(r"^v(\d{6,})(?:-([0-9a-f]{12}))?$")  # v000010-<manifest digest[:12]> (or v000010, older)
 DIGEST_PREFIX = 12
 TMP_DIR = re.compile(r"^\.tmp-v(\d{6,})-[0-9a-f]+$")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+_HEADER_ALIGN = 8  # the safetensors library pads its header with spaces to this
 
 # safetensors header dtype code <-> manifest dtype name (workers.weights.dtype_name)
 _ST_TO_NAME: dict[str, str] = {
@@ -145,6 +147,46 @@ def version_root(uri: str, version: int) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------- the file format
+
+
+_NAME_TO_ST = {v: k for k, v in _ST_TO_NAME.items()}
+
+
+def safetensors_layout(
+    tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]
+) -> tuple[bytes, dict[str, int]]:
+    """The head of a safetensors file (8-byte little-endian length + JSON header padded with spaces) for `tensors`
+    given as (name, manifest dtype name, shape, nbytes), and each tensor's absolute offset in the file. Laid out as
+    the safetensors library lays out its own files (largest element size first, then by name, so every tensor stays
+    aligned), so `safe_open`, vLLM's loader and `read_header` read it alike (tests/test_staging.py checks this
+    against `safetensors.torch.load_file`). For writing into an existing file, which the library cannot do."""
+    order = sorted(tensors, key=lambda t: (-DTYPE_SIZES[t[1]], t[0]))
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    rel, at = {}, 0
+    for name, dtype, shape, nbytes in order:
+        header[name] = {"dtype": _NAME_TO_ST[dtype], "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        rel[name] = at
+        at += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
+    base = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, {name: base + off for name, off in rel.items()}
+
+
+def overwrite_safetensors(path: Path, head: bytes, pieces: list[tuple[int, memoryview]], size: int) -> None:
+    """Write a safetensors file into the existing file `path` in place (its size set to `size`): `head` at 0, each
+    (offset, bytes) piece at its offset. Overwriting pages the page cache already holds costs a fraction of a new
+    file's, whose pages must first be found (bench/bench_transport.py)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        for offset, data in [(0, memoryview(head)), *pieces]:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

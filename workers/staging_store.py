@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -32,13 +32,16 @@ from rolledger.events.archive import fsync_path
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, DTYPE_SIZES, ChecksumAlgo, TensorEntry, WeightManifest
 from rolledger.workers.staging_checksums import checksum_bytes, raw_bytes
 from rolledger.workers.staging_format import (
+    FREE_FILE,
     MANIFEST_FILE,
     TMP_DIR,
     VERSION_DIR,
     WEIGHTS_FILE,
     StagingError,
+    overwrite_safetensors,
     parse_manifest,
     path_from_uri,
+    safetensors_layout,
     version_dir,
     version_path,
     version_root,
@@ -178,9 +181,9 @@ class DirectoryStagingStore:
         tmp.mkdir()
         try:
             weights_path = tmp / manifest.file
-            save_file(
-                dict(tensors), str(weights_path), metadata={"version": str(version), "base_version": str(base_version)}
-            )
+            metadata = {"version": str(version), "base_version": str(base_version)}
+            if not self._write_into_free_file(weights_path, tensors, manifest, metadata):
+                save_file(dict(tensors), str(weights_path), metadata=metadata)
             (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=1))
             tf = time.perf_counter()
             if self.fsync:
@@ -207,6 +210,23 @@ class DirectoryStagingStore:
             manifest_digest=manifest.digest,
             timings=StageTimings(checksum_s=t1 - t0, write_s=t2 - t1, fsync_s=fsync_s, total_s=t2 - t0),
         )
+
+    def _write_into_free_file(
+        self, path: Path, tensors: Mapping[str, torch.Tensor], manifest: WeightManifest, metadata: dict[str, str]
+    ) -> bool:
+        """Move the free file (a collected version's, kept by `gc(recycle=...)`) to `path` and overwrite it with
+        `tensors` in place; False when there is none (then a new file is written)."""
+        free = self.root / FREE_FILE
+        try:
+            os.rename(free, path)
+        except FileNotFoundError:
+            return False
+        head, offsets = safetensors_layout([(e.name, e.dtype, e.shape, e.nbytes) for e in manifest.tensors], metadata)
+        size = len(head) + manifest.total_bytes
+        overwrite_safetensors(
+            path, head, [(offsets[e.name], raw_bytes(tensors[e.name])) for e in manifest.tensors], size
+        )
+        return True
 
     def _existing(self, final: Path, manifest: WeightManifest, t0: float) -> StagedUpdate:
         """`final` exists: the record of what it holds when that is `manifest`, else the error naming both."""
@@ -257,11 +277,16 @@ class DirectoryStagingStore:
 
     # -- housekeeping
 
-    def gc(self, keep_versions: Iterable[int]) -> list[int]:
+    def gc(self, keep_versions: Iterable[int], *, recycle: Callable[[Path, Path], bool] | None = None) -> list[int]:
         """Delete staged versions older than the newest kept one and not in `keep_versions`; return them.
 
         Versions newer than every kept one are left alone (they may be an update in flight), and so are temporary
         directories of such versions; older abandoned temporary directories (a crashed writer) are removed.
+
+        `recycle(weights_file, free_file)`: for a store whose files no other process reads (the dist transport's),
+        keep one collected weights file as the free file the next `write` overwrites in place; it moves the file
+        when nothing reads it and says whether it did. A shared directory's files may be mapped by ranks in other
+        processes, so it never recycles (the default).
         """
         keep = set(keep_versions)
         if not keep or not self.root.is_dir():
@@ -274,6 +299,8 @@ class DirectoryStagingStore:
                 continue
             v = int(m.group(1))
             if v < newest_kept and v not in keep:
+                if recycle is not None and p.name.startswith("v") and not (self.root / FREE_FILE).exists():
+                    recycle(p / WEIGHTS_FILE, self.root / FREE_FILE)
                 shutil.rmtree(p)
                 if p.name.startswith("v"):
                     deleted.append(v)

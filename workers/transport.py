@@ -26,7 +26,7 @@ import torch
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo, WeightManifest
 from rolledger.workers import staging_loader, staging_store, transport_dist
-from rolledger.workers.staging_format import version_dir
+from rolledger.workers.staging_format import FREE_FILE, version_dir
 from rolledger.workers.staging_loader import VerifiedWeights
 from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate, StageTimings, StagingStore
 from rolledger.workers.transport_dist import DeltaBase
@@ -90,6 +90,7 @@ class DistStagingStore:
     ) -> None:
         self.local = DirectoryStagingStore(root, fsync=fsync)
         self._writer: threading.Thread | None = None
+        self.last_copy: StageTimings | None = None  # how the last durable copy's write went (bench/bench_transport.py)
         self.server = transport_dist.WeightServer(
             self.local.root,
             host,
@@ -159,6 +160,7 @@ class DistStagingStore:
         error = None
         try:
             staged = self.local.write(tensors, manifest, started=time.perf_counter())
+            self.last_copy = staged.timings
             if staged.manifest_digest != manifest.digest:
                 error = f"the copy's manifest is {staged.manifest_digest}, the offered one {manifest.digest}"
         except Exception as e:  # noqa: BLE001 - reported to every transfer of this version, which then fails
@@ -192,15 +194,17 @@ class DistStagingStore:
         """Collect as the directory store does, and stop offering what was collected."""
         self.wait_persisted()
         before = {p.name for p in self.local.root.iterdir()} if self.local.root.is_dir() else set()
-        deleted = self.local.gc(keep_versions)
+        deleted = self.local.gc(keep_versions, recycle=self.server.recycle)  # only this server reads these files
         after = {p.name for p in self.local.root.iterdir()} if self.local.root.is_dir() else set()
         for dirname in before - after:
             self.server.drop(dirname)
         return deleted
 
     def close(self) -> None:
+        """Stop serving; the free file (a collected version's, kept for the next write) leaves the disk too."""
         self.wait_persisted()
         self.server.close()
+        (self.local.root / FREE_FILE).unlink(missing_ok=True)
 
 
 def open_trainer_store(cfg: RunConfig, default_root: Path) -> StagingStore:

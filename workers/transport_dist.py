@@ -598,7 +598,8 @@ class WeightServer:
         self._delta_cache: tuple[tuple[str, int], tuple[list[int], bytes]] | None = None
         self._held: dict[str, _Held] = {}  # versions offered from memory, oldest first
         self._free: list[dict[str, torch.Tensor]] = []  # memory of retired versions no transfer reads, for reuse
-        self._held_lock = threading.Lock()
+        self._file_readers: dict[str, int] = {}  # transfers reading a version's file, by directory
+        self._held_lock = threading.Lock()  # guards _held, _free and _file_readers
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_s))
         self.port: int = self._store.port
         # the accept loop blocks on the request queue: its own connection, with a deadline it never reaches
@@ -711,6 +712,24 @@ class WeightServer:
             if held.retired and held.readers == 0 and len(self._free) < FREE_SNAPSHOTS:
                 self._free.append(held.tensors)
 
+    def _file_released(self, dirname: str) -> None:
+        with self._held_lock:
+            left = self._file_readers.pop(dirname) - 1
+            if left:
+                self._file_readers[dirname] = left
+
+    def recycle(self, weights: Path, free: Path) -> bool:
+        """Move a collected version's weights file to `free` (the store's free file, overwritten in place by its
+        next write) unless a transfer reads it; a transfer asking for it afterwards finds no file and fails."""
+        with self._held_lock:
+            if self._file_readers.get(weights.parent.name):
+                return False
+            try:
+                os.rename(weights, free)
+            except FileNotFoundError:
+                return False
+            return True
+
     def persisted(self, dirname: str, error: str | None = None) -> None:
         """The durable copy of an offered version is complete (or failed: `error`, and its transfers fail)."""
         with self._held_lock:
@@ -783,7 +802,10 @@ class WeightServer:
                 raise ValueError(f"{dirname} holds manifest {held.manifest.digest}, not {digest}")
             return held.manifest, held.views, held
         manifest, path = self._staged(dirname, digest)
-        fd = open_weights(path, manifest.version)
+        with self._held_lock:  # opened and counted at once: `recycle` never takes a file a transfer reads
+            fd = open_weights(path, manifest.version)
+            self._file_readers[dirname] = self._file_readers.get(dirname, 0) + 1
+        stack.callback(self._file_released, dirname)
         stack.callback(os.close, fd)
         entries, size = read_header(fd, manifest.version)
         by_name = {h.name: h for h, _ in check_against_manifest(entries, size, manifest)}
