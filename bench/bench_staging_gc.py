@@ -4,7 +4,8 @@ staging directory sampled every 50 ms from outside while it runs.
 The trainer collects, before it stages each version, every version no rank or restart can need again
 (`workflows.trainer.versions_to_keep`: the published one, the trainer's last, an update still open), so at most
 three are ever on disk, whatever the number of steps. This prints the most seen at once, how many are left at the
-end, and the peak bytes, beside the number a run without collection would keep (one per version).
+end, and the peak bytes of the whole directory, beside the number a run without collection would keep (one per
+version).
 
     python bench/bench_staging_gc.py [--steps 200] [--transport directory|dist] [--ranks 2]
 """
@@ -23,7 +24,8 @@ VERSION_DIR = re.compile(r"^v(\d{6})-[0-9a-f]{12}$")
 
 
 def sample(staging: Path) -> tuple[set[int], int]:
-    """The versions fully or partly on disk now, and their bytes (a directory may vanish while it is read)."""
+    """The versions on disk now, and the bytes of everything in the directory: versions, unfinished writes and the
+    dist store's free file (the next version's file, kept from a collected one). An entry may vanish while read."""
     versions: set[int] = set()
     size = 0
     try:
@@ -31,12 +33,10 @@ def sample(staging: Path) -> tuple[set[int], int]:
     except FileNotFoundError:
         return versions, 0
     for p in entries:
-        m = VERSION_DIR.match(p.name)
-        if not m:
-            continue
-        versions.add(int(m.group(1)))
+        if m := VERSION_DIR.match(p.name):
+            versions.add(int(m.group(1)))
         try:
-            size += sum(f.stat().st_size for f in p.iterdir())
+            size += sum(f.stat().st_size for f in p.iterdir()) if p.is_dir() else p.stat().st_size
         except FileNotFoundError:
             pass
     return versions, size

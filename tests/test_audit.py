@@ -188,6 +188,33 @@ def test_inv2_a_start_before_the_rank_stopped_is_a_drain_not_a_violation() -> No
     assert_clean(audit(b.finish_run().build()))
 
 
+@pytest.mark.parametrize("restarted", [True, False])
+def test_inv2_a_pause_left_by_a_killed_rank_process_does_not_stop_its_next_process(restarted: bool) -> None:
+    """Rank 0 paused for v1 and its process was killed before it resumed. Its next process joins (RankJoined) and
+    may start a group in v2's window until it reports its own EnginePaused, like any rank draining. Without the
+    join, the same start comes from a rank the log still says is paused: that is a violation."""
+    b = LogBuilder().start_run()
+    b.stage(1).request_prepare(1).prepare(1, 0).pause(AdmissionReason.UPDATE)
+    b.emit(EnginePaused(rank=0, mode="wait"))
+    stale = b.last.event_id
+    b.commit(1).commit_rank(1, 0).publish(1).resume(AdmissionReason.UPDATE)  # no EngineResumed: the process died
+    if restarted:
+        b.join(0, version=1)
+    b.admit()
+    g = b.last_group
+    b.stage(2).request_prepare(2).prepare(2, 0).pause(AdmissionReason.UPDATE)
+    b.start(f"{g}/0").start(f"{g}/1")  # raced the pause: started before the rank folded it
+    offender = b.find("SampleStarted", sample_id=f"{g}/0").event_id
+    b.emit(EnginePaused(rank=0, mode="wait"))
+    b.finish(f"{g}/0").finish(f"{g}/1").complete(g)
+    b.commit(2).commit_rank(2, 0).publish(2).resume(AdmissionReason.UPDATE)
+    report = audit(b.finish_run().build())
+    if restarted:
+        assert_clean(report)
+    else:
+        assert (stale, offender) in only(report, 2)
+
+
 def test_inv2_no_start_on_any_rank_between_commit_and_publish() -> None:
     b = LogBuilder().start_run()
     b.admit()

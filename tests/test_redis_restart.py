@@ -137,7 +137,9 @@ def test_a_redis_restart_mid_run_is_ridden_out_by_every_process(cluster: Cluster
     for name in ("driver", "coordinator", "rank0", "rank1", "reward", "trainer"):
         out = cluster.output(name)
         assert "Traceback" not in out, f"{name}: {out[-3000:]}"
-        assert out.count("redis unavailable, retrying") >= 1, f"{name} saw no outage: {out[-2000:]}"
+        if name in ("driver", "coordinator"):  # they read the log every 100 ms: the outage cannot pass them by
+            # (a rank generating or the trainer in a step may touch Redis only after it is back: nothing to ride out)
+            assert out.count("redis unavailable, retrying") >= 1, f"{name} saw no outage: {out[-2000:]}"
     steps = [e.payload.step for e in events if isinstance(e.payload, ev.TrainStepFinished)]
     assert steps == sorted(set(steps)), steps  # no step taken twice
     ids = [e.event_id for e in events]
@@ -155,8 +157,10 @@ def test_a_rank_killed_after_a_publication_rejoins_on_the_published_version(clus
     events = cluster.finish()
     joins = [(i, e.payload) for i, e in enumerate(events) if isinstance(e.payload, ev.RankJoined)]
     mine = [(i, p) for i, p in joins if p.rank == 1]
-    assert len(mine) >= 2 and len({p.incarnation for _, p in mine}) == len(mine)  # a new incarnation announced
-    at, rejoin = mine[1]
+    incarnations = list(dict.fromkeys(p.incarnation for _, p in mine))  # in order of first announcement
+    assert len(incarnations) == 2, incarnations  # the new process announced itself (a quarantined rank re-announces
+    # with its own incarnation: more RankJoined than processes is fine)
+    at, rejoin = next((i, p) for i, p in mine if p.incarnation == incarnations[1])
     held = [e.payload.version for e in events[:at] if isinstance(e.payload, ev.PolicyPublished)]
     committed = [e.payload.version for e in events[:at] if isinstance(e.payload, ev.UpdateCommitted)]
     assert rejoin.policy_version >= 1 and rejoin.policy_version in (held[-1], committed[-1])

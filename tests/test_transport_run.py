@@ -77,10 +77,13 @@ def test_a_quarantined_rank_rejoins_on_the_published_version_over_the_network(
 ) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, dist(), "fail-rank=1@commit")
     q = of(events, ev.RankQuarantined)
-    assert len(q) == 1 and q[0].rank == 1
-    published = next(p for p in of(events, ev.PolicyPublished) if p.version == q[0].version)
+    assert q and all(x.rank == 1 for x in q) and "commit failed" in q[0].reason, q
+    # rejoined while the next update was already under way without it, it generated nothing until that one was
+    # published, and was then sent to reload it (timing decides whether that happens): behind, not failed
+    assert all("behind the published" in x.reason for x in q[1:]), q
+    published = next(p for p in of(events, ev.PolicyPublished) if p.version == q[-1].version)
     rejoin = [p for p in of(events, ev.RankJoined) if p.rank == 1][-1]
-    assert rejoin.policy_version == q[0].version and rejoin.weights_digest == published.weights_digest
+    assert rejoin.policy_version == q[-1].version and rejoin.weights_digest == published.weights_digest
     assert of(events, ev.PolicyPublished)[-1].ranks == (0, 1)
     assert summary.status == "completed" and audit(events).ok
 

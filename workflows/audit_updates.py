@@ -276,6 +276,9 @@ def _engine_resumed(ctx: Auditor, e: Event, p: EngineResumed) -> None:
 @handlers.on(RankJoined)
 def _rank_joined(ctx: Auditor, e: Event, p: RankJoined) -> None:
     ctx.ranks[p.rank] = RankFacts(p.policy_version, p.weights_digest, e)
+    # a rank that (re)joins is awake, as the reducer folds it: an EnginePaused its previous process left behind
+    # (killed before it resumed) does not stop the new one, which drains for the open update like any other
+    ctx.stopped.pop(p.rank, None)
     known = ctx.version_digest.get(p.policy_version)
     if known is not None and known != p.weights_digest:
         ctx.violate(
