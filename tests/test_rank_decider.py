@@ -674,3 +674,30 @@ def test_a_rank_that_rejoins_during_an_update_it_is_not_part_of_starts_nothing_u
     v = sim.state.policy_version
     assert v >= 2 and sim.engines[1].version == v and rd.may_serve(sim.state, 1, live_version=v)
     no_generation_in_an_update_window(sim.log)
+
+
+def test_a_rank_restarted_after_it_reported_drained_drains_again_and_the_update_commits() -> None:
+    """Rank 1 reported drained for v1, then its process restarted before the commit. The new process joins (awake,
+    as the reducer folds RankJoined) and reports its own drain, so v1 commits instead of aborting at the drain
+    deadline for want of a drain the log already had from the dead process."""
+    sim = Sim(2, RunConfig(ranks=2, group_size=2), {}, incarnations=True)
+    sim.rank_turn(0)
+    sim.rank_turn(1)
+    sim.trainer()
+    for _ in range(10):  # prepare requested, both prepared, admission paused, both drained
+        sim.coordinator()
+        sim.rank_turn(0)
+        sim.rank_turn(1)
+        if sim.state.ranks[1].drained_for == 1:
+            break
+    assert sim.state.ranks[1].status == EngineStatus.PAUSED
+    assert sim.state.updates[1].status == UpdateStatus.PREPARING  # not committed yet
+    sim.restart(1)
+    sim.rank_turn(1)  # rejoins: RankJoined with the new incarnation
+    assert sim.state.ranks[1].status == EngineStatus.AWAKE
+    sim.rank_turn(1)  # drains again
+    assert isinstance(sim.log[-1].payload, ev.EnginePaused) and sim.log[-1].payload.rank == 1
+    settle(sim)
+    assert not [e for e in sim.log if isinstance(e.payload, ev.UpdateAborted)]
+    assert sim.state.updates[1].status == UpdateStatus.PUBLISHED
+    no_generation_in_an_update_window(sim.log)

@@ -71,6 +71,7 @@ def _rank_joined(s: RunState, e: ev.Event, p: ev.RankJoined) -> None:
     elif r.status.in_service and p.incarnation == r.incarnation:
         anomaly(s, e, f"rank {p.rank} joined twice")  # a new incarnation (a restarted process) joins again, rightly
     r.status, r.engine, r.sleep_level, r.woke = EngineStatus.AWAKE, p.engine, 0, []
+    r.drained_for = 0  # a new process drains for the open update itself: its predecessor's drain does not hold it
     r.incarnation = p.incarnation
     r.committed_version, r.weights_digest = p.policy_version, p.weights_digest
     r.sleep_levels, r.logprob_mode = list(p.sleep_levels), p.logprob_mode
