@@ -32,13 +32,14 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
 
 import redis
 import structlog
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.commands.core import Script
 from redis.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import (
     AuthenticationError,
@@ -48,6 +49,7 @@ from redis.exceptions import (
     ClusterError,
     ExternalAuthProviderError,
     MaxConnectionsError,
+    NoScriptError,
     RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
@@ -196,6 +198,21 @@ class RoleChanged(redis.ConnectionError):
     nothing was delivered, so it is retried like an outage, on the new layout."""
 
 
+class SlotScript(Script):
+    """A Lua script on a Redis Cluster: EVALSHA, and on NOSCRIPT the script itself with EVAL, routed by its keys'
+    slot as EVALSHA is (which caches it on that node). redis-py's own fallback loads the script with SCRIPT LOAD and
+    tries EVALSHA again, but after a failover the promoted replica's script cache is empty and SCRIPT LOAD may go to
+    the nodes of a layout the client has not refreshed yet: the second EVALSHA failed too, and the worker with it."""
+
+    def __call__(self, keys: Sequence[Any] | None = None, args: Iterable[Any] | None = None, client: Any = None) -> Any:
+        keys, args = list(keys or []), tuple(args or ())
+        target = client if client is not None else self.registered_client
+        try:
+            return target.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return target.eval(cast(str, self.script), len(keys), *keys, *args)
+
+
 class ClusterClient(RedisCluster):
     """redis-py's RedisCluster whose commands ride out an outage (and a failover) like `connect`'s single-node client:
     every command goes through `outage_retry` (an `OutageRetry` over `CLUSTER_RETRY_ON`), on top of redis-py's own
@@ -205,6 +222,9 @@ class ClusterClient(RedisCluster):
         self.outage_retry = outage_retry  # first: the constructor already sends commands (COMMAND)
         # redis-py retries a failed command once itself, after re-reading the layout; the deadline is ours
         super().__init__(retry=Retry(NoBackoff(), 1), **kwargs)
+
+    def register_script(self, script: Any) -> SlotScript:
+        return SlotScript(self, script)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         base = super().execute_command

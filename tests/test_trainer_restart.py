@@ -74,3 +74,31 @@ def test_the_optimizer_state_saved_with_a_version_is_what_a_restarted_trainer_re
         for k in want
     )
     assert load_optimizer(tmp_path, 1, restarted, 1e-3) is None  # another version's moments would not fit
+
+
+class DiesOnItsFirstStage(DirectoryStagingStore):
+    """The real store; the trainer dies while staging its first version: it has trained step 1 into its model,
+    and nothing of that step is in the log."""
+
+    died = False
+
+    def stage(self, version: int, base_version: int, state_dict: Mapping[str, torch.Tensor], **kw: Any) -> StagedUpdate:
+        if not DiesOnItsFirstStage.died:
+            DiesOnItsFirstStage.died = True
+            raise WorkerKilled(f"killed while staging v{version}")
+        return super().stage(version, base_version, state_dict, **kw)
+
+
+def test_a_trainer_respawned_before_its_first_version_trains_from_the_initial_weights_again(
+    redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The respawn shares the dead trainer's model, which holds an unstaged step 1. At v0 the log's weights are the
+    model directory's: it loads them back. Before, every respawn refused step 1 on lineage, and the run never ended
+    (CI: a trainer that died on a failed append in a Redis Cluster failover)."""
+    monkeypatch.setattr(DiesOnItsFirstStage, "died", False)
+    monkeypatch.setattr(local_run, "open_trainer_store", lambda cfg, root: DiesOnItsFirstStage(root))
+    events, summary = execute(redis_url, run_id, tmp_path, small())
+    assert summary.status == "completed" and summary.steps == 3
+    assert "trainer#2" in {e.producer for e in events} and "trainer" not in {e.producer for e in events}
+    assert [e.payload.step for e in events if isinstance(e.payload, ev.TrainStepFinished)] == [1, 2, 3]
+    assert audit(events).ok

@@ -24,10 +24,12 @@ import torch
 from rolledger.schemas.config import TrainerConfig
 from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
-from rolledger.workers.policy_model import policy_state
+from rolledger.workers.policy_model import load_policy, policy_state
 from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_store import StagingStore
 from rolledger.workers.trainer_client import Batch, RunOver, StepRefused, TrainerClient, gap_stats
+from rolledger.workers.weights import state_digest
+from rolledger.workflows.trainer import lineage
 
 TrainFn = Callable[[Sequence[Trajectory], Sequence[float], TrainerConfig], GrpoStats]
 
@@ -72,6 +74,7 @@ class TrainerWorker(Worker):
         trained after its last staged version, which this puts back."""
         restored = self.seat.restore()
         if restored.tensors is None:
+            self._restore_initial_weights()
             return
         restored.load_into(self.model)
         self.logger.info("weights restored from the log", version=restored.version)
@@ -80,6 +83,20 @@ class TrainerWorker(Worker):
             self.logger.warning(
                 "no optimizer state saved with this version: its moments start afresh", version=restored.version
             )
+
+    def _restore_initial_weights(self) -> None:
+        """At v0 the log's weights are the run's model directory's. A trainer respawned in this process after its
+        predecessor trained a step it never staged (its append failed) holds other weights: load the directory's
+        back, or every respawn would refuse the step on lineage, forever."""
+        if state_digest(policy_state(self.model)) in lineage(self.follower.state):
+            return
+        initial, _ = load_policy(self.seat.model_dir)
+        weights = policy_state(initial)
+        with torch.no_grad():
+            for name, p in policy_state(self.model).items():
+                p.copy_(weights[name])
+        self.optimizer = None
+        self.logger.info("initial weights restored from the model directory", model_dir=str(self.seat.model_dir))
 
     @property
     def _checkpoints(self) -> Path:
