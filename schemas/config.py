@@ -363,7 +363,7 @@ class RunConfig(ConfigModel):
 
     seed: int = 0
     steps: int = Field(40, ge=1, description="trainer steps (policy versions produced)")
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: Literal["torch", "vllm", "sglang"] = "torch"
     ranks: int = Field(1, ge=1)
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     group_size: int = Field(8, ge=1, description="N samples per prompt")
@@ -382,6 +382,9 @@ class RunConfig(ConfigModel):
     join_deadline_s: float = Field(600.0, gt=0, description="every rank must have joined this long after RunStarted")
     run_deadline_s: float = Field(1800.0, gt=0, description="the coordinator aborts the run this long after RunStarted")
     vllm_urls: tuple[str, ...] = ()
+    sglang_urls: tuple[str, ...] = Field(
+        (), description="running SGLang servers, one per rank, started from the run's model directory"
+    )
     allow_remote_engines: bool = Field(False, description="drive unauthenticated RL routes on non-private addresses")
 
     @model_validator(mode="after")

@@ -157,6 +157,20 @@ CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
         2,
         ("1 server(s) for 2 rank(s)",),
     ),
+    (
+        "sglang-url-count",
+        args(
+            "run", "--engine", "sglang", "--ranks", "2", "--sglang-url", "http://127.0.0.1:30000", "--runs-dir", "TMP/r"
+        ),
+        2,
+        ("1 server(s) for 2 rank(s)",),
+    ),
+    (
+        "sglang-url-for-another-engine",
+        args("run", "--engine", "vllm", "--sglang-url", "http://127.0.0.1:30000", "--runs-dir", "TMP/r"),
+        2,
+        ("sglang_urls names sglang servers but engine is 'vllm'",),
+    ),
 ]
 
 
@@ -164,6 +178,19 @@ CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("ROLLEDGER_RUNS", raising=False)
+
+
+def test_an_engine_this_interpreter_cannot_import_is_refused_before_the_warm_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is importable here (the SGLang tier's environment): nothing to refuse")
+    assert main(["run", "--engine", "sglang", "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot import sglang" in err and "--sglang-url" in err, err
+    assert not (tmp_path / "runs").exists()  # refused before anything was created
 
 
 @pytest.mark.parametrize(("argv", "code", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -157,8 +157,8 @@ def golden_log() -> list[ev.Event]:
 # then the log config (archive); then the bounded live state of issue 12: retired groups leave `groups` for the
 # `retired` tombstones and the `retired_digest` hash chain, with `retired_groups`, `after_retired`, `raced`,
 # `recent_prompts` and admission's `gone_before_training`; the digest hashes the state less its two bounded windows,
-# `retired` and `recent_prompts`).
-GOLDEN_DIGEST = "1b1d02c175c7e90c6ea4e670c10a3489"
+# `retired` and `recent_prompts`); then the run config's `sglang_urls` (issue 17).
+GOLDEN_DIGEST = "403ba9f44f022d8acb74144cd4dbde1f"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

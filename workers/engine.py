@@ -1,4 +1,5 @@
-"""The Engine protocol: what a rollout rank can do, implemented by the built-in torch engine and the vLLM engine.
+"""The Engine protocol: what a rollout rank can do, implemented by the built-in torch engine and the vLLM and SGLang
+engines (one contract suite, tests/engine_contract.py, runs against all three).
 
 An engine is one inference rank. It generates groups (one prompt, N samples sharing the prompt prefix), can be
 paused and resumed, put to sleep and woken by tags, and takes new weights in two steps: `stage_weights` validates
@@ -42,7 +43,7 @@ class WeightValidationError(EngineError):
 
 @dataclass(frozen=True)
 class EngineCapabilities:
-    name: str  # "torch" | "vllm"
+    name: str  # "torch" | "vllm" | "sglang"
     sleep_levels: tuple[int, ...]  # () when the engine cannot sleep (vLLM on CPU)
     prefix_cache: bool
     logprob_mode: Literal["raw", "processed"]  # the mode of every sample, unless the request chooses it:

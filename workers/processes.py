@@ -145,6 +145,10 @@ def _run_worker(
             from rolledger.workers.engines.factory import connect_vllm_rank
 
             engine = connect_vllm_rank(cfg, rank, Path(started.model_dir))
+        elif cfg.engine == "sglang":  # the rank agent of an SGLang server (cfg.sglang_urls[rank])
+            from rolledger.workers.engines.factory import connect_sglang_rank
+
+            engine = connect_sglang_rank(cfg, rank, Path(started.model_dir))
         else:
             engine = TorchEngine(model, tokenizer, rank=rank, interruptible=cfg.interruptible)
         worker = RankWorker(client, run_id, rank, engine, claim_idle_ms=claim_idle_ms, initial_weights=lambda: initial)

@@ -5,6 +5,8 @@
   rank; netguard refuses non-private addresses unless `cfg.allow_remote_engines`); otherwise `cfg.ranks` servers are
   started here from the run's saved policy (`model_dir`) on free loopback ports, logging to
   `run_dir/vllm-rank{r}.log`, and the returned close function stops them.
+- `engine = "sglang"`: one `SglangEngine` per rank, the same way (`cfg.sglang_urls`, or servers started here by
+  workers.engines.sglang_server with this interpreter, logging to `run_dir/sglang-rank{r}.log`).
 
 A vLLM rank must serve exactly the run's initial policy, in the policy's own dtype: the trainer checks the
 engine's logprobs against its own weights (median gap <= trainer.max_logprob_gap) and the audit checks that
@@ -47,6 +49,8 @@ def build_engines(
     if cfg.engine == "vllm":
         vllm_engines, close_vllm = build_vllm_engines(cfg, model_dir, run_dir)
         return list(vllm_engines), close_vllm
+    if cfg.engine == "sglang":
+        return build_sglang_engines(cfg, model_dir, run_dir)
     raise NotImplementedError(f"engine {cfg.engine!r} is not wired into `rolledger run` yet")
 
 
@@ -133,34 +137,44 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[Any]:
-    """Start `cfg.ranks` vLLM servers from `model_dir` in parallel; on any failure stop the others and raise."""
-    from rolledger.workers.engines.vllm_server import VllmServer, start_vllm_server
-
-    dtype = checkpoint_dtype(model_dir)
-    extra = ["--logprobs-mode", f"{cfg.sampling.logprob_mode}_logprobs"]
-    servers: list[VllmServer | None] = [None] * cfg.ranks
+def start_in_parallel(what: str, n: int, launch: Callable[[int], Any]) -> list[Any]:
+    """`launch(rank)` for ranks 0..n-1 on their own threads (each with its own start-up deadline); on any failure
+    stop the servers that started and raise the first error."""
+    servers: list[Any] = [None] * n
     errors: list[BaseException] = []
 
-    def launch(rank: int) -> None:
+    def run(rank: int) -> None:
         try:
-            servers[rank] = start_vllm_server(
-                model_dir, _free_port(), log_path=run_dir / f"vllm-rank{rank}.log", dtype=dtype, extra_args=extra
-            )
+            servers[rank] = launch(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised below on the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=launch, args=(r,), name=f"vllm-start-{r}") for r in range(cfg.ranks)]
+    threads = [threading.Thread(target=run, args=(r,), name=f"{what}-start-{r}") for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()  # each launch has its own start-up deadline (start_vllm_server)
+        t.join()  # each launch has its own start-up deadline
     started = [s for s in servers if s is not None]
     if errors:
         for s in started:
             s.close()
         raise errors[0]
     return started
+
+
+def start_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[Any]:
+    """Start `cfg.ranks` vLLM servers from `model_dir` in parallel; on any failure stop the others and raise."""
+    from rolledger.workers.engines.vllm_server import start_vllm_server
+
+    dtype = checkpoint_dtype(model_dir)
+    extra = ["--logprobs-mode", f"{cfg.sampling.logprob_mode}_logprobs"]
+    return start_in_parallel(
+        "vllm",
+        cfg.ranks,
+        lambda rank: start_vllm_server(
+            model_dir, _free_port(), log_path=run_dir / f"vllm-rank{rank}.log", dtype=dtype, extra_args=extra
+        ),
+    )
 
 
 def connect_vllm_rank(cfg: RunConfig, rank: int, model_dir: Path) -> Any:
@@ -223,3 +237,113 @@ def build_vllm_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[
         close()
         raise
     return engines, close
+
+
+# ----------------------------------------------------------------------------------------------------- SGLang
+
+
+def check_sglang_rank(engine: Any, url: str, cfg: RunConfig, want_digest: str) -> None:
+    """Refuse an SGLang server that cannot be rank `engine.rank` of a fresh run (clear errors naming the field)."""
+    where = f"SGLang rank {engine.rank} at {url}"
+    if cfg.mode == "colocated" and cfg.sleep_level not in engine.capabilities.sleep_levels:
+        raise EngineError(
+            f"{where}: mode 'colocated' sleeps the rank at sleep_level {cfg.sleep_level}, but the server cannot "
+            f"release memory (device {engine.device}; SGLang sleeps on a GPU with --enable-memory-saver only); use "
+            "mode 'disaggregated'"
+        )
+    if cfg.sampling.logprob_mode != "raw":
+        raise EngineError(
+            f"{where}: sampling.logprob_mode must be 'raw' with SGLang (SGLANG_RETURN_ORIGINAL_LOGPROB=1)"
+        )
+    if engine.policy_version != 0:
+        raise EngineError(
+            f"{where} serves policy version {engine.policy_version} (/model_info weight_version); a run starts its "
+            "ranks on version 0: restart the server from the run's model directory"
+        )
+    digest = engine.weights_digest()
+    if digest != want_digest:
+        raise EngineError(
+            f"{where} serves weights {digest}, not the run's initial policy {want_digest}: start it from the run's "
+            "model directory (runs/<run-id>/model)"
+        )
+
+
+def start_sglang_rank_servers(cfg: RunConfig, model_dir: Path, run_dir: Path) -> list[Any]:
+    """Start `cfg.ranks` SGLang servers from `model_dir` in parallel; on any failure stop the others and raise."""
+    import importlib.util
+    import sys
+
+    from rolledger.workers.engines.sglang_server import start_sglang_server
+
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineError(
+            f"engine 'sglang' starts its servers with this interpreter ({sys.executable}), which cannot import sglang: "
+            "install sglang==0.5.23 into its environment (docs/sglang.md), or give running servers with --sglang-url"
+        )
+    dtype = checkpoint_dtype(model_dir)
+    return start_in_parallel(
+        "sglang",
+        cfg.ranks,
+        lambda rank: start_sglang_server(
+            model_dir, _free_port(), log_path=run_dir / f"sglang-rank{rank}.log", dtype=dtype
+        ),
+    )
+
+
+def connect_sglang_rank(cfg: RunConfig, rank: int, model_dir: Path) -> Any:
+    """The SglangEngine of one rank of a distributed run (`rolledger worker rank --rank R`): the server at
+    cfg.sglang_urls[R], address-checked and checked against the run's initial policy."""
+    from rolledger.workers.engines.sglang_engine import SglangEngine
+    from rolledger.workers.netguard import check_engine_address
+
+    if rank >= len(cfg.sglang_urls):
+        raise ValueError(f"sglang_urls has {len(cfg.sglang_urls)} URL(s); rank {rank} has none (one server per rank)")
+    url = cfg.sglang_urls[rank]
+    check_engine_address(url, cfg.allow_remote_engines)
+    model_dir = Path(model_dir).absolute()
+    engine = SglangEngine(url, rank=rank, model_dir=model_dir, allow_remote=cfg.allow_remote_engines)
+    try:
+        check_sglang_rank(engine, url, cfg, initial_digest(model_dir))
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def build_sglang_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[list[Engine], Callable[[], None]]:
+    """One SglangEngine per rank (servers at cfg.sglang_urls, or started here), checked against the run's initial
+    policy, and the close function."""
+    from rolledger.workers.engines.sglang_engine import SglangEngine
+    from rolledger.workers.netguard import check_engine_address
+
+    model_dir = Path(model_dir).absolute()
+    want_digest = initial_digest(model_dir)
+    servers: list[Any] = []
+    if cfg.sglang_urls:
+        if len(cfg.sglang_urls) != cfg.ranks:
+            raise ValueError(
+                f"sglang_urls has {len(cfg.sglang_urls)} URL(s) but ranks is {cfg.ranks}: give one server per rank"
+            )
+        urls = list(cfg.sglang_urls)
+        for url in urls:  # before any request goes out
+            check_engine_address(url, cfg.allow_remote_engines)
+    else:
+        servers = start_sglang_rank_servers(cfg, model_dir, run_dir)
+        urls = [s.url for s in servers]
+    engines: list[SglangEngine] = []
+
+    def close() -> None:
+        for e in engines:
+            e.close()
+        for s in servers:
+            s.close()
+
+    try:
+        for r, url in enumerate(urls):
+            engine = SglangEngine(url, rank=r, model_dir=model_dir, allow_remote=cfg.allow_remote_engines)
+            engines.append(engine)
+            check_sglang_rank(engine, url, cfg, want_digest)
+    except BaseException:
+        close()
+        raise
+    return list(engines), close

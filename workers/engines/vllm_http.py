@@ -1,9 +1,10 @@
-"""The HTTP connection to one vLLM OpenAI server, and the parsing of its errors.
+"""The HTTP connection to one inference server (vLLM or SGLang), and the parsing of its errors.
 
-vLLM answers errors in two shapes (`{"error": "..."}` from the RL routes, `{"error": {"message": ...}}` from the
-rest, a list of details from FastAPI validation); `VllmHttp` turns every failure (no answer, a transport error, a
-non-200 status, a body that is not a JSON object) into an EngineError naming the route and the server, and
-`VllmHttp.rpc` calls `/collective_rpc` on every worker of the server (the routes of
+The servers answer errors in several shapes (`{"error": "..."}` from vLLM's RL routes, `{"error": {"message": ...}}`
+from the OpenAI routes, `{"message": ...}` or `{"success": false, ...}` from SGLang, a list of details from FastAPI
+validation); `JsonHttp` turns every failure (no answer, a transport error, a non-200 status, a body that is not a
+JSON object) into an EngineError naming the server kind, the route and the server. `VllmHttp` adds `rpc`, which calls
+`/collective_rpc` on every worker of a vLLM server (the routes of
 `rolledger.workers.vllm_extension.RolledgerWorkerExtension`, which answer one dict per worker and never raise).
 """
 
@@ -19,18 +20,21 @@ from rolledger.workers.engine import EngineError
 DEFAULT_EXTENSION = "rolledger.workers.vllm_extension.RolledgerWorkerExtension"
 
 
-class VllmHttpError(EngineError):
-    """A vLLM route answered with an error; carries the HTTP status and the server's message."""
+class HttpRouteError(EngineError):
+    """A server's route answered with an error; carries the HTTP status and the server's message."""
 
-    def __init__(self, route: str, base_url: str, status: int, message: str) -> None:
-        super().__init__(f"vLLM {route} at {base_url} failed: HTTP {status}: {message}")
+    def __init__(self, route: str, base_url: str, status: int, message: str, *, server: str = "vLLM") -> None:
+        super().__init__(f"{server} {route} at {base_url} failed: HTTP {status}: {message}")
         self.route = route
         self.status = status
         self.message = message
 
 
+VllmHttpError = HttpRouteError  # the name vLLM callers know
+
+
 def error_message(resp: httpx.Response) -> str:
-    """The server's message from either of vLLM's error shapes (or the raw body)."""
+    """The server's message from any of the error shapes above (or the raw body)."""
     try:
         body = resp.json()
     except ValueError:
@@ -43,11 +47,16 @@ def error_message(resp: httpx.Response) -> str:
             return str(err["message"])
         if isinstance(err, list):  # FastAPI validation details
             return json.dumps(err)[:500]
+        if isinstance(body.get("message"), str):  # SGLang
+            return str(body["message"])
     return json.dumps(body)[:500]
 
 
-class VllmHttp:
-    """JSON requests to the vLLM server at `base_url`; every failure is an EngineError (VllmHttpError for a status)."""
+class JsonHttp:
+    """JSON requests to the `server` (a kind: "vLLM", "SGLang") at `base_url`; every failure is an EngineError
+    (HttpRouteError for a status)."""
+
+    server = "server"
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
@@ -58,11 +67,11 @@ class VllmHttp:
         try:
             resp = self._client.request(method, route, **kw)
         except httpx.TimeoutException as e:
-            raise EngineError(f"vLLM {route} at {self.base_url}: no answer within {self.timeout_s}s") from e
+            raise EngineError(f"{self.server} {route} at {self.base_url}: no answer within {self.timeout_s}s") from e
         except httpx.HTTPError as e:
-            raise EngineError(f"vLLM {route} at {self.base_url}: {type(e).__name__}: {e}") from e
+            raise EngineError(f"{self.server} {route} at {self.base_url}: {type(e).__name__}: {e}") from e
         if resp.status_code != 200:
-            raise VllmHttpError(route, self.base_url, resp.status_code, error_message(resp))
+            raise HttpRouteError(route, self.base_url, resp.status_code, error_message(resp), server=self.server)
         return resp
 
     def request_json(self, method: str, route: str, **kw: Any) -> dict[str, Any]:
@@ -71,7 +80,7 @@ class VllmHttp:
             return {}
         body = resp.json()
         if not isinstance(body, dict):
-            raise EngineError(f"vLLM {route} at {self.base_url}: expected a JSON object, got {body!r:.200}")
+            raise EngineError(f"{self.server} {route} at {self.base_url}: expected a JSON object, got {body!r:.200}")
         return body
 
     def get(self, route: str, **kw: Any) -> dict[str, Any]:
@@ -79,6 +88,15 @@ class VllmHttp:
 
     def post(self, route: str, **kw: Any) -> dict[str, Any]:
         return self.request_json("POST", route, **kw)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class VllmHttp(JsonHttp):
+    """A vLLM server's JSON routes, and collective_rpc on its workers."""
+
+    server = "vLLM"
 
     def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """collective_rpc on every worker; one dict per worker (the extension never raises, it answers ok:false)."""
@@ -92,6 +110,3 @@ class VllmHttp:
                 f"is the server started with --worker-extension-cls {DEFAULT_EXTENSION}?"
             )
         return results
-
-    def close(self) -> None:
-        self._client.close()

@@ -1,0 +1,255 @@
+"""One contract for every engine: the behaviours a rank's engine promises, written once and run against each engine.
+
+As the `eventsourcing` library runs one recorder suite against every backend, a test module subclasses
+`EngineContract` and provides a `subject` fixture (a `ContractSubject`: the engine, a way to stage updates it can
+read, fresh policy versions, a prompt); pytest then runs every test below against that engine:
+
+- tests/test_engine_contract.py: the torch engine (main suite);
+- tests/vllm_tier/test_engine_contract_vllm.py: the vLLM engine on real vLLM CPU servers (vLLM tier);
+- tests/sglang_tier/test_engine_contract_sglang.py: the SGLang engine on a real SGLang CPU server (SGLang tier).
+
+Each test leaves the engine as it found it for the next one (serving, resumed, nothing staged), because the server
+engines are shared by a whole session; an update moves the engine to a version newer than any used before.
+
+What the contract checks, always from what the engine serves (greedy tokens and logprobs, the digest it measures),
+not from what it says: prepare stages into an inactive buffer while the live weights keep serving; a corrupt file
+or a shape mismatch is refused naming the tensor; commit swaps the staged version in (its digest is the manifest's)
+and invalidates the prefix cache; a discarded prepare commits nothing; the health probe is deterministic; illegal
+orders are refused; every pause mode stops generation until resume; sleep either works in the legal order or is
+refused saying so (GPU-only for the server engines: vLLM and SGLang cannot sleep on CPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolledger.schemas.config import SamplingParams
+from rolledger.workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.staging_format import StagingError
+from rolledger.workers.staging_store import StagedUpdate
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprob_mode="raw")
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=8, seed=3, logprob_mode="raw")
+
+
+@dataclass
+class ContractSubject:
+    """An engine under the contract and what the tests need around it."""
+
+    engine: Engine
+    base_state: Callable[[], dict[str, torch.Tensor]]  # HF-named tensors of the checkpoint it started from
+    other_state: Callable[[int], dict[str, torch.Tensor]]  # a differently initialised policy of the same shapes
+    stage: Callable[[int, Mapping[str, torch.Tensor]], StagedUpdate]  # into a store the engine can read
+    prompt: tuple[int, ...] = (1, 4, 5, 14, 6, 15)
+    versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def next_version(self) -> int:
+        """A policy version newer than any this session used (server engines are shared across tests)."""
+        v = next(self.versions)
+        while v <= self.engine.policy_version:
+            v = next(self.versions)
+        return v
+
+    def served(self) -> tuple[list[int], list[float]]:
+        """What the engine serves: its greedy tokens and logprobs on the prompt."""
+        s = self.engine.generate(self.prompt, 1, GREEDY).samples[0]
+        return s.token_ids, [round(x, 4) for x in s.logprobs]
+
+
+def flip_a_byte_of(staged: StagedUpdate, tensor: str) -> None:
+    """Corrupt one byte in the middle of `tensor`'s data in the staged safetensors file (its checksum must catch it)."""
+    root = Path(staged.uri.removeprefix("file://"))
+    for path in sorted(root.glob("*.safetensors")) if root.is_dir() else [root]:
+        with open(path, "r+b") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            if tensor not in header:
+                continue
+            start, end = header[tensor]["data_offsets"]
+            at = 8 + n + (start + end) // 2
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x01]))
+            return
+    raise AssertionError(f"tensor {tensor!r} not found in the staged files at {root}")
+
+
+class EngineContract:
+    """The tests every engine passes; subclass it in a module that defines a `subject` fixture."""
+
+    def test_is_an_engine_whose_specs_are_its_checkpoints(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        assert isinstance(e, Engine)
+        base = subject.base_state()
+        specs = e.live_tensor_specs()
+        assert set(specs) == set(base)
+        for name, t in base.items():
+            assert specs[name].shape == tuple(t.shape), name
+
+    def test_generates_a_group_with_token_ids_and_logprobs(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        vocab = int(subject.base_state()["model.embed_tokens.weight"].shape[0])
+        out = e.generate(subject.prompt, 3, SAMPLED)
+        assert len(out.samples) == 3
+        for s in out.samples:
+            assert 1 <= len(s.token_ids) <= SAMPLED.max_tokens
+            assert len(s.logprobs) == len(s.token_ids)
+            assert all(0 <= t < vocab for t in s.token_ids)
+            assert all(math.isfinite(x) and x <= 0.0 for x in s.logprobs)
+            assert s.finish_reason in ("stop", "length")
+        assert out.policy_version == e.policy_version
+        assert out.weights_digest == e.weights_digest()
+        assert subject.served() == subject.served()  # greedy is deterministic
+
+    def test_prepare_stages_into_an_inactive_buffer_while_the_live_weights_serve(
+        self, subject: ContractSubject
+    ) -> None:
+        e = subject.engine
+        before, digest, version0 = subject.served(), e.weights_digest(), e.policy_version
+        v = subject.next_version()
+        staged = subject.stage(v, subject.other_state(v))
+        try:
+            assert e.prepare(v, staged.uri, staged.manifest) == staged.manifest.weights_digest
+            assert subject.served() == before
+            assert e.weights_digest() == digest
+            assert e.policy_version == version0
+        finally:
+            e.discard_weights()
+
+    def test_a_corrupt_staged_file_is_refused_naming_the_tensor(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        before, digest = subject.served(), e.weights_digest()
+        v = subject.next_version()
+        staged = subject.stage(v, subject.other_state(v))
+        name = "model.layers.0.mlp.up_proj.weight"
+        flip_a_byte_of(staged, name)
+        with pytest.raises((EngineError, StagingError)) as info:
+            e.prepare(v, staged.uri, staged.manifest)
+        assert getattr(info.value, "tensor", None) == name
+        assert name in str(info.value)
+        with pytest.raises(IllegalEngineOrder):
+            e.commit_weights(v)
+        assert (subject.served(), e.weights_digest()) == (before, digest)
+
+    def test_a_shape_mismatch_is_refused_naming_the_tensor(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        before = subject.served()
+        v = subject.next_version()
+        bad = subject.base_state()
+        name = "model.layers.0.mlp.up_proj.weight"
+        bad[name] = bad[name][:-1].clone()
+        staged = subject.stage(v, bad)
+        with pytest.raises(WeightValidationError) as info:
+            e.prepare(v, staged.uri, staged.manifest)
+        assert info.value.tensor == name
+        assert "shape" in info.value.reason
+        assert subject.served() == before
+
+    def test_commit_swaps_the_staged_version_in_and_its_digest_is_the_manifests(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        before = subject.served()
+        v = subject.next_version()
+        staged = subject.stage(v, subject.other_state(v))
+        e.prepare(v, staged.uri, staged.manifest)
+        cache_before = e.cache_generation
+        e.pause("wait")
+        try:
+            report = e.commit_weights(v)
+            health = e.health()  # a rank probes after its commit, still paused
+        finally:
+            e.resume()
+        assert health.ok, health.detail
+        assert report.policy_version == v == e.policy_version
+        assert report.weights_digest == staged.manifest.weights_digest == e.weights_digest()
+        assert report.cache_generation > cache_before  # what the old weights cached is gone
+        out = e.generate(subject.prompt, 1, GREEDY)
+        assert (out.policy_version, out.weights_digest) == (v, staged.manifest.weights_digest)
+        assert subject.served() != before
+
+    def test_a_discarded_prepare_commits_nothing(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        before, digest, version0 = subject.served(), e.weights_digest(), e.policy_version
+        v = subject.next_version()
+        staged = subject.stage(v, subject.other_state(v))
+        e.prepare(v, staged.uri, staged.manifest)
+        e.discard_weights()
+        with pytest.raises(IllegalEngineOrder):
+            e.commit_weights(v)
+        assert (subject.served(), e.weights_digest(), e.policy_version) == (before, digest, version0)
+
+    def test_the_health_probe_is_deterministic(self, subject: ContractSubject) -> None:
+        first, second = subject.engine.health(), subject.engine.health()
+        assert first.ok and second.ok, (first.detail, second.detail)
+        assert first.probe_digest and first.probe_digest == second.probe_digest
+
+    def test_reset_prefix_cache_bumps_the_generation(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        g0 = e.generate(subject.prompt, 1, GREEDY).cache_generation
+        assert e.reset_prefix_cache() == g0 + 1
+        assert e.generate(subject.prompt, 1, GREEDY).cache_generation == g0 + 1 == e.cache_generation
+
+    def test_illegal_orders_are_refused(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        v = subject.next_version()
+        with pytest.raises(IllegalEngineOrder):
+            e.commit_weights(v)  # nothing staged
+        staged = subject.stage(v, subject.other_state(v))
+        e.prepare(v, staged.uri, staged.manifest)
+        try:
+            with pytest.raises(IllegalEngineOrder):
+                e.commit_weights(v + 1)  # not the staged version
+        finally:
+            e.discard_weights()
+        assert e.policy_version < v
+
+    @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+    def test_every_pause_mode_stops_generation_until_resume(self, subject: ContractSubject, mode: str) -> None:
+        e = subject.engine
+        e.pause(mode)  # type: ignore[arg-type]  # the PauseMode literals, parametrized
+        try:
+            assert e.is_paused is True
+            with pytest.raises(IllegalEngineOrder, match="paused"):
+                e.generate(subject.prompt, 1, GREEDY)
+        finally:
+            e.resume()
+        assert e.is_paused is False
+        assert len(e.generate(subject.prompt, 1, GREEDY).samples) == 1
+
+    def test_an_unknown_pause_mode_is_refused(self, subject: ContractSubject) -> None:
+        with pytest.raises(ValueError, match="pause mode"):
+            subject.engine.pause("later")  # type: ignore[arg-type]  # deliberately not a PauseMode
+        assert subject.engine.is_paused is False
+
+    def test_sleep_works_in_the_legal_order_or_is_refused_saying_so(self, subject: ContractSubject) -> None:
+        e = subject.engine
+        if not e.capabilities.sleep_levels:  # vLLM and SGLang on CPU: sleep is GPU-only
+            with pytest.raises(EngineError, match="unavailable"):
+                e.sleep(1)
+            with pytest.raises(EngineError, match="unavailable"):
+                e.wake(["weights"])
+            assert e.asleep_level == 0
+            return
+        before, digest = subject.served(), e.weights_digest()
+        v = subject.next_version()
+        staged = subject.stage(v, subject.other_state(v))
+        e.pause("wait")
+        try:
+            e.sleep(1)
+            assert e.asleep_level == 1
+            with pytest.raises(IllegalEngineOrder):
+                e.prepare(v, staged.uri, staged.manifest)  # never update while asleep
+            e.wake(["weights", "kv_cache"])
+        finally:
+            e.resume()
+        assert e.asleep_level == 0
+        assert (subject.served(), e.weights_digest()) == (before, digest)
