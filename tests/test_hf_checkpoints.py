@@ -140,7 +140,9 @@ def test_the_loop_runs_end_to_end_on_a_llama_policy(redis_url: str, run_id: str,
     config = model_of(events)
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
     trajectories = [p.trajectory for p in of(events, ev.SampleFinished)]
-    assert trajectories and {t.policy_version for t in trajectories} >= {0, 1}
+    # samples on the initial policy and on at least one published version (which one races the trainer: a run of
+    # 3 steps may publish v2 before any group starts on v1)
+    assert trajectories and {t.policy_version for t in trajectories} > {0}
 
 
 @pytest.mark.slow
