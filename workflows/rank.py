@@ -260,6 +260,10 @@ def _held(state: RunState, rank: int) -> bool:
         return False
     if rank in u.ranks and rank in u.quarantined:
         return True
+    if u.prepare_event and rank not in u.ranks:
+        # out of the transaction (it joined after the update named its ranks): the coordinator does not wait for its
+        # drain, so a start decided before it folds the pause could land after the commit; held until it closes
+        return True
     return "update" in state.admission.paused or UpdateStatus(u.status).is_decided_commit
 
 
