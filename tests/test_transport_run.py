@@ -81,10 +81,13 @@ def test_a_quarantined_rank_rejoins_on_the_published_version_over_the_network(
     # rejoined while the next update was already under way without it, it generated nothing until that one was
     # published, and was then sent to reload it (timing decides whether that happens): behind, not failed
     assert all("behind the published" in x.reason for x in q[1:]), q
-    published = next(p for p in of(events, ev.PolicyPublished) if p.version == q[-1].version)
-    rejoin = [p for p in of(events, ev.RankJoined) if p.rank == 1][-1]
-    assert rejoin.policy_version == q[-1].version and rejoin.weights_digest == published.weights_digest
-    assert of(events, ev.PolicyPublished)[-1].ranks == (0, 1)
+    # every time it rejoined after a quarantine it did so on a published version, with that version's weights (its
+    # last quarantine may come so close to the run's end that it never rejoins: timing again)
+    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
+    rejoins = [p for p in of(events, ev.RankJoined) if p.rank == 1 and p.policy_version > 0]
+    assert rejoins, "rank 1 never rejoined on a published version"
+    assert all(r.weights_digest == published[r.policy_version] for r in rejoins), rejoins
+    assert [r.policy_version for r in rejoins] == [x.version for x in q][: len(rejoins)]  # the version it was sent to
     assert summary.status == "completed" and audit(events).ok
 
 
