@@ -1,6 +1,7 @@
 """Benchmark of rollout through rolledger (run by hand): a RankWorker on a real redis-server vs the engine called directly.
 
-    python bench/bench_rollout.py [--groups 32] [--n 8] [--max-tokens 16] [--fewshot 6] [--threads 1] [--no-aof]
+    python bench/bench_rollout.py [--groups 32] [--n 8] [--max-tokens 16] [--fewshot 6] [--threads 1] [--slots 1]
+                                  [--no-aof]
 
 Workload (as bench/bench_engine.py): `--groups` prompts "<few-shot prefix> a+b=" on the tiny policy
 (workers.policy_model, default ModelConfig with positions widened to fit), `--n` samples per group, `--max-tokens`,
@@ -8,8 +9,10 @@ temperature 1, seed = group index, so both paths sample exactly the same tokens 
 
 Measured side by side in one process, each on a fresh TorchEngine over the same weights, warmed up the same way:
 
-  direct          engine.generate(prompt, n, sampling) for every group in a loop: the baseline;
-  rolledger       a RankWorker (workers/rank.py) on its own redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), after it has
+  direct          engine.generate(prompt, n, sampling) for every group, from `--slots` threads at once (each takes
+                  the next group when it is done with one; 1: a plain loop): the baseline;
+  rolledger       a RankWorker (workers/rank.py) with `rank_slots = --slots` (the same concurrency) on its own
+                  redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), after it has
                   joined the run: the clock starts before G GroupAdmitted events are appended (one MULTI/EXEC) and
                   stops when the log holds a SampleFinished for every sample (counted on the entries' `t` field, so
                   the watcher decodes nothing). It includes everything the worker does per group: consumer-group read,
@@ -26,6 +29,7 @@ import argparse
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -73,13 +77,20 @@ def sampling_for(group: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=group)
 
 
-def direct(name: str, engine: TorchEngine, prompts: list[list[int]], n: int, max_tokens: int) -> Result:
+def direct(name: str, engine: TorchEngine, prompts: list[list[int]], n: int, max_tokens: int, slots: int = 1) -> Result:
+    """Every group through engine.generate, from `slots` threads at once (what a rank's rollout slots do)."""
     before = engine.stats.prefill_tokens_computed
-    tokens = 0
+
+    def one(g: int) -> int:
+        out = engine.generate(prompts[g], n, sampling_for(g, max_tokens))
+        return sum(len(s.token_ids) for s in out.samples)
+
     start = time.perf_counter()
-    for g, ids in enumerate(prompts):
-        out = engine.generate(ids, n, sampling_for(g, max_tokens))
-        tokens += sum(len(s.token_ids) for s in out.samples)
+    if slots == 1:
+        tokens = sum(map(one, range(len(prompts))))
+    else:
+        with ThreadPoolExecutor(max_workers=slots) as pool:
+            tokens = sum(pool.map(one, range(len(prompts))))
     seconds = time.perf_counter() - start
     return Result(name, seconds, tokens, engine.stats.prefill_tokens_computed - before, len(prompts))
 
@@ -167,6 +178,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--fewshot", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--slots", type=int, default=1, help="groups generated at once: rank_slots, and direct's threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-aof", action="store_true", help="redis without persistence (default: AOF, appendfsync no)")
     ap.add_argument("--deadline-s", type=float, default=600.0, help="give up waiting for the worker after this")
@@ -177,7 +189,9 @@ def main() -> None:
     prompts = [list(tok(t)["input_ids"]) for t in make_prompts(args.groups, args.fewshot, args.seed)]
     warm = [list(tok(t)["input_ids"]) for t in make_prompts(2, args.fewshot, args.seed + 1)]
     model_cfg = ModelConfig(max_position_embeddings=max(64, max(map(len, prompts + warm)) + args.max_tokens))
-    cfg = RunConfig(group_size=args.n, model=model_cfg, sampling=SamplingParams(max_tokens=args.max_tokens))
+    cfg = RunConfig(
+        group_size=args.n, rank_slots=args.slots, model=model_cfg, sampling=SamplingParams(max_tokens=args.max_tokens)
+    )
 
     def engine(prefix_cache: bool = True) -> tuple[TorchEngine, torch.nn.Module]:
         model = build_model(model_cfg, len(tok), args.seed)
@@ -186,8 +200,8 @@ def main() -> None:
         return e, model
 
     load_before = os.getloadavg()
-    base = direct("direct", engine()[0], prompts, args.n, args.max_tokens)
-    nocache = direct("direct, no cache", engine(prefix_cache=False)[0], prompts, args.n, args.max_tokens)
+    base = direct("direct", engine()[0], prompts, args.n, args.max_tokens, args.slots)
+    nocache = direct("direct, no cache", engine(prefix_cache=False)[0], prompts, args.n, args.max_tokens, args.slots)
     with redis_server(aof=not args.no_aof) as (url, _):
         e, model = engine()
         ours = through_rolledger(url, e, model, cfg, prompts, args.deadline_s)
@@ -195,7 +209,8 @@ def main() -> None:
 
     print(
         f"\ngroups={args.groups} n={args.n} prompt tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
-        f"max_tokens={args.max_tokens} torch threads={args.threads} redis aof={'off' if args.no_aof else 'appendfsync no'}"
+        f"max_tokens={args.max_tokens} slots={args.slots} torch threads={args.threads} "
+        f"redis aof={'off' if args.no_aof else 'appendfsync no'}"
     )
     print(f"{'path':<18} {'seconds':>8} {'gen tokens':>11} {'tok/s':>8} {'vs direct':>10} {'prefill/group':>14}")
     for r in (base, ours, nocache):

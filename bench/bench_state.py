@@ -50,7 +50,7 @@ from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.state import RunState
 from rolledger.workflows.update import decide_update
 
-PROMPTS = [PromptItem(i, f"p{i}", tuple(range(2000, 2032)), "0", 20) for i in range(1000)]
+PROMPTS = [PromptItem(i, f"p{i}", tuple(range(2000, 2032)), "0") for i in range(1000)]
 
 
 @dataclass

@@ -158,6 +158,12 @@ class AdmissionConfig(ConfigModel):
     max_queued_bytes: int = Field(4 * 1024 * 1024, gt=0, description="cap on bytes of completed, untrained groups")
     max_lag: int = Field(1, ge=0, description="cap on policy versions between the current one and the oldest untrained")
     max_inflight_groups: int = Field(8, ge=1, description="groups admitted but not yet completed")
+    max_wait_rounds: int = Field(
+        2,
+        ge=0,
+        description="srgf fairness: a prompt overtaken by this many rounds of trainer.groups_per_step later prompts "
+        "is admitted next (0: fifo order)",
+    )
     throttle_to_drain_rate: bool = True
 
 
@@ -358,17 +364,46 @@ class TaskConfig(ConfigModel):
         return self
 
 
+class SimulatedConfig(ConfigModel):
+    """engine = "simulated" only: a benchmark engine whose tokens cost declared time, not a model's compute
+    (workers/engines/simulated_engine.py). Every time below is multiplied by `time_scale`."""
+
+    step_s: float = Field(0.045, gt=0, description="one decode step: every sequence in flight on a rank gains a token")
+    prefill_s_per_token: float = Field(0.0002, ge=0, description="prefill time per prompt token, once per group")
+    time_scale: float = Field(
+        1.0, gt=0, le=1, description="multiplies every declared time (0.02: a 45 ms step in 0.9 ms)"
+    )
+    length_median: float = Field(200.0, gt=0, description="median sample length in tokens (capped at max_tokens)")
+    length_sigma: float = Field(1.0, ge=0, le=4, description="lognormal sigma of a sample's length around its prompt's")
+    prompt_sigma: float = Field(
+        0.0, ge=0, le=4, description="lognormal sigma of a prompt's median around length_median (its own difficulty)"
+    )
+    lengths: tuple[int, ...] = Field(
+        (), description="lengths given per sample: sample i of every group has lengths[i % len]; overrides the above"
+    )
+
+    @field_validator("lengths")
+    @classmethod
+    def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(x < 1 for x in value):
+            raise ValueError(f"every length must be >= 1 (got {min(value)})")
+        return value
+
+
 class RunConfig(ConfigModel):
     """Everything a run declares up front; recorded in RunStarted so a replay knows the rules it ran under."""
 
     seed: int = 0
     steps: int = Field(40, ge=1, description="trainer steps (policy versions produced)")
-    engine: Literal["torch", "vllm", "sglang"] = "torch"
+    engine: Literal["torch", "vllm", "sglang", "simulated"] = "torch"  # simulated: benchmarks only
     ranks: int = Field(1, ge=1)
+    rank_slots: int = Field(1, ge=1, le=256, description="groups one rank generates at once (its rollout slots)")
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     group_size: int = Field(8, ge=1, description="N samples per prompt")
     partial_policy: PartialPolicy = PartialPolicy()
-    scheduler: Literal["fifo", "srgf"] = "fifo"
+    scheduler: Literal["fifo", "srgf"] = Field(
+        "fifo", description="admission order (workflows/scheduler.py): by prompt index, or shortest estimated first"
+    )
     interruptible: bool = False
     sleep_level: Literal[1, 2] = 1
     sampling: SamplingParams = SamplingParams()
@@ -379,6 +414,7 @@ class RunConfig(ConfigModel):
     log: LogConfig = LogConfig()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    simulated: SimulatedConfig = SimulatedConfig()
     join_deadline_s: float = Field(600.0, gt=0, description="every rank must have joined this long after RunStarted")
     run_deadline_s: float = Field(1800.0, gt=0, description="the coordinator aborts the run this long after RunStarted")
     vllm_urls: tuple[str, ...] = ()

@@ -62,15 +62,21 @@ class RunFinished(Payload):
 class GroupAdmitted(Payload):
     """A prompt admitted as a group of n samples; the command the rollout workers consume."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2  # v2 added `prompt_index`
     type: Literal["GroupAdmitted"] = "GroupAdmitted"
     group_id: str
     prompt_id: str
+    prompt_index: int | None = Field(
+        None, ge=0, description="the prompt's position in the run's prompt sequence (None: a log from before issue 14)"
+    )
     prompt_token_ids: I32Array
     n: int = Field(ge=1)
     sampling: SamplingParams
     partial_policy: PartialPolicy
     answer: str = Field(description="ground truth for the reward checker")
-    est_remaining_tokens: int = Field(ge=0, description="scheduler telemetry: estimated tokens still to generate")
+    est_remaining_tokens: int = Field(
+        ge=0, description="the scheduler's estimate of the group's tokens (n x per-sample estimate), never ground truth"
+    )
     est_bytes: int = Field(ge=0)
     queued_bytes: int = Field(ge=0, description="completed-but-untrained bytes at the moment of admission")
     byte_cap: int = Field(ge=0)
@@ -122,11 +128,13 @@ class SampleFailed(Payload):
 
 
 class SampleCancelled(Payload):
+    SCHEMA_VERSION: ClassVar[int] = 2  # v2 added `tokens`
     type: Literal["SampleCancelled"] = "SampleCancelled"
     sample_id: str
     group_id: str
     index: int
     reason: str
+    tokens: int = Field(0, ge=0, description="tokens it had generated when cut short: the work the cancel wasted")
 
 
 class GroupCompleted(Payload):
@@ -453,6 +461,8 @@ UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("SampleScored", 1): lambda p: {**p, "correct": float(p.get("reward", 0.0)) >= 1.0},
     ("PrepareRequested", 1): lambda p: {**p, "uri": "", "weights_digest": "", "bytes": 0},
     ("UpdateCommitted", 1): lambda p: {**p, "weights_digest": ""},
+    ("GroupAdmitted", 1): lambda p: {**p, "prompt_index": None},
+    ("SampleCancelled", 1): lambda p: {**p, "tokens": 0},
 }
 
 

@@ -108,6 +108,7 @@ class LogBuilder:
         self._staged: dict[int, tuple[str, str]] = {}  # version -> (manifest digest, weights digest)
         self._n = 0
         self._groups = 0
+        self._admitted = 0  # GroupAdmitted events so far
         self._step = 1  # the trainer numbers its steps from 1 (trainer.step + 1 after the initial 0)
         self._fence = 1
 
@@ -182,7 +183,13 @@ class LogBuilder:
         queued_bytes: int | None = None,
         byte_cap: int | None = None,
         partial_policy: PartialPolicy | None = None,
+        prompt_index: int | None = -1,
     ) -> LogBuilder:
+        """GroupAdmitted of the next group; `prompt_index` -1: the admission count (as rolledger admits in FIFO
+        order), None: a log from before GroupAdmitted v2."""
+        if prompt_index == -1:
+            prompt_index = self._admitted
+        self._admitted += 1
         if group_id is None:
             self._groups += 1
             group_id = f"g{self._groups:06d}"
@@ -192,6 +199,7 @@ class LogBuilder:
             GroupAdmitted(
                 group_id=group_id,
                 prompt_id=f"p-{group_id}",
+                prompt_index=prompt_index,
                 prompt_token_ids=[1, 2, 3],
                 n=n,
                 sampling=self.config.sampling,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from logbuilder import LogBuilder, weights_digest_for
 
 from rolledger.schemas.config import PartialPolicy
-from rolledger.schemas.events import EnginePaused, Event, RankCommitted
+from rolledger.schemas.events import EnginePaused, Event, GroupCompleted, RankCommitted
 from rolledger.schemas.statuses import AdmissionReason
 from rolledger.schemas.trajectory import VersionSpan
 from rolledger.workflows.audit import audit
@@ -604,3 +604,47 @@ def test_builder_logs_fold_through_the_reducer_without_anomalies() -> None:
     state = reducer.replay(events)
     assert state.anomalies == []
     assert reducer.replay(events).digest() == state.digest()
+
+
+def test_inv6_a_completion_must_record_the_bytes_its_samples_hold() -> None:
+    def log(bad: bool) -> LogBuilder:
+        b = LogBuilder(group_size=2).start_run()
+        b.group()
+        if bad:  # the same group completed by a coordinator that under-counts
+            done = b.find("GroupCompleted")
+            p = done.payload
+            assert isinstance(p, GroupCompleted)
+            b.events[b.events.index(done)] = done.model_copy(update={"payload": p.model_copy(update={"bytes": 1})})
+        return b.finish_run()
+
+    bad = log(True)
+    assert only(audit(bad.build()), 6) == [(bad.find("GroupCompleted").event_id,)]
+    assert_clean(audit(log(False).build()))
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_inv6_the_recomputed_queue_over_the_cap_is_a_violation_once_admission_bounds_it(bounded: bool) -> None:
+    """Two completed groups hold more than the cap. A log whose admission counts groups in flight at max_tokens
+    (GroupAdmitted v2) can never get there: a violation at the completion that overflows. An older log: a warning."""
+    b = LogBuilder(group_size=2).start_run()
+    b.group()
+    one = b.find("GroupCompleted").payload
+    assert isinstance(one, GroupCompleted)
+    cfg = b.config.model_copy(
+        update={"admission": b.config.admission.model_copy(update={"max_queued_bytes": one.bytes + one.bytes // 2})}
+    )
+    b = LogBuilder(cfg).start_run()
+    for _ in range(2):
+        b.admit(prompt_index=-1 if bounded else None, queued_bytes=0)
+        g = b.last_group
+        for i in range(2):
+            b.start(f"{g}/{i}")
+        for i in range(2):
+            b.finish(f"{g}/{i}")
+        b.complete(g)
+    report = audit(b.finish_run().build())
+    second = b.find_all("GroupCompleted")[1].event_id
+    if bounded:
+        assert only(report, 6) == [(second,)]
+    else:
+        assert report.ok and [w.kind for w in report.warnings] == ["queued_bytes"]

@@ -130,6 +130,18 @@ CASES: list[tuple[str, Case, int, tuple[str, ...]]] = [
     ("ranks-0", args("run", "--ranks", "0", "--runs-dir", "TMP/runs"), 2, ("--ranks 0", "greater than or equal to 1")),
     ("steps--1", args("run", "--steps", "-1", "--runs-dir", "TMP/runs"), 2, ("--steps -1", "greater than or equal")),
     ("ranks-text", args("run", "--ranks", "two"), 2, ("--ranks", "invalid int value: 'two'", "rolledger run --help")),
+    (
+        "rank-slots-0",
+        args("run", "--rank-slots", "0", "--runs-dir", "TMP/runs"),
+        2,
+        ("--rank-slots 0", "greater than or equal to 1"),
+    ),
+    (
+        "rank-slots-too-many",
+        args("run", "--rank-slots", "257", "--runs-dir", "TMP/runs"),
+        2,
+        ("--rank-slots 257", "less than or equal to 256"),
+    ),
     ("engine-choice", args("run", "--engine", "vlm"), 2, ("--engine", "did you mean 'vllm'?")),
     ("option-typo", args("run", "--stpes", "3"), 2, ("--stpes", "did you mean --steps?")),
     ("command-typo", args("audt", "x"), 2, ("'audt'", "did you mean 'audit'?")),
@@ -353,7 +365,7 @@ def test_help_documents_exit_codes_defaults_and_the_inject_vocabulary(capsys: py
     assert "ROLLEDGER_RUNS" in top
     run = " ".join(help_of("run", capsys=capsys).split())
     defaults = RunConfig()
-    for option in ("engine", "ranks", "mode", "steps", "seed"):
+    for option in ("engine", "ranks", "rank_slots", "mode", "steps", "seed"):
         assert f"overrides the config's {option}; default: {getattr(defaults, option)})" in run, option
     for kind in InjectionKind.__args__:  # type: ignore[attr-defined]
         assert f"{kind}=" in run, kind

@@ -21,7 +21,7 @@ from rolledger.schemas.config import RunConfig
 from rolledger.workers.coordinator import Coordinator
 from rolledger.workflows.scheduler import PromptItem
 
-PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "5", est_completion_tokens=2) for i in range(4)]
+PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "5") for i in range(4)]
 
 
 def config(*, ranks: int = 1, prepare_deadline_s: float = 60.0) -> RunConfig:

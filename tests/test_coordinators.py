@@ -7,16 +7,16 @@ from logbuilder import LogBuilder
 
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
-from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
+from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, SamplingParams, TrainerConfig
 from rolledger.schemas.statuses import AdmissionReason, GroupStatus, PolicyKind, SampleStatus
-from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission
+from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission, gates
 from rolledger.workflows.groups import decide_group
 from rolledger.workflows.reducer import replay
-from rolledger.workflows.scheduler import PromptItem, order_candidates, remaining_tokens
+from rolledger.workflows.scheduler import PromptItem, remaining_tokens
 from rolledger.workflows.state import GroupState, RunState, SampleState
 from rolledger.workflows.update import decide_update
 
-PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3, 4), "7", est_completion_tokens=2 + (i % 3)) for i in range(50)]
+PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3, 4), "7") for i in range(50)]
 
 
 def config(**kw: object) -> RunConfig:
@@ -51,23 +51,25 @@ def test_admits_up_to_the_inflight_cap_in_fifo_order() -> None:
 
 def test_srgf_admits_the_shortest_estimated_groups_first() -> None:
     cfg = config(scheduler="srgf", admission=AdmissionConfig(max_inflight_groups=3, throttle_to_drain_rate=False))
-    out = decide_admission(started(cfg), AdmissionInputs(now=0.0, prompts=PROMPTS, window=6))
+    state = started(cfg)
+    for i in range(6):  # completion lengths observed for these prompts (an earlier epoch): 2, 3, 4, 2, 3, 4 tokens
+        state.scheduler.prompt_lengths[f"p{i}"] = [1, 2 + (i % 3)]
+    out = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS, window=6))
     admitted = [p for p in out if isinstance(p, ev.GroupAdmitted)]
     assert [p.prompt_id for p in admitted] == ["p0", "p3", "p1"]  # est 2, 2, 3 tokens (ties by identity)
     assert [p.est_remaining_tokens for p in admitted] == [4, 4, 6]
+    assert [p.prompt_index for p in admitted] == [0, 3, 1]
 
 
 def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() -> None:
-    one = bytes_estimate(4, 2, 2)
+    one = bytes_estimate(4, SamplingParams().max_tokens, 2)  # a group of 2 samples at sampling.max_tokens
     cfg = config(
         admission=AdmissionConfig(
             max_queued_bytes=2 * one + one // 2, max_inflight_groups=8, throttle_to_drain_rate=False
         )
     )
     state = started(cfg)
-    first = decide_admission(
-        state, AdmissionInputs(now=0.0, prompts=[p for p in PROMPTS if p.est_completion_tokens == 2])
-    )
+    first = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
     admitted = [p for p in first if isinstance(p, ev.GroupAdmitted)]
     assert len(admitted) == 2
     assert all(p.queued_bytes <= p.byte_cap for p in admitted)
@@ -149,7 +151,6 @@ def test_remaining_tokens_estimate() -> None:
         1: SampleState("g/1", 1, SampleStatus.STARTED, 0, 0),
     }
     assert remaining_tokens(g, 3) == 9
-    assert [p.index for p in order_candidates(PROMPTS[:4], "fifo", 2)] == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------- partial policies
@@ -334,3 +335,61 @@ def test_nothing_is_decided_until_every_rank_joined_and_a_missing_rank_fails_the
     assert isinstance(out[0], ev.RunFinished) and out[0].status == "failed" and "[1]" in out[0].reason
     fold_all(state, [ev.RankJoined(rank=1, engine="torch", policy_version=0, weights_digest="w0000")])
     assert any(isinstance(p, ev.GroupAdmitted) for p in decide(state, inputs.now, 1, inputs))
+
+
+def test_the_rate_throttle_follows_the_measured_generation_latency_and_trainer_step_time() -> None:
+    """Little's law: with groups taking three trainer steps to generate, three batches must be in flight for one to
+    be ready at every step, so the cap is four batches ahead (one being trained on); bounded by the lag cap."""
+    cfg = config(trainer=TrainerConfig(groups_per_step=2), admission=AdmissionConfig(max_lag=5, max_inflight_groups=64))
+    b = LogBuilder(cfg).start_run()
+    b.admit()  # at t0
+    gid = b.last_group
+    for i in range(2):
+        b.start(f"{gid}/{i}")
+    for i in range(2):
+        b.finish(f"{gid}/{i}")
+    b.complete(gid)
+    b.stage(1)
+    b.request_prepare(1).prepare(1, 0).commit(1).publish(1)
+    events = b.build()
+    t0 = next(e.wall_time for e in events if isinstance(e.payload, ev.GroupAdmitted))
+    latency, train_s, update_s = 30.0, 6.0, 4.0  # W = 30 s, T = 6 + 4 = 10 s: ceil(W / T) = 3 batches in flight
+    timed = []
+    for e in events:
+        p = e.payload
+        t = e.wall_time
+        if isinstance(p, ev.GroupCompleted):
+            t = t0 + latency
+        elif isinstance(p, ev.UpdateStaged):
+            t = t0 + latency + 1.0
+        elif isinstance(p, ev.PolicyPublished):
+            t = t0 + latency + 1.0 + update_s
+        timed.append(e.model_copy(update={"wall_time": t}))
+    step = make_event(
+        ev.TrainStepFinished(
+            step=1,
+            loss=0.0,
+            reward_mean=0.0,
+            logprob_gap_median=0.0,
+            logprob_gap_p99=0.0,
+            max_seq_ratio=1.0,
+            clipped_frac=0.0,
+            train_ms=train_s * 1e3,
+        ),
+        run_id="r",
+        producer="trainer",
+        policy_version=0,
+        wall_time=t0 + latency + 1.0,
+    )
+    staged = next(i for i, e in enumerate(timed) if isinstance(e.payload, ev.UpdateStaged))
+    state = replay([*timed[:staged], step, *timed[staged:]])
+    assert state.admission.gen_latency_s == pytest.approx(latency)
+    assert state.admission.step_busy_s == pytest.approx(train_s + update_s)
+    assert gates(state, cfg, 0, 0).rate_cap == 2 * (1 + 3)
+    out = decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS))
+    assert sum(isinstance(p, ev.GroupAdmitted) for p in out) == 2 * (1 + 3) - 1  # the completed group is untrained
+    # the lag cap bounds the batches in flight: max_lag + 1
+    tight = cfg.model_copy(update={"admission": cfg.admission.model_copy(update={"max_lag": 1})})
+    assert gates(state, tight, 0, 0).rate_cap == 2 * (1 + 2)
+    # before anything is measured: two batches
+    assert gates(started(cfg), cfg, 0, 0).rate_cap == 2 * 2

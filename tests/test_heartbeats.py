@@ -56,14 +56,18 @@ def _wait_for(predicate: Callable[[], bool], deadline_s: float, what: str) -> No
 class Run:
     """A run log with RunStarted and `groups` admitted groups, no coordinator: the rank workers take them."""
 
-    def __init__(self, redis_url: str, run_id: str, tmp_path: Path, groups: int) -> None:
+    def __init__(
+        self, redis_url: str, run_id: str, tmp_path: Path, groups: int, max_tokens: int = 8, **config: object
+    ) -> None:
         torch.manual_seed(0)
+        self.n = N
         self.cfg = RunConfig.model_validate(
             {
                 "ranks": 2,
                 "group_size": N,
-                "sampling": {"max_tokens": 8},
+                "sampling": {"max_tokens": max_tokens},
                 "recovery": {"heartbeat_s": HEARTBEAT_S, "lost_after_s": LOST_AFTER_S},
+                **config,
             }
         )
         self.tok = build_tokenizer()
@@ -88,10 +92,10 @@ class Run:
                     prompt_id=f"p{g}",
                     prompt_token_ids=prompt,
                     n=N,
-                    sampling=SamplingParams(max_tokens=8, stop_token_ids=()),
+                    sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=()),
                     partial_policy=self.cfg.partial_policy,
                     answer="46",
-                    est_remaining_tokens=8 * N,
+                    est_remaining_tokens=max_tokens * N,
                     est_bytes=1000,
                     queued_bytes=0,
                     byte_cap=self.cfg.admission.max_queued_bytes,

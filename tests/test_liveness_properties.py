@@ -42,7 +42,7 @@ LOST_AFTER_S = 10.0
 NO_RANK_S = 30.0
 LONGEST_S = NO_RANK_S + DEADLINE_S + 5.0  # no deadline of the run is longer: a quiet stretch beyond it is a wedge
 MAX_ROUNDS = 1500  # fair rounds of one simulated second each
-PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "5", 2) for i in range(16)]
+PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "5") for i in range(16)]
 
 
 def config(ranks: int, **overrides: object) -> RunConfig:

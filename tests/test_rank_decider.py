@@ -421,7 +421,10 @@ def settle(sim: Sim, rounds: int = 200) -> None:
         sim.now += 1.0
         s = sim.state
         busy = s.open_update is not None or s.admission.paused
-        if not busy and all(x.status == EngineStatus.AWAKE for x in s.ranks.values()) and len(s.ranks) == sim.ranks:
+        # settled once no rank has anything left to do either (a rank that rejoined in this round resumes next round)
+        idle = all(not rd.decide_rank(s, r, sim.local(r)) for r in range(sim.ranks))
+        awake = all(x.status == EngineStatus.AWAKE for x in s.ranks.values()) and len(s.ranks) == sim.ranks
+        if not busy and awake and idle:
             return
 
 

@@ -131,7 +131,14 @@ def _step(events: list[ev.Event]) -> int:
 def test_a_redis_restart_mid_run_is_ridden_out_by_every_process(cluster: Cluster, kill: bool) -> None:
     cluster.start()
     cluster.wait_for(lambda: _step(cluster.events()) >= 1, 240, "first trainer step")
-    cluster.server.restart(kill=kill)  # every process sees its connections drop and reconnects
+    # Redis goes away and stays away until the two processes that read the log every 100-200 ms have noticed (a
+    # restart quicker than their next read could pass them by), then comes back over the same AOF
+    cluster.server.stop(kill=kill)
+    deadline = time.monotonic() + 30.0
+    while not all("redis unavailable, retrying" in cluster.output(n) for n in ("driver", "coordinator")):
+        assert time.monotonic() < deadline, "the driver and the coordinator never noticed the outage"
+        time.sleep(0.05)  # polling their logs with a deadline while the server is down
+    cluster.server.start()
     events = cluster.finish()
     assert _step(events) == 5
     for name in ("driver", "coordinator", "rank0", "rank1", "reward", "trainer"):

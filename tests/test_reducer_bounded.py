@@ -32,7 +32,7 @@ OPS = st.lists(
     min_size=1,
     max_size=30,
 )
-PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "6", 4) for i in range(40)]
+PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "6") for i in range(40)]
 
 
 def build_log(ops: list[str]) -> list[ev.Event]:
@@ -129,7 +129,7 @@ def test_bounded_state_holds_what_the_unbounded_one_still_owes_and_decides_alike
     assert bounded.admission.gone_before_training == sum(
         1 for g in ref.groups.values() if g.status in ("cancelled", "dropped")
     )
-    assert set(bounded.recent_prompts) == {g.prompt_id for g in ref.groups.values()}
+    assert bounded.scheduler == ref.scheduler
     assert set(bounded.raced) == {sid for sid in started if sid.rsplit("/", 1)[0] in bounded.retired}
     assert bounded.lag == ref.lag
     assert [g.group_id for g in bounded.ready_groups()] == [g.group_id for g in ref.ready_groups()]
@@ -234,19 +234,19 @@ def test_a_retired_group_record_has_every_field() -> None:
     b.group()
     g = replay(b.build()).groups[b.last_group]
     assert len(group_record(g)) == len(dataclasses.fields(GroupState))
-    assert len(group_record(g)[12][0]) == len(dataclasses.fields(type(next(iter(g.samples.values())))))
+    assert len(group_record(g)[13][0]) == len(dataclasses.fields(type(next(iter(g.samples.values())))))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, cut=st.floats(0, 1))
 def test_a_snapshot_from_before_the_bound_restores_to_a_state_that_decides_alike(ops: list[str], cut: float) -> None:
-    """A snapshot taken before issue 12 (every group kept, none of the new fields): restored, it holds what the
-    bounded reducer holds and its deciders decide as a bounded replay's do."""
+    """A snapshot taken before issue 12 (every group kept, none of the new fields, nor issue 14's scheduler state):
+    restored, it holds what the bounded reducer holds and its deciders decide as a bounded replay's do."""
     events = build_log(ops)
     k = int(cut * len(events)) or 1
     with retirement_off():
         old = replay(events[:k]).to_dict()
-    for name in ("retired", "retired_groups", "retired_digest", "after_retired", "raced", "recent_prompts"):
+    for name in ("retired", "retired_groups", "retired_digest", "after_retired", "raced", "scheduler"):
         del old[name]
     del old["admission"]["gone_before_training"]
     restored = RunState.from_dict(old)
@@ -256,7 +256,7 @@ def test_a_snapshot_from_before_the_bound_restores_to_a_state_that_decides_alike
     assert records(restored.groups) == records(bounded.groups)
     assert set(restored.retired) == set(bounded.retired)
     assert restored.admission == bounded.admission
-    assert set(restored.recent_prompts) == set(bounded.recent_prompts)
+    assert restored.scheduler == bounded.scheduler
     cfg = bounded.config
     assert cfg is not None
     for now in (0.0, 1e12):

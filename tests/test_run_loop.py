@@ -187,6 +187,10 @@ def test_first_k_groups_train_on_exactly_k_and_every_sample_still_ends(
         if isinstance(p, (ev.SampleFinished, ev.SampleCancelled, ev.SampleFailed))
     ]
     assert len(ends) == len(set(ends)) == len(of(events, ev.SampleStarted))
+    # the samples cut short by the close report what they had generated, and the summary counts the waste
+    cut = of(events, ev.SampleCancelled)
+    assert summary.samples_cancelled == len(cut)
+    assert summary.tokens_wasted == sum(p.tokens for p in cut)
 
 
 def test_a_single_stale_rank_is_caught_by_logprob_agreement_and_the_run_halts(

@@ -157,8 +157,11 @@ def golden_log() -> list[ev.Event]:
 # then the log config (archive); then the bounded live state of issue 12: retired groups leave `groups` for the
 # `retired` tombstones and the `retired_digest` hash chain, with `retired_groups`, `after_retired`, `raced`,
 # `recent_prompts` and admission's `gone_before_training`; the digest hashes the state less its two bounded windows,
-# `retired` and `recent_prompts`); then the run config's `sglang_urls` (issue 17).
-GOLDEN_DIGEST = "403ba9f44f022d8acb74144cd4dbde1f"
+# `retired` and `recent_prompts`); then the run config's `sglang_urls` (issue 17); then issue 14: the scheduler's
+# state (frontier, observed lengths, estimate error; `recent_prompts` gone, the digest now leaves out `retired` only),
+# the measured pace (a group's `admitted_at`, an update's `staged_at`, admission's `gen_latency_s`/`step_busy_s`, the
+# trainer's `last_train_s`), and the config's `rank_slots`, `admission.max_wait_rounds` and `simulated` section.
+GOLDEN_DIGEST = "f1995c7dc43c040e6722e45e6c0552f9"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

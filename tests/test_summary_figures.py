@@ -13,6 +13,7 @@ from rolledger.events.codec import decode
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import GroupOutcome
+from rolledger.workflows.admission import throttle_bound
 from rolledger.workflows.figures import reward_edges
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
@@ -121,7 +122,7 @@ def test_queue_check_on_the_fixture_stays_under_the_throttle_cap() -> None:
     state, _events, summary = _fixture("clean")
     check = summary.queue_check
     assert state.config is not None
-    assert check["throttle_cap_groups"] == 2 * state.config.trainer.groups_per_step
+    assert check["throttle_cap_groups"] == throttle_bound(state.config)
     assert check["measured_max_queue_groups"] is not None and check["throttle_cap_groups"] is not None
     assert check["measured_max_queue_groups"] <= check["throttle_cap_groups"]
     assert all(k.startswith(("predicted_", "measured_")) for k in check if "queue" in k or "growth" in k)

@@ -23,8 +23,8 @@ from rolledger.workers.rewards import RewardFn, RewardRefused, Rewards, import_r
 from rolledger.workers.run_inputs import RunRefused, check_task
 from rolledger.workers.task_plugins import TaskRefused, load_prompts, prompt_token_ids
 from rolledger.workers.tasks import Prompt
-from rolledger.workflows.admission import dataset_prompt_id
 from rolledger.workflows.audit import audit
+from rolledger.workflows.scheduler import dataset_prompt_id
 
 ROWS = [("12+7=", "19"), ("3+4=", "7"), ("20+5=", "25"), ("8+8=", "16"), ("31+2=", "33"), ("6+0=", "6")]
 

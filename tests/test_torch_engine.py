@@ -3,6 +3,7 @@ sleep/wake accounting, the order rules, pause/abort/keep and cancellation."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -420,6 +421,43 @@ def test_should_cancel_aborts_one_sample(tok: PreTrainedTokenizerFast) -> None:
     out = eng.generate(prompt(tok), 4, SamplingParams(max_tokens=6, seed=2), should_cancel=lambda i: i == 1)
     assert out.samples[1].finish_reason == "abort" and out.samples[1].token_ids == []
     assert all(s.finish_reason in ("stop", "length") for k, s in enumerate(out.samples) if k != 1)
+
+
+def test_cancelled_and_finished_samples_leave_the_decode_batch(tok: PreTrainedTokenizerFast) -> None:
+    """Three of four samples are cancelled after their third token (a first k reached): every decode step after it
+    computes only the samples still running (the batch of each forward call, counted on the model), not four rows."""
+    model = build_model(ModelConfig(), len(tok), 0)
+    rows: list[int] = []
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        rows.append(int(kwargs["input_ids"].shape[0]))
+        return forward(*args, **kwargs)
+
+    model.forward = counting  # type: ignore[method-assign]  # counts the batch of each call
+    eng = TorchEngine(model, tok, prefix_cache=False)
+    polls = [0, 0, 0, 0]
+
+    def cancel(i: int) -> bool:  # polled once per step per running sample, before its token of that step
+        polls[i] += 1
+        return i != 0 and polls[i] > 3
+
+    out = eng.generate(prompt(tok), 4, SamplingParams(max_tokens=12, seed=5), should_cancel=cancel)
+    lengths = [len(s.token_ids) for s in out.samples]
+    assert [s.finish_reason for s in out.samples[1:]].count("abort") >= 1
+    assert all(n == 3 for s, n in zip(out.samples, lengths, strict=True) if s.finish_reason == "abort")
+    decode = rows[1:]  # rows[0] is the prefill; decode call s feeds the tokens drawn at step s
+    expected = [
+        sum(
+            1
+            for s, n in zip(out.samples, lengths, strict=True)
+            if n >= step + 2 or (s.finish_reason == "abort" and n == step + 1)
+        )
+        for step in range(len(decode))
+    ]
+    assert decode == expected
+    assert decode[0] == 4 and min(decode) < 4  # rows did leave the batch
 
 
 def test_closed_engine_refuses(tok: PreTrainedTokenizerFast) -> None:

@@ -135,7 +135,8 @@ def configure_logging(json_logs: bool) -> None:
     )
 
 
-_OVERRIDES = ("engine", "ranks", "mode", "steps", "seed")  # the RunConfig fields `rolledger run` takes as options
+# the RunConfig fields `rolledger run` takes as options
+_OVERRIDES = ("engine", "ranks", "rank_slots", "mode", "steps", "seed")
 
 
 def _config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -205,7 +206,7 @@ def _check_engine_urls(cfg: RunConfig, in_process: bool) -> None:
         if getattr(cfg, field_name) and cfg.engine != engine:
             raise ValueError(f"{field_name} names {engine} servers but engine is {cfg.engine!r}")
     urls = cfg.sglang_urls if cfg.engine == "sglang" else cfg.vllm_urls
-    if cfg.engine == "torch" or not urls or not in_process:
+    if cfg.engine in ("torch", "simulated") or not urls or not in_process:
         return
     from rolledger.workers.netguard import check_engine_address  # (light: the standard library and events.redact)
 
@@ -222,7 +223,7 @@ def _check_engine_installed(cfg: RunConfig, in_process: bool) -> None:
     """A run that starts its own vLLM or SGLang servers starts them with this interpreter: refused here, before the
     warm start, when that interpreter cannot import the engine (found without importing it)."""
     urls = cfg.sglang_urls if cfg.engine == "sglang" else cfg.vllm_urls
-    if cfg.engine == "torch" or urls or not in_process:
+    if cfg.engine in ("torch", "simulated") or urls or not in_process:
         return
     import importlib.util
 
@@ -570,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--engine", choices=_choices("engine"), help=_override("engine", "inference engine"))
     run.add_argument("--ranks", type=int, metavar="N", help=_override("ranks", "inference ranks"))
+    run.add_argument(
+        "--rank-slots", type=int, metavar="K", help=_override("rank_slots", "groups one rank generates at once")
+    )
     run.add_argument(
         "--mode",
         choices=_choices("mode"),

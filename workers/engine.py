@@ -224,4 +224,6 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens_computed: int = 0
     prefill_tokens_saved: int = 0
+    cancelled_samples: int = 0  # samples cut short in the engine (first k reached, group closed): their slots freed
+    cancelled_tokens: int = 0  # the tokens those samples had generated (work the cancel wasted)
     extra: dict[str, float] = field(default_factory=dict)

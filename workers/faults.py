@@ -7,6 +7,7 @@ once, at its first opportunity.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -42,28 +43,33 @@ T = TypeVar("T")
 
 
 class Injector:
-    """The run's injections; `take` returns a matching one once and never again (thread-safe enough: one owner per kind)."""
+    """The run's injections; `take` returns a matching one once and never again, whichever thread asks (a rank's
+    rollout slots share one)."""
 
     def __init__(self, injections: list[Injection] | tuple[Injection, ...] = ()) -> None:
         self._pending = list(injections)
         self.fired: list[Injection] = []
+        self._lock = threading.RLock()  # take holds it around its peek
 
     @property
     def pending(self) -> tuple[Injection, ...]:
-        return tuple(self._pending)
+        with self._lock:
+            return tuple(self._pending)
 
     def peek(self, kind: str, **match: object) -> Injection | None:
-        for inj in self._pending:
-            if inj.kind == kind and all(getattr(inj, k) == v for k, v in match.items()):
-                return inj
-        return None
+        with self._lock:
+            for inj in self._pending:
+                if inj.kind == kind and all(getattr(inj, k) == v for k, v in match.items()):
+                    return inj
+            return None
 
     def take(self, kind: str, **match: object) -> Injection | None:
-        inj = self.peek(kind, **match)
-        if inj is not None:
-            self._pending.remove(inj)
-            self.fired.append(inj)
-        return inj
+        with self._lock:  # peek and remove as one: two threads never both take the same injection
+            inj = self.peek(kind, **match)
+            if inj is not None:
+                self._pending.remove(inj)
+                self.fired.append(inj)
+            return inj
 
 
 # ---------------------------------------------------------------- engine and staging faults (rank side)
@@ -99,7 +105,8 @@ class FaultyEngine:
         self.inner = inner
         self.rank = rank
         self.injector = injector
-        self.groups = 0
+        self.groups = 0  # groups generated (written under _groups_lock: a rank's slots call generate at once)
+        self._groups_lock = threading.Lock()
         self._expected: dict[int, str] = {}  # version -> the manifest's weights digest, learnt at prepare
         self._claim: tuple[int, str] | None = None  # stale-weights: the (version, digest) the engine claims
 
@@ -145,10 +152,15 @@ class FaultyEngine:
         should_cancel: Callable[[int], bool] | None = None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> GroupOutput:
-        kill = self.injector.peek("kill-worker", worker="rollout")
-        if kill is not None and self.groups + 1 >= kill.after and self.injector.take("kill-worker", worker="rollout"):
-            raise WorkerKilled(f"rollout on rank {self.rank} killed mid-group")
-        self.groups += 1
+        with self._groups_lock:
+            kill = self.injector.peek("kill-worker", worker="rollout")
+            if (
+                kill is not None
+                and self.groups + 1 >= kill.after
+                and self.injector.take("kill-worker", worker="rollout")
+            ):
+                raise WorkerKilled(f"rollout on rank {self.rank} killed mid-group")  # the killed group is not counted
+            self.groups += 1
         kw: dict[str, object] = {"should_cancel": should_cancel}
         if on_sample is not None:
             kw["on_sample"] = lambda i, s: on_sample(i, self._stamped(s))

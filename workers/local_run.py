@@ -115,14 +115,11 @@ def new_run_id() -> str:
 
 
 def prompt_items(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[PromptItem]:
-    """The run's prompts from its task plug-in, tokenised (through the chat template when the tokenizer has one).
-    One completion is expected to be the answer plus <eos> for the addition task, `sampling.max_tokens` otherwise
-    (the scheduler's estimate only)."""
-    items = []
-    for i, p in enumerate(load_prompts(cfg.task, cfg.seed)):
-        est = len(p.answer) + 1 if cfg.task.kind == "addition" else cfg.sampling.max_tokens
-        items.append(PromptItem(i, p.prompt_id, prompt_token_ids(tokenizer, p.text), p.answer, est))
-    return items
+    """The run's prompts from its task plug-in, tokenised (through the chat template when the tokenizer has one)."""
+    return [
+        PromptItem(i, p.prompt_id, prompt_token_ids(tokenizer, p.text), p.answer)
+        for i, p in enumerate(load_prompts(cfg.task, cfg.seed))
+    ]
 
 
 def prepare_policy(

@@ -1,6 +1,7 @@
 """Prometheus metrics of a run (`rolledger run --metrics-port N`), fed from the log as the run's follower reads it.
 
-policy version; queued bytes; lag now; admission state per reason; remaining tokens (estimate) per in-flight group;
+policy version; queued bytes; lag now; admission state per reason; remaining tokens (the scheduler's current
+estimate, updated as samples finish) per in-flight group and that estimate's mean error per finished sample;
 a histogram of consumption lag (trained version minus the version that generated the group); counters of updates by
 outcome. Each process owns its own registry so tests and runs never share one.
 """
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import AdmissionReason
 from rolledger.workflows.dispatch import Handlers
-from rolledger.workflows.scheduler import remaining_tokens
+from rolledger.workflows.scheduler import estimate_error, group_remaining_tokens
 from rolledger.workflows.state import RunState
 
 ADMISSION_REASONS = tuple(AdmissionReason)
@@ -32,6 +33,13 @@ class RunMetrics:
         )
         self.remaining = Gauge(
             "rolledger_group_remaining_tokens", "estimated tokens a group still has to generate", ["group"], registry=r
+        )
+        self.est_error = Gauge(
+            "rolledger_scheduler_estimate_error_tokens",
+            "mean error per finished sample of the scheduler's length estimate (abs: absolute; signed: estimate "
+            "minus actual)",
+            ["kind"],
+            registry=r,
         )
         self.consumed_lag = Histogram(
             "rolledger_consumed_lag_versions",
@@ -54,9 +62,13 @@ class RunMetrics:
         live = {g.group_id: g for g in state.groups.values() if g.status.is_open}
         for gid in self._groups - live.keys():
             self.remaining.remove(gid)
-        for gid, g in live.items():
-            self.remaining.labels(gid).set(remaining_tokens(g, g.est_remaining_tokens // max(g.n, 1)))
+        if state.config is not None:
+            for gid, g in live.items():
+                self.remaining.labels(gid).set(group_remaining_tokens(state, state.config, g))
         self._groups = set(live)
+        mean_abs, mean_signed = estimate_error(state.scheduler)
+        self.est_error.labels("abs").set(mean_abs)
+        self.est_error.labels("signed").set(mean_signed)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -149,6 +149,10 @@ def _run_worker(
             from rolledger.workers.engines.factory import connect_sglang_rank
 
             engine = connect_sglang_rank(cfg, rank, Path(started.model_dir))
+        elif cfg.engine == "simulated":  # benchmarks: declared token times (cfg.simulated)
+            from rolledger.workers.engines.factory import simulated_engine
+
+            engine = simulated_engine(cfg, model, tokenizer, rank=rank)
         else:
             engine = TorchEngine(model, tokenizer, rank=rank, interruptible=cfg.interruptible)
         worker = RankWorker(client, run_id, rank, engine, claim_idle_ms=claim_idle_ms, initial_weights=lambda: initial)

@@ -1,7 +1,7 @@
 """The rank worker: one inference rank, a thin interpreter of `workflows.rank.decide_rank`.
 
 Each RankWorker is an incarnation (a fresh id): it announces itself in RankJoined, a restarted one first loads the
-version the log says the rank holds (workflows.rank), and its rollout thread starts only once the log holds its own
+version the log says the rank holds (workflows.rank), and its rollout slots start only once the log holds its own
 RankJoined.
 
 The control thread loops: fold everything in the log (fully caught up), decide from the folded state and the
@@ -9,11 +9,13 @@ engine's local facts, execute each action against the engine and append its even
 next decision, so the decider always sees its own results and never repeats an action. It keeps no copy of what the
 reducer knows; the only facts it holds are the engine's own (groups running, the version staged, a failed load).
 
-The rollout thread (workers/rollout.py) generates the groups taken from the `rollout` consumer group. One lock
-guards the folded state and the running-group count: the control thread folds under it, the rollout reads the state
-under it, and "may I start a group" (rollout) and "report drained / sleep" (control) are decided under it on the same
-state, so a group can never start after this rank reported EnginePaused. Faults are not here: a FaultyEngine
-(workers/faults.py) wraps the engine when the run has injections for this rank.
+The rollout slots (workers/rollout.py: `rank_slots` threads, one group each) generate the groups taken from the
+`rollout` consumer group; the control thread starts them once joined and replaces any that died. One lock guards the
+folded state and the running-group count (the groups of all slots): the control thread folds under it, the slots
+read the state under it, and "may I start a group" (a slot) and "report drained / sleep" (control) are decided under
+it on the same state, so a group can never start after this rank reported EnginePaused, and a drain (but a `keep`
+pause, which parks them) waits until no slot runs a group. Faults are not here: a FaultyEngine (workers/faults.py)
+wraps the engine when the run has injections for this rank.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class RankWorker(Worker):
         self.initial_weights = initial_weights
         self.lock = threading.Condition()  # guards follower.state and running; notified after every fold
         self.follower = Follower(self.log, self.lock)
-        self.running = 0  # groups the rollout thread is generating (written under the lock)
+        self.running = 0  # groups the rollout slots are generating (written under the lock)
         self._staged: int | None = None  # the version the engine holds staged
         self._failed_load: int | None = None  # the version a rejoin/reload last failed on
         self.rollout = Rollout(self, claim_idle_ms)
@@ -71,7 +73,7 @@ class RankWorker(Worker):
     def run(self) -> None:
         acted = True
         while not self.stop_event.is_set():
-            # own appends (this thread's and the rollout's) surely; the rest as this process's tail brings it. Until
+            # own appends (this thread's and the slots') surely; the rest as this process's tail brings it. Until
             # this rank has appended anything, and once the store refuses its appends (the run is over), up to the
             # log's end: with nothing of its own to read through, it would otherwise never read the log again
             # (tests/test_late_start.py)
@@ -88,8 +90,8 @@ class RankWorker(Worker):
             for action in actions:
                 acted = self.execute(action) or acted
             if joined:
-                self.rollout.ensure_running()  # a killed rollout thread is replaced; the new one reclaims its entries
-        self.stop_event.set()  # the run is over (or we were stopped): the rollout thread ends too
+                self.rollout.ensure_running()  # a killed rollout slot is replaced; its entry is reclaimed
+        self.stop_event.set()  # the run is over (or we were stopped): the rollout slots end too
         self.rollout.join(timeout=30)
 
     def local(self) -> rd.RankLocal:

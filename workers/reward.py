@@ -22,7 +22,7 @@ from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.shared_tail import order
 from rolledger.workers.task_plugins import load_prompts
 from rolledger.workers.tasks import Prompt
-from rolledger.workflows.admission import dataset_prompt_id
+from rolledger.workflows.scheduler import dataset_prompt_id
 
 
 class RewardWorker(Worker):

@@ -1,15 +1,24 @@
-"""A rank's rollout thread: generates the groups it takes from the `rollout` work group.
+"""A rank's rollout slots: they generate the groups the rank takes from the `rollout` work group.
 
-It reads the `rollout` work stream (events/work.py), which holds only the GroupAdmitted events (written there by
-the append that logs them), one group per read: a rank takes a group only when it is free to run it, so the groups
-are balanced across ranks by readiness. It waits until the rank may serve
-(`workflows.rank.may_serve` on the rank's folded state, under the rank's lock, where the running-group count is
-raised in the same step), and generates the group: SampleStarted for each sample, SampleFinished as each sample ends
-(streamed, so a first-k group completes while the others still run), SampleCancelled for a sample cut short because
-the coordinator closed the group, SampleFailed when the engine fails. A group reclaimed from a dead consumer first
-has its orphaned samples closed with SampleFailed, so no sample is counted twice and none is left without a
-terminal event. A WorkerKilled from the engine (an injected fault) ends the thread without acknowledging its entry;
-the rank's control thread starts a new one, which reclaims it.
+A rank runs `rank_slots` slots (RunConfig; 1 by default), each a thread with its own consumer of the `rollout` work
+stream (events/work.py), which holds only the GroupAdmitted events (written there by the append that logs them). A
+slot reads one group at a time and takes it only when it is free to run it, so the groups are balanced across ranks
+(and slots) by readiness, and a rank has up to `rank_slots` groups in its engine at once (what continuous batching in
+vLLM or SGLang needs to see more than one group's samples; the torch engine runs them one after another). A slot
+waits until the rank may serve (`workflows.rank.may_serve` on the rank's folded state, under the rank's lock, where
+the rank's running-group count is raised in the same step: shared by all slots, so no group starts after the rank
+reported EnginePaused, and the drain waits for every slot's group), and generates the group: SampleStarted for each
+sample, SampleFinished as each sample ends (streamed where the group can complete before all its samples end - first
+k, a deadline - so it completes while the others still run; else all in one append when the last ends),
+SampleCancelled for a sample cut short because the coordinator closed the group, SampleFailed when the engine fails.
+A group reclaimed from a dead consumer first has its orphaned samples closed with SampleFailed, so no sample is
+counted twice and none is left without a terminal event. A WorkerKilled from the engine (an injected fault) ends
+that slot's thread without acknowledging its entry; the rank's control thread starts a new one for the slot (a new
+consumer), and the entry is reclaimed by whichever consumer's XAUTOCLAIM finds it first. A SIGKILLed rank leaves one
+pending entry per busy slot; other ranks reclaim each of them the same way.
+
+Consumer names: slot 0 is the worker's name (`rank-R`, or `--name`), slot k>0 `NAME/sK`; a replacement thread adds
+`.N` (its N-th thread). A restarted rank process with the same name reads each slot's own pending entries first.
 
 Heartbeats: from the moment a group is delivered until its entry is acknowledged, a small thread refreshes the claim
 every `recovery.heartbeat_s` (`GroupConsumer.refresh`, one round trip per beat), so another rank reclaims the entry
@@ -32,7 +41,7 @@ import redis
 from rolledger.events.consumer import Delivery, GroupConsumer
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import SamplingParams
-from rolledger.schemas.statuses import GroupStatus, SampleStatus
+from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.workers.engine import EngineCapabilities, GroupOutput, SampleOutput
 from rolledger.workers.runtime import WorkerKilled
@@ -112,22 +121,43 @@ class Heartbeat:
 
 
 class Rollout:
+    """The rank's rollout slots: `rank_slots` threads, each its own consumer of the `rollout` work group taking one
+    group at a time (see the module docstring)."""
+
     def __init__(self, worker: RankWorker, claim_idle_ms: int | None) -> None:
         self.w = worker
         self.claim_idle_ms = claim_idle_ms
-        self.incarnation = 0
-        self.groups_done = 0
-        self._thread: threading.Thread | None = None
+        self.incarnation = 0  # slot threads started so far (the first ones and every replacement)
+        self.groups_done = 0  # written under the rank's lock
+        self._slots: dict[int, threading.Thread] = {}  # slot -> its thread
+        self._starts: dict[int, int] = {}  # slot -> how many threads it has had
+
+    def slots(self) -> int:
+        """How many groups this rank generates at once: the run's `rank_slots` (1 before the config is known)."""
+        cfg = self.w.state.config
+        return cfg.rank_slots if cfg is not None else 1
 
     def ensure_running(self) -> None:
-        if self._thread is not None and (self._thread.is_alive() or self.w.stop_event.is_set()):
+        """Start every slot that has no live thread: the first time, and after one died (an injected WorkerKilled).
+        A replacement is a new consumer: it reclaims the dead one's entry once its claim lapses."""
+        if self.w.stop_event.is_set():
             return
+        for k in range(self.slots()):
+            thread = self._slots.get(k)
+            if thread is None or not thread.is_alive():
+                self._start(k)
+
+    def _start(self, k: int) -> None:
         self.incarnation += 1
-        name = self.w.name if self.incarnation == 1 else f"{self.w.name}.{self.incarnation}"
+        n = self._starts[k] = self._starts.get(k, 0) + 1
+        base = self.w.name if k == 0 else f"{self.w.name}/s{k}"
+        name = base if n == 1 else f"{base}.{n}"
         consumer = GroupConsumer.work(self.w.client, self.w.run_id, "rollout", name, claim_idle_ms=self.claim_ms())
         consumer.ensure_group()
-        self._thread = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
-        self._thread.start()
+        if n > 1:
+            self.w.logger.warning("rollout slot replaced", slot=k, consumer=name)
+        self._slots[k] = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
+        self._slots[k].start()
 
     def claim_ms(self) -> int:
         """How long an entry may go without a heartbeat before this rank reclaims it: the override given to the worker
@@ -142,10 +172,12 @@ class Rollout:
         return cfg.recovery.heartbeat_s if cfg is not None else 1.0
 
     def join(self, timeout: float) -> None:
+        """Wake every slot and wait for them all, `timeout` seconds in all."""
         with self.w.lock:
             self.w.lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for thread in list(self._slots.values()):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _main(self, consumer: GroupConsumer) -> None:
         try:
@@ -158,9 +190,9 @@ class Rollout:
                     if not self._generate_group(d, consumer, read_at):
                         return
         except WorkerKilled as exc:
-            self.w.logger.warning("rollout thread killed by injection", reason=str(exc))
+            self.w.logger.warning("rollout slot killed by injection", consumer=consumer.consumer, reason=str(exc))
         except Exception:
-            self.w.logger.exception("rollout thread crashed")
+            self.w.logger.exception("rollout slot crashed", consumer=consumer.consumer)
 
     def _open(self, group_id: str) -> bool:
         g = self.w.state.groups.get(group_id)
@@ -225,14 +257,16 @@ class Rollout:
             self.w.emitter.emit(orphans, policy_version=self.w.engine.policy_version, causation_id=d.event.event_id)
             consumer.ack(d.stream_id)
             return True
+        done = False
         try:
             self._run(d, p, beat)
             consumer.ack(d.stream_id)
-            self.groups_done += 1
+            done = True
             return True
         finally:
             with self.w.lock:
                 self.w.running -= 1
+                self.groups_done += done
                 self.w.lock.notify_all()
 
     def _run(self, d: Delivery, p: ev.GroupAdmitted, beat: Heartbeat) -> None:
@@ -275,11 +309,11 @@ class Rollout:
             streamed.add(i)
 
         try:
-            if engine.capabilities.streams_samples:
+            if engine.capabilities.streams_samples and may_close_early(p):
                 out = engine.generate(
                     p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel, on_sample=on_sample
                 )  # type: ignore[call-arg]  # streaming engines take on_sample (EngineCapabilities.streams_samples)
-            else:
+            else:  # the group completes only once every sample ended: one append for all of them
                 out = engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
         except (WorkerKilled, ClaimLost):
             raise
@@ -288,6 +322,7 @@ class Rollout:
                 *[
                     ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=rank, error=str(exc))
                     for i in range(p.n)
+                    if i not in streamed  # a sample already logged as finished has its terminal event
                 ]
             )
             return
@@ -302,7 +337,13 @@ class Rollout:
             sid = f"{p.group_id}/{i}"
             if s.finish_reason == "abort":
                 results.append(
-                    ev.SampleCancelled(sample_id=sid, group_id=p.group_id, index=i, reason="cancelled while generating")
+                    ev.SampleCancelled(
+                        sample_id=sid,
+                        group_id=p.group_id,
+                        index=i,
+                        reason="cancelled while generating",
+                        tokens=len(s.token_ids),
+                    )
                 )
                 continue
             results.append(ev.SampleFinished(trajectory=self._trajectory(p, i, s, out), answer=p.answer, gen_ms=gen_ms))
@@ -344,6 +385,13 @@ class Rollout:
             cache_generation=out.cache_generation,
             graph_generation=out.graph_generation,
         )
+
+
+def may_close_early(p: ev.GroupAdmitted) -> bool:
+    """Can the group complete before all its samples end? First k completes at the k-th, a deadline cuts it with the
+    samples finished by then: their samples are logged as each ends (streamed). Otherwise a group completes only when
+    every sample ended, and streaming would cost an append per sample for nothing."""
+    return p.partial_policy.kind == PolicyKind.FIRST_K or p.deadline is not None
 
 
 def logprob_mode_of(caps: EngineCapabilities, sampling: SamplingParams) -> Literal["raw", "processed"]:

@@ -104,10 +104,12 @@ class Emitter:
         self.producer = producer
         self.closed = False
         self.last_id = "0-0"  # stream id of the newest event this emitter appended (what read-your-writes needs)
+        self._last_lock = threading.Lock()  # several threads append (a rank's control thread and its rollout slots)
 
     def _appended(self, ids: Sequence[str]) -> None:
-        if ids and order(ids[-1]) > order(self.last_id):
-            self.last_id = ids[-1]
+        with self._last_lock:  # check and set as one: a slower thread never moves last_id back
+            if ids and order(ids[-1]) > order(self.last_id):
+                self.last_id = ids[-1]
 
     def refused(self, exc: RunClosed, payloads: Sequence[ev.Payload]) -> None:
         if not self.closed:

@@ -64,6 +64,7 @@ from rolledger.workflows.trainer import (
     TrainPlan,
     Wait,
     lineage,
+    may_train,
     next_version,
     plan_step,
     refusal,
@@ -216,7 +217,7 @@ class TrainerClient:
         self.follower = Follower(self.log)
         self.staging = staging
         self.stop = stop or threading.Event()
-        self.trajectories: dict[str, Trajectory] = {}  # finished samples followed, until consumed: not in the state
+        self.trajectories: dict[str, Trajectory] = {}  # finished samples that may still be trained (`follow`)
         self._agreements: dict[int, Agreement] = {}  # step -> its measured agreement, until published
 
     @classmethod
@@ -267,12 +268,31 @@ class TrainerClient:
         return Path(self._model_dir(self.log))
 
     def follow(self, block_ms: int = 0) -> int:
-        """Fold everything the log has after our position, keeping the finished trajectories; how many came."""
+        """Fold everything the log has after our position, keeping the finished trajectories a step may still train
+        on; how many events came. What can no longer be trained leaves memory as the log says so: the samples a
+        completed group did not accept (first k), every sample of a cancelled group, dropped trajectories, samples
+        whose reward failed, and a sample that finished after its group closed without it."""
         got = self.follower.catch_up(block_ms=block_ms)
+        state = self.follower.state
+        held = self.trajectories
         for stored in got:
             p = stored.event.payload
             if isinstance(p, ev.SampleFinished):
-                self.trajectories[p.trajectory.trajectory_id] = p.trajectory
+                t = p.trajectory
+                if may_train(state, t.group_id, t.trajectory_id):
+                    held[t.trajectory_id] = t
+            elif isinstance(p, ev.GroupCompleted):
+                for tid in _group_ids(state, p.group_id):
+                    if tid not in p.accepted:
+                        held.pop(tid, None)
+            elif isinstance(p, ev.GroupCancelled):
+                for tid in _group_ids(state, p.group_id):
+                    held.pop(tid, None)
+            elif isinstance(p, ev.TrajectoryDropped):
+                for tid in p.trajectory_ids:
+                    held.pop(tid, None)
+            elif isinstance(p, ev.SampleFailed) and p.stage == "reward":
+                held.pop(p.sample_id, None)
         return len(got)
 
     def _wait(self, deadline: float | None, what: str) -> None:
@@ -470,6 +490,13 @@ class TrainerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _group_ids(state: RunState, group_id: str) -> list[str]:
+    """The sample ids of a group (its n from the state while it is live, else the run's group size)."""
+    g = state.groups.get(group_id)
+    n = g.n if g is not None else (state.config.group_size if state.config is not None else 0)
+    return [f"{group_id}/{i}" for i in range(n)]
 
 
 def _stream_order(stream_id: str) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 """The admission controller: `decide_admission(state, inputs) -> [payloads]`, pure.
 
 Three gates, each a pause reason the controller owns (the update and handoff coordinators own theirs):
-- bytes: completed-but-untrained bytes plus the estimated bytes of groups in flight plus the new group must stay
-  within `admission.max_queued_bytes`: admission stops *before* the queue outgrows its cap.
+- bytes: completed-but-untrained bytes plus the bytes the groups in flight and the new group may hold (every sample
+  at `sampling.max_tokens`: an upper bound, not an estimate) must stay within `admission.max_queued_bytes`: admission
+  stops *before* the queue could outgrow its cap, however long the generations run.
 - lag: a group admitted now is consumed around trainer step floor(C / groups_per_step) + 1, C the groups admitted
   before it and not cancelled or dropped. Admission stops when that step lies more than `admission.max_lag` steps
   beyond the trainer's *settled progress* (`settled_version`): the newest version whose update transaction has
@@ -17,19 +18,24 @@ Three gates, each a pause reason the controller owns (the update and handoff coo
   group whose published-version lag exceeds max_lag when it plans a step (workflows/trainer.py, the second check),
   so after an abort a few groups may be generated and then dropped (they are replaced), never trained on. In a run
   without aborts the settled version is the published one and the rule is the one AReaL uses, counted in groups.
-- rate: generation is throttled to the trainer's drain rate: completed-or-in-flight groups ahead of the trainer are
-  kept to two batches (one being trained on, one ready). By Little's law the queue is the surplus rate times the
-  update period; this cap keeps the surplus from accumulating.
+- rate: generation is throttled to the trainer's measured drain rate (`throttle_cap`). By Little's law the groups
+  in flight are the admission rate times a group's generation latency W; for a batch to be ready each time the
+  trainer finishes a step (its busy time T: training, then the update until it closes, never the time it waited for
+  data, which would feed the throttle's own starvation back into it), groups ahead of the trainer (completed or in
+  flight, untrained) are held to one batch being trained on plus ceil(W / T) batches in flight: `groups_per_step` x
+  (1 + ceil(W / T)), the second factor between 1 and max_lag + 1 (beyond it the lag gate closes first). W and T are
+  moving averages of wall times in the log (`AdmissionState.gen_latency_s`, `step_busy_s`), so a replay decides
+  alike; before both are measured the cap is two batches.
 Transitions only: AdmissionPaused when a gate closes, AdmissionResumed when it opens; while every gate is open,
-GroupAdmitted for the next prompts up to `max_inflight_groups`.
+GroupAdmitted for the next prompts up to `max_inflight_groups`, in the order workflows/scheduler.py picks them.
 
 Cost: O(open work). The gates scan the live groups only (retired ones are terminal and count through
-`admission.gone_before_training`), and the prompts already admitted are the state's `recent_prompts` window (a prompt
-admitted more than 4 x window admissions ago lies behind the candidate window for good).
+`admission.gone_before_training`), and the candidates are the `window` prompts from the scheduler's frontier.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +43,8 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
 from rolledger.schemas.statuses import AdmissionReason, RunStatus
 from rolledger.schemas.trajectory import trajectory_nbytes
-from rolledger.workflows.scheduler import PromptItem, order_candidates
-from rolledger.workflows.state import PROMPTS_KEPT, RunState
+from rolledger.workflows.scheduler import PromptItem, candidates, est_completion_tokens, pick_next
+from rolledger.workflows.state import RunState
 
 OWNED_REASONS: tuple[AdmissionReason, ...] = (AdmissionReason.BYTES, AdmissionReason.LAG, AdmissionReason.RATE)
 
@@ -67,6 +73,7 @@ class Gates:
     projected_bytes: int
     projected_lag: int
     untrained: int
+    rate_cap: int
 
     def verdicts(self, cfg: RunConfig) -> list[tuple[AdmissionReason, bool, str]]:
         adm = cfg.admission
@@ -80,7 +87,7 @@ class Gates:
             (
                 AdmissionReason.RATE,
                 self.rate_ok,
-                f"{self.untrained} groups ahead of the trainer (cap {2 * cfg.trainer.groups_per_step})",
+                f"{self.untrained} groups ahead of the trainer (cap {self.rate_cap})",
             ),
         ]
 
@@ -106,14 +113,33 @@ def gates(state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int) 
     live = state.admission.admitted - state.admission.gone_before_training + extra_groups
     projected_lag = (live - 1) // cfg.trainer.groups_per_step - settled_version(state) if live else 0
     untrained += extra_groups
+    cap = throttle_cap(state, cfg)
     return Gates(
         bytes_ok=projected_bytes <= adm.max_queued_bytes,
         lag_ok=projected_lag <= adm.max_lag,
-        rate_ok=not adm.throttle_to_drain_rate or untrained <= 2 * cfg.trainer.groups_per_step,
+        rate_ok=not adm.throttle_to_drain_rate or untrained <= cap,
         projected_bytes=projected_bytes,
         projected_lag=projected_lag,
         untrained=untrained,
+        rate_cap=cap,
     )
+
+
+def throttle_cap(state: RunState, cfg: RunConfig) -> int:
+    """The rate gate's cap on untrained groups: `groups_per_step` x (1 + batches in flight), batches in flight =
+    ceil(generation latency / trainer step busy time) within [1, max_lag + 1] (module docstring)."""
+    adm = state.admission
+    in_flight = 1
+    if adm.gen_latency_s > 0.0 and adm.step_busy_s > 0.0:
+        in_flight = min(max(math.ceil(adm.gen_latency_s / adm.step_busy_s), 1), cfg.admission.max_lag + 1)
+    return cfg.trainer.groups_per_step * (1 + in_flight)
+
+
+def throttle_bound(cfg: RunConfig) -> int | None:
+    """The most `throttle_cap` can ever be (None without the throttle)."""
+    if not cfg.admission.throttle_to_drain_rate:
+        return None
+    return cfg.trainer.groups_per_step * (cfg.admission.max_lag + 2)
 
 
 def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payload]:
@@ -121,22 +147,14 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     if cfg is None or state.status != RunStatus.RUNNING or not inputs.prompts:
         return []
     n = cfg.group_size
-    if 4 * inputs.window >= PROMPTS_KEPT:
-        raise ValueError(f"admission window {inputs.window} too wide for the {PROMPTS_KEPT} prompts the state keeps")
-    admitted_prompts = state.recent_prompts
-    start = state.admission.admitted
-    candidates = [
-        p
-        for i in range(start, start + inputs.window * 4)
-        if (p := _item(inputs.prompts, i)).prompt_id not in admitted_prompts
-    ][: inputs.window]
-    ordered = order_candidates(candidates, cfg.scheduler, n)
+    pool = candidates(state.scheduler, inputs.prompts, inputs.window)
+    admitted_now: list[int] = []  # prompt indices admitted by this decision, in order
 
     out: list[ev.Payload] = []
     paused = list(state.admission.paused)
     # Pause/resume on the owned gates as they stand for the next group.
-    first = ordered[0] if ordered else None
-    first_bytes = bytes_estimate(len(first.token_ids), first.est_completion_tokens, n) if first else 0
+    first = pick_next(state, cfg, pool, admitted_now)
+    first_bytes = group_bytes(cfg, first) if first else 0
     for reason, ok, detail in gates(state, cfg, 1, first_bytes).verdicts(cfg):
         if not ok and reason not in paused:
             out.append(
@@ -152,31 +170,41 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
         return out
     # Admit in scheduler order while every gate stays open and the in-flight cap allows.
     admitted_bytes = 0
-    for admitted, item in enumerate(ordered):  # `admitted` groups are already in `out`
-        if state.admission.inflight + admitted >= cfg.admission.max_inflight_groups:
+    seq = state.admission.admitted  # group ids number the admissions
+    while (item := pick_next(state, cfg, pool, admitted_now)) is not None:
+        if state.admission.inflight + len(admitted_now) >= cfg.admission.max_inflight_groups:
             break
-        group_bytes = bytes_estimate(len(item.token_ids), item.est_completion_tokens, n)
-        g = gates(state, cfg, admitted + 1, admitted_bytes + group_bytes)
+        nbytes = group_bytes(cfg, item)
+        g = gates(state, cfg, len(admitted_now) + 1, admitted_bytes + nbytes)
         if not (g.bytes_ok and g.lag_ok and g.rate_ok):
             break  # the next tick pauses on the gate that closed
         out.append(
             ev.GroupAdmitted(
-                group_id=f"g{start + admitted:06d}",
+                group_id=f"g{seq + len(admitted_now):06d}",
                 prompt_id=item.prompt_id,
+                prompt_index=item.index,
                 prompt_token_ids=list(item.token_ids),
                 n=n,
-                sampling=group_sampling(cfg, start + admitted),
+                sampling=group_sampling(cfg, seq + len(admitted_now)),
                 partial_policy=cfg.partial_policy,
                 answer=item.answer,
-                est_remaining_tokens=item.est_completion_tokens * n,
-                est_bytes=group_bytes,
+                est_remaining_tokens=est_completion_tokens(state, cfg, item.prompt_id, len(item.token_ids)) * n,
+                est_bytes=nbytes,
                 queued_bytes=g.projected_bytes,
                 byte_cap=cfg.admission.max_queued_bytes,
                 deadline=inputs.now + cfg.partial_policy.deadline_s if cfg.partial_policy.deadline_s else None,
             )
         )
-        admitted_bytes += group_bytes
+        admitted_now.append(item.index)
+        pool.remove(item)
+        admitted_bytes += nbytes
     return out
+
+
+def group_bytes(cfg: RunConfig, item: PromptItem) -> int:
+    """What a group of `item` may hold once completed: every sample at `sampling.max_tokens`, so the groups in flight
+    can never complete over the byte cap, whatever they generate."""
+    return bytes_estimate(len(item.token_ids), cfg.sampling.max_tokens, cfg.group_size)
 
 
 def group_sampling(cfg: RunConfig, group_index: int) -> SamplingParams:
@@ -185,18 +213,3 @@ def group_sampling(cfg: RunConfig, group_index: int) -> SamplingParams:
     if cfg.sampling.seed is not None:
         return cfg.sampling
     return cfg.sampling.model_copy(update={"seed": (cfg.seed * 1_000_003 + group_index) % 2**31})
-
-
-def dataset_prompt_id(prompt_id: str) -> str:
-    """The id in the run's prompts of an admitted prompt id (later epochs append `@<epoch>`, `_item`)."""
-    return prompt_id.rsplit("@", 1)[0]
-
-
-def _item(prompts: Sequence[PromptItem], i: int) -> PromptItem:
-    """The i-th prompt of the run: the dataset cycled, later epochs with their own prompt ids."""
-    base = prompts[i % len(prompts)]
-    if i < len(prompts):
-        return base
-    return PromptItem(
-        i, f"{base.prompt_id}@{i // len(prompts)}", base.token_ids, base.answer, base.est_completion_tokens
-    )

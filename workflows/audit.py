@@ -49,9 +49,11 @@ The precise definitions checked (v is a policy version, r a rank):
    lower bound of the trainer's lag); the group completed (GroupCompleted, not cancelled) with at least
    partial_policy.required(n) accepted samples that really finished (the stricter of the run's and the group's
    policy); every consumed trajectory was accepted.
-6. Bytes under the cap. Every GroupAdmitted has queued_bytes <= byte_cap <= config.admission.max_queued_bytes.
-   (Queued bytes recomputed from the log - completed groups not yet consumed or dropped - above the cap is a
-   warning: the controller may have decided on a state one event older.)
+6. Bytes under the cap. Every GroupAdmitted has queued_bytes <= byte_cap <= config.admission.max_queued_bytes; every
+   GroupCompleted records the bytes its accepted trajectories hold; and the bytes of the completed untrained groups,
+   recomputed from their trajectories, never exceed the cap at any admission or completion. (A log written before
+   admission counted groups in flight at their `max_tokens` - GroupAdmitted v1 - could be outrun by a long
+   generation: there the last check is a warning.)
 7. Nothing silently lost. Every SampleStarted reaches SampleFinished/SampleFailed/SampleCancelled and every
    GroupAdmitted reaches GroupCompleted/GroupCancelled (or TrajectoryDropped while in flight, as the reducer folds
    it). Open units are violations once RunFinished is in the log, warnings before. A completed group may later be

@@ -91,7 +91,8 @@ class Auditor:
         self.samples: dict[str, Unit] = {}
         self.finished: dict[str, Event] = {}  # trajectory id -> SampleFinished
         self.consumed: dict[str, Event] = {}  # trajectory id -> BatchConsumed
-        self.queued: dict[str, int] = {}  # completed, untrained group -> bytes
+        self.queued: dict[str, int] = {}  # completed, untrained group -> bytes, recomputed from its trajectories
+        self.bounded_admission = False  # the run admits at max_tokens bounds: the queue never exceeds the cap
         self.updates = UpdateTracker()
         self.window: Window | None = None
         self.published: dict[int, Event] = {}  # version -> PolicyPublished (newest)

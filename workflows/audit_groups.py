@@ -63,15 +63,25 @@ def _group_admitted(ctx: Auditor, e: Event, p: GroupAdmitted) -> None:
         problems.append(f"queued_bytes {p.queued_bytes} > cap {min(p.byte_cap, declared)}")
     if problems:
         ctx.violate(6, f"GroupAdmitted {p.group_id}: " + "; ".join(problems), e)
+    if p.prompt_index is not None:
+        ctx.bounded_admission = True  # admitted counting every group in flight at its max_tokens (issue 14)
+    _check_queue(ctx, e, f"GroupAdmitted {p.group_id}", p.queued_bytes)
+
+
+def _check_queue(ctx: Auditor, e: Event, what: str, recorded: int | None) -> None:
+    """The completed untrained groups' bytes, recomputed from their trajectories, against the cap. Admission that
+    counts every group in flight at its `max_tokens` keeps them under it at every event: a violation. An older log's
+    admission counted an estimate, which a long generation could outrun: a warning."""
+    declared = ctx.cfg.admission.max_queued_bytes
     recomputed = sum(ctx.queued.values())
-    if recomputed > declared:
-        ctx.warn(
-            WarningKind.QUEUED_BYTES,
-            f"GroupAdmitted {p.group_id}: completed untrained groups hold {recomputed} bytes by the log "
-            f"(> cap {declared}; recorded {p.queued_bytes})",
-            e,
-            invariant=6,
-        )
+    if recomputed <= declared:
+        return
+    detail = f"{what}: completed untrained groups hold {recomputed} bytes by the log (> cap {declared}"
+    detail += f"; recorded {recorded})" if recorded is not None else ")"
+    if ctx.bounded_admission:
+        ctx.violate(6, detail, e)
+    else:
+        ctx.warn(WarningKind.QUEUED_BYTES, detail, e, invariant=6)
 
 
 @handlers.on(GroupCompleted)
@@ -83,7 +93,13 @@ def _group_completed(ctx: Auditor, e: Event, p: GroupCompleted) -> None:
     ctx.terminal(g, e, f"group {p.group_id}")
     if g.completed is None:
         g.completed = e
-        ctx.queued[p.group_id] = p.bytes
+        nbytes = p.bytes
+        if all(tid in ctx.finished for tid in p.accepted):  # recomputed from what it holds
+            nbytes = sum(ctx.trajectory(tid).nbytes for tid in p.accepted)
+            if nbytes != p.bytes:
+                ctx.violate(6, f"GroupCompleted {p.group_id} records {p.bytes} bytes; its samples hold {nbytes}", e)
+        ctx.queued[p.group_id] = nbytes
+        _check_queue(ctx, e, f"GroupCompleted {p.group_id}", None)
 
 
 @handlers.on(GroupCancelled)

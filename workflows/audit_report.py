@@ -65,8 +65,9 @@ WARNING_MEANING: dict[WarningKind, str] = {
     "audit assumes what it says and checks the rest.",
     WarningKind.UNRESOLVED_UPDATE: "an update neither committed nor aborted, or committed and not published, when "
     "the log ends; no rank served it unpublished, or invariants 2-4 would say so.",
-    WarningKind.QUEUED_BYTES: "the completed untrained groups recomputed from the log hold more bytes than the cap "
-    "at an admission: the controller decided on a state one event older; invariant 6 checks the bytes it recorded.",
+    WarningKind.QUEUED_BYTES: "an old log (GroupAdmitted v1, admitted on an estimate): the completed untrained "
+    "groups recomputed from the log hold more bytes than the cap; a newer log's admission bounds them, so there it "
+    "is a violation of invariant 6.",
     WarningKind.INTERNAL: "the auditor could not check an event (a bug in the audit, not in the run); the rest of "
     "the log is still checked.",
     WarningKind.UNDECODABLE: "a log entry that is not an event this code can read (garbage, unknown type, newer "

@@ -37,3 +37,8 @@ def find_rank(s: RunState, e: ev.Event, rank: int) -> RankState | None:
 def sample_index(sample_id: str) -> int:
     """The index in its group of a sample id `g000017/3`."""
     return int(sample_id.rsplit("/", 1)[1])
+
+
+def moving_average(old: float, sample: float, weight: float = 0.25) -> float:
+    """An exponentially weighted moving average; the first sample (old == 0) is taken as it is."""
+    return sample if old == 0.0 else old + weight * (sample - old)

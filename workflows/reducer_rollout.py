@@ -20,7 +20,8 @@ from __future__ import annotations
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import GroupStatus, SampleStatus
 from rolledger.workflows.dispatch import Handlers
-from rolledger.workflows.reducer_common import anomaly, find_group, sample_index
+from rolledger.workflows.reducer_common import anomaly, find_group, moving_average, sample_index
+from rolledger.workflows.scheduler import observe_completion
 from rolledger.workflows.state import GroupState, RunState, SampleState, retire_if_done
 
 handlers: Handlers[RunState, None] = Handlers("reducer: rollout and reward")
@@ -99,6 +100,7 @@ def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
         return
     g, smp = found
     smp.status, smp.tokens = SampleStatus.FINISHED, len(t.token_ids)
+    observe_completion(s.scheduler, g, smp.tokens)
     if t.policy_version != smp.policy_version and smp.rank >= 0 and not t.spans:  # spans: interruptible, stamped
         anomaly(s, e, f"sample {t.trajectory_id} started on v{smp.policy_version}, finished on v{t.policy_version}")
     smp.policy_version, smp.weights_digest = t.policy_version, t.weights_digest
@@ -185,6 +187,8 @@ def _group_completed(s: RunState, e: ev.Event, p: ev.GroupCompleted) -> None:
     if len(p.accepted) < g.required:
         anomaly(s, e, f"group {p.group_id} completed with {len(p.accepted)} < {g.required} required samples")
     g.status, g.accepted, g.bytes = GroupStatus(p.status), list(p.accepted), p.bytes
+    if g.admitted_at:
+        s.admission.gen_latency_s = moving_average(s.admission.gen_latency_s, max(e.wall_time - g.admitted_at, 0.0))
     s.admission.inflight -= 1
     s.admission.queued_bytes += p.bytes
     s.admission.max_queued_bytes = max(s.admission.max_queued_bytes, s.admission.queued_bytes)

@@ -6,7 +6,8 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import AdmissionReason, RunStatus
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly
-from rolledger.workflows.state import PROMPTS_KEPT, GroupState, RunState
+from rolledger.workflows.scheduler import admit_index
+from rolledger.workflows.state import GroupState, RunState
 
 handlers: Handlers[RunState, None] = Handlers("reducer: run and admission")
 
@@ -49,12 +50,12 @@ def _group_admitted(s: RunState, e: ev.Event, p: ev.GroupAdmitted) -> None:
         est_bytes=p.est_bytes,
         prompt_tokens=len(p.prompt_token_ids),
         deadline=p.deadline,
+        admitted_at=e.wall_time,
     )
+    # a log written before GroupAdmitted carried its prompt's index admitted in index order: its count is the index
+    admit_index(s.scheduler, p.prompt_index if p.prompt_index is not None else s.admission.admitted)
     s.admission.admitted += 1
     s.admission.inflight += 1
-    s.recent_prompts[p.prompt_id] = None
-    if len(s.recent_prompts) > PROMPTS_KEPT:
-        del s.recent_prompts[next(iter(s.recent_prompts))]
 
 
 @handlers.on(ev.AdmissionPaused)

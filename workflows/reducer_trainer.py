@@ -65,6 +65,7 @@ def _train_step(s: RunState, e: ev.Event, p: ev.TrainStepFinished) -> None:
         anomaly(s, e, f"step {p.step} finished while the trainer is at step {s.trainer.step}; not applied")
         return
     s.trainer.step = p.step
+    s.trainer.last_train_s = p.train_ms / 1e3
     s.trainer.rewards.append(p.reward_mean)
     if p.agreement_tokens:
         s.trainer.logprob_gaps.append(p.logprob_gap_median)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import EngineStatus, UpdateStatus, WakeTag
 from rolledger.workflows.dispatch import Handlers
-from rolledger.workflows.reducer_common import anomaly, find_update
+from rolledger.workflows.reducer_common import anomaly, find_update, moving_average
 from rolledger.workflows.state import RunState, UpdateState
 
 handlers: Handlers[RunState, None] = Handlers("reducer: weight update")
@@ -23,6 +23,14 @@ def _update_staged(s: RunState, e: ev.Event, p: ev.UpdateStaged) -> None:
     s.updates[p.version] = UpdateState(
         p.version, p.base_version, p.manifest_digest, p.weights_digest, p.uri, p.bytes, e.event_id
     )
+    s.updates[p.version].staged_at = e.wall_time
+
+
+def _step_done(s: RunState, e: ev.Event, u: UpdateState) -> None:
+    """An update closed: the trainer's step that staged it is over (its training, then the transaction)."""
+    if u.staged_at:
+        busy = s.trainer.last_train_s + max(e.wall_time - u.staged_at, 0.0)
+        s.admission.step_busy_s = moving_average(s.admission.step_busy_s, busy)
 
 
 @handlers.on(ev.PrepareRequested)
@@ -87,6 +95,7 @@ def _update_aborted(s: RunState, e: ev.Event, p: ev.UpdateAborted) -> None:
         anomaly(s, e, f"v{p.version} aborted while {u.status}")
         return
     u.status, u.abort_reason, u.decided_event = UpdateStatus.ABORTED, p.reason, e.event_id
+    _step_done(s, e, u)
     for r in u.ranks:
         if (rank := s.ranks.get(r)) is not None and rank.status is EngineStatus.ASLEEP:
             rank.wake_on_abort, rank.abort_event = True, e.event_id
@@ -158,4 +167,5 @@ def _policy_published(s: RunState, e: ev.Event, p: ev.PolicyPublished) -> None:
         if u.committed.get(r) != p.weights_digest:
             anomaly(s, e, f"v{p.version} published but rank {r} holds {u.committed.get(r)!r}")
     u.status, u.published_event = UpdateStatus.PUBLISHED, e.event_id
+    _step_done(s, e, u)
     s.policy_version, s.weights_digest = p.version, p.weights_digest

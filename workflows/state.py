@@ -37,7 +37,7 @@ from rolledger.schemas.statuses import (
 )
 
 RETIRED_KEPT: Final = 1024  # tombstones of retired groups kept (the oldest is dropped first)
-PROMPTS_KEPT: Final = 1024  # prompt ids of the newest admitted groups (admission skips them; see recent_prompts)
+PROMPT_STATS_KEPT: Final = 4096  # prompts whose observed completion lengths the scheduler keeps (newest observed)
 
 
 @dataclass(slots=True)
@@ -66,6 +66,7 @@ class GroupState:
     est_bytes: int
     prompt_tokens: int
     deadline: float | None = None
+    admitted_at: float = 0.0  # wall time of its GroupAdmitted
     status: GroupStatus = GroupStatus.ADMITTED
     samples: dict[int, SampleState] = field(default_factory=dict)
     accepted: list[str] = field(default_factory=list)
@@ -110,6 +111,7 @@ class UpdateState:
     paused_event: str = ""  # that AdmissionPaused's id (a rank's EnginePaused answers it)
     published_event: str = ""  # the PolicyPublished that closed it (a rank resuming answers it)
     committed_at: float = 0.0
+    staged_at: float = 0.0  # wall time of its UpdateStaged
     quarantined: list[int] = field(default_factory=list)
 
     @property
@@ -155,10 +157,29 @@ class AdmissionState:
     gone_before_training: int = 0  # admitted groups cancelled or dropped (the lag gate counts all the others)
     handoff_step: int = 0  # trainer step when the current (or last) colocated handoff began
     handoff_event: str = ""  # the AdmissionPaused(handoff) that began it (a rank's sleep answers it)
+    # the pace the rate throttle follows (workflows/admission.py: throttle_cap), moving averages of wall times in the log
+    gen_latency_s: float = 0.0  # a group's admission to its completion
+    step_busy_s: float = 0.0  # a trainer step's busy time: training, then its update until published or aborted
 
     @property
     def open(self) -> bool:
         return not self.paused
+
+
+@dataclass(slots=True)
+class SchedulerState:
+    """What the scheduler (workflows/scheduler.py) reads beyond the groups: where admission stands in the prompt
+    sequence, and the completion lengths observed so far (its estimate, and that estimate's error)."""
+
+    frontier: int = 0  # the lowest prompt index not admitted yet
+    ahead: list[int] = field(default_factory=list)  # admitted prompt indices beyond the frontier, sorted (bounded by
+    # the fairness bound plus one decision's admissions under srgf, empty under fifo)
+    prompt_lengths: dict[str, list[int]] = field(default_factory=dict)  # dataset prompt id -> [samples, tokens]
+    bucket_lengths: dict[int, list[int]] = field(default_factory=dict)  # prompt-length bucket -> [samples, tokens]
+    observed_samples: int = 0  # finished samples observed
+    observed_tokens: int = 0  # their completion tokens
+    est_abs_error: int = 0  # sum over them of |estimate their group was admitted with - tokens|
+    est_signed_error: int = 0  # sum of (estimate - tokens)
 
 
 @dataclass(slots=True)
@@ -172,6 +193,7 @@ class TrainerState:
     rewards: list[float] = field(default_factory=list)  # reward mean per step
     logprob_gaps: list[float] = field(default_factory=list)  # median |gap| per step that had on-policy tokens
     refused: str = ""  # why the trainer refused a step (TrainStepRefused); non-empty: it trains no more
+    last_train_s: float = 0.0  # the newest step's training time (TrainStepFinished.train_ms)
 
 
 @dataclass(slots=True)
@@ -195,10 +217,10 @@ class RunState:
     retired_digest: str = ""  # hash chain over the canonical record of each retired group, in retirement order
     after_retired: int = 0  # sample events for a retired group that raced its closure (counted, otherwise ignored)
     raced: dict[str, str] = field(default_factory=dict)  # sample id -> group id: started on a retired group, not ended
-    recent_prompts: dict[str, None] = field(default_factory=dict)  # prompt ids of the newest PROMPTS_KEPT admissions
     updates: dict[int, UpdateState] = field(default_factory=dict)
     ranks: dict[int, RankState] = field(default_factory=dict)
     admission: AdmissionState = field(default_factory=AdmissionState)
+    scheduler: SchedulerState = field(default_factory=SchedulerState)
     trainer: TrainerState = field(default_factory=TrainerState)
     workers_lost: dict[str, str] = field(default_factory=dict)  # WorkerLost: worker name -> its error
     # samples another rank closed as "worker lost" (it reclaimed their group): sample id -> the rank that started them
@@ -245,6 +267,8 @@ class RunState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunState:
         state = _ADAPTER.validate_python(data)
+        if "scheduler" not in data:  # a snapshot taken before the scheduler kept its own state (issue 14)
+            _observe_groups(state)
         if "retired_groups" not in data:  # a snapshot taken before the live state was bounded (issue 12)
             _bound(state)
         return state
@@ -256,10 +280,10 @@ class RunState:
 
     def digest(self) -> str:
         """xxh3-128 of the canonical form, so any divergence shows: the live state in full, and every retired group
-        through `retired_digest`. Its cost follows the live state, not the run. The two windows `retired` and
-        `recent_prompts` are left out of the hashed form: each is the newest N of an insertion sequence the digest
-        already covers (each retirement's record, id and status included, is in the chain; each admitted prompt is in
-        its group, live or chained), so hashing them again would only add a cost that grows until they fill."""
+        through `retired_digest`. Its cost follows the live state, not the run. The window `retired` is left out of
+        the hashed form: it is the newest N of an insertion sequence the digest already covers (each retirement's
+        record, id and status included, is in the chain), so hashing it again would only add a cost that grows until
+        it fills."""
         return digest_of(_ADAPTER.dump_python(self, mode="json", exclude=_NOT_HASHED))
 
 
@@ -311,6 +335,7 @@ def group_record(g: GroupState) -> list[Any]:
         g.est_bytes,
         g.prompt_tokens,
         g.deadline,
+        g.admitted_at,
         str(g.status),
         [
             [
@@ -334,6 +359,19 @@ def group_record(g: GroupState) -> list[Any]:
     ]
 
 
+def _observe_groups(state: RunState) -> None:
+    """The scheduler state of a snapshot from before issue 14, from what it holds: admission was by count, so the
+    frontier is the count admitted; the completion lengths are those of the groups it kept (every group, in a
+    snapshot from before issue 12; the live ones only, after it: the estimate then starts from fewer observations)."""
+    from rolledger.workflows.scheduler import observe_completion  # the scheduler builds on this module
+
+    state.scheduler.frontier = state.admission.admitted
+    for g in state.groups.values():
+        for smp in sorted(g.samples.values(), key=lambda s: s.index):
+            if smp.status is SampleStatus.FINISHED or (smp.status is SampleStatus.FAILED and smp.tokens):
+                observe_completion(state.scheduler, g, smp.tokens)
+
+
 def _bound(state: RunState) -> None:
     """Bring a state restored from an older snapshot (every group kept) to the bounded form: the counters the deciders
     read instead of scanning every group, then every group that owes nothing retired (in the snapshot's group order,
@@ -341,7 +379,6 @@ def _bound(state: RunState) -> None:
     anyway, the digest's definition having changed with it)."""
     groups = list(state.groups.values())
     state.admission.gone_before_training = sum(1 for g in groups if g.status in _GONE_BEFORE_TRAINING)
-    state.recent_prompts = {g.prompt_id: None for g in groups[-PROMPTS_KEPT:]}
     for g in groups:
         retire_if_done(state, g)
 
@@ -372,7 +409,7 @@ def _canonical(obj: Any) -> Any:
 
 
 _ADAPTER: TypeAdapter[RunState] = TypeAdapter(RunState)
-_NOT_HASHED = {"retired", "recent_prompts"}  # see RunState.digest
+_NOT_HASHED = {"retired"}  # see RunState.digest
 
 
 def group_version(g: GroupState) -> int:

@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass, field
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus, UpdateStatus
+from rolledger.workflows.admission import throttle_bound
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.figures import reward_edges
 from rolledger.workflows.incidents import Incident, incidents
+from rolledger.workflows.scheduler import estimate_error
 from rolledger.workflows.state import RunState
 
 
@@ -42,6 +44,11 @@ class Summary:
     agreement_steps: int  # steps whose batch had on-policy tokens to measure it on
     wall_s: float
     groups_admitted: int
+    # the scheduler's length estimate (workflows/scheduler.py): mean |estimate - actual| completion tokens per finished
+    # sample, against the estimate its group was admitted with
+    length_estimate_error: float
+    samples_cancelled: int  # cut short by a partial policy or a closed group (a first k reached: their slots freed)
+    tokens_wasted: int  # the tokens those samples had generated before the cut
     trajectories_dropped: int
     anomalies: int
     state_digest: str
@@ -153,8 +160,9 @@ def queue_check(events: list[ev.Event], throttle_cap_groups: int | None = None) 
       measured_mean_queue_groups: the time-averaged queue length over the check window;
     - measured_max_growth_in_period_groups: the most the queue rose above its length at a publish before the next
       one, over the check window (the batch that builds up while the trainer trains on the previous one);
-    - measured_max_queue_groups over the whole run, against throttle_cap_groups (the admission's rate throttle: at
-      most 2 batches of completed-or-in-flight groups ahead of the trainer; None without the throttle), a bound.
+    - measured_max_queue_groups over the whole run, against throttle_cap_groups (the most the admission's rate
+      throttle ever allows ahead of the trainer, completed or in flight: groups_per_step x (max_lag + 2),
+      workflows/admission.py; None without the throttle), a bound.
 
     Fewer than three publishes give no windows: those figures are None."""
     q = _Queue()
@@ -211,6 +219,8 @@ class _Generation:
     rank's colocated handoffs (EngineSlept -> EngineResumed)."""
 
     trajectories: int = 0
+    cancelled: int = 0  # samples cut short (SampleCancelled): a first k reached, a group closed
+    wasted_tokens: int = 0  # the tokens they had generated
     group_ms: dict[tuple[int, str], float] = field(default_factory=dict)  # (rank, group) -> its generate call
     slept_at: dict[int, float] = field(default_factory=dict)  # rank -> when its current handoff began
     handoff_s: dict[int, float] = field(default_factory=dict)  # rank -> seconds spent in handoffs so far
@@ -225,6 +235,12 @@ def _sample_finished(g: _Generation, e: ev.Event, p: ev.SampleFinished) -> None:
     key = (p.trajectory.rank, p.trajectory.group_id)
     # one generate call per group; samples stream out as they end, so the call lasted as long as the last one
     g.group_ms[key] = max(g.group_ms.get(key, 0.0), p.gen_ms)
+
+
+@_GENERATION.on(ev.SampleCancelled)
+def _sample_cancelled(g: _Generation, e: ev.Event, p: ev.SampleCancelled) -> None:
+    g.cancelled += 1
+    g.wasted_tokens += p.tokens
 
 
 @_GENERATION.on(ev.EngineSlept)
@@ -256,7 +272,7 @@ def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterabl
     handed = [min(gen.handoff_s.get(r, 0.0) / wall, 1.0) for r in ranks] or [0.0]
     cfg = state.config
     colocated = cfg is not None and cfg.mode == "colocated"
-    throttle = 2 * cfg.trainer.groups_per_step if cfg is not None and cfg.admission.throttle_to_drain_rate else None
+    throttle = throttle_bound(cfg) if cfg is not None else None
     first, last = reward_edges(state.trainer.rewards) or (0.0, 0.0)
     return Summary(
         run_id=state.run_id,
@@ -277,6 +293,9 @@ def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterabl
         agreement_steps=len(state.trainer.logprob_gaps),
         wall_s=wall,
         groups_admitted=state.admission.admitted,
+        length_estimate_error=estimate_error(state.scheduler)[0],
+        samples_cancelled=gen.cancelled,
+        tokens_wasted=gen.wasted_tokens,
         trajectories_dropped=state.trainer.dropped_trajectories,
         anomalies=len(state.anomalies),
         state_digest=state.digest(),

@@ -18,6 +18,9 @@ trajectories, measure the logprob gap, train, stage, append).
   (`EventLog.append_once`), so a step, a version and a group are recorded by one writer only: two trainers, or a
   restarted one planning on a stale view, never both take step s, stage version v or consume a group twice.
 
+- `may_train(state, group_id, trajectory_id)`: can a finished trajectory still reach a step? The trainer keeps only
+  those in memory (a sample a completed group did not accept, or of a group cancelled, dropped or consumed, is let go).
+
 A plan is a function of the state alone: the same state gives the same plan, and once the events of a plan are folded
 the next plan is another step (or a wait).
 """
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import RunStatus
+from rolledger.schemas.statuses import RunStatus, SampleStatus
 from rolledger.workflows.handoff import engines_asleep
 from rolledger.workflows.state import GroupState, RunState, group_lag, group_version
 
@@ -185,3 +188,16 @@ def refusal(
         gap_p99=gap_p99,
         agreement_tokens=agreement_tokens,
     )
+
+
+def may_train(state: RunState, group_id: str, trajectory_id: str) -> bool:
+    """Can this finished trajectory still be trained on, per the folded state? Its group is live and untrained, the
+    sample finished (its reward did not fail), and a completed group accepted it (an open one may still)."""
+    g = state.groups.get(group_id)
+    if g is None or not g.status.is_untrained:
+        return False  # retired (consumed, dropped or cancelled and owing nothing) or gone
+    index = int(trajectory_id.rsplit("/", 1)[1])
+    smp = g.samples.get(index)
+    if smp is None or smp.status != SampleStatus.FINISHED:
+        return False
+    return g.status.is_open or trajectory_id in g.accepted

@@ -5,6 +5,8 @@
   rank; netguard refuses non-private addresses unless `cfg.allow_remote_engines`); otherwise `cfg.ranks` servers are
   started here from the run's saved policy (`model_dir`) on free loopback ports, logging to
   `run_dir/vllm-rank{r}.log`, and the returned close function stops them.
+- `engine = "simulated"`: one in-process SimulatedEngine per rank (benchmarks of the control plane: tokens cost the
+  declared time of config section `simulated`; weights, probe and sleep are a real TorchEngine's over the policy).
 - `engine = "sglang"`: one `SglangEngine` per rank, the same way (`cfg.sglang_urls`, or servers started here by
   workers.engines.sglang_server with this interpreter, logging to `run_dir/sglang-rank{r}.log`).
 
@@ -46,12 +48,29 @@ def build_engines(
                 e.close()
 
         return engines, close
+    if cfg.engine == "simulated":
+        from rolledger.workers.policy_model import load_policy
+
+        engines = [simulated_engine(cfg, *load_policy(model_dir), rank=r) for r in range(cfg.ranks)]
+
+        def close_simulated() -> None:
+            for e in engines:
+                e.close()
+
+        return engines, close_simulated
     if cfg.engine == "vllm":
         vllm_engines, close_vllm = build_vllm_engines(cfg, model_dir, run_dir)
         return list(vllm_engines), close_vllm
     if cfg.engine == "sglang":
         return build_sglang_engines(cfg, model_dir, run_dir)
     raise NotImplementedError(f"engine {cfg.engine!r} is not wired into `rolledger run` yet")
+
+
+def simulated_engine(cfg: RunConfig, model: Any, tokenizer: Any, *, rank: int) -> Engine:
+    """A SimulatedEngine (benchmarks: declared token times, cfg.simulated) for one rank, over the run's policy."""
+    from rolledger.workers.engines.simulated_engine import SimulatedEngine
+
+    return SimulatedEngine(model, tokenizer, cfg.simulated, rank=rank, interruptible=cfg.interruptible)
 
 
 # ------------------------------------------------------------------------------------------------------- vLLM

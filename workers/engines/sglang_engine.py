@@ -6,7 +6,8 @@ starts one; on CPU it runs with a stand-in for the CUDA-only `sgl_kernel`, see t
 - generate: `POST /generate` with the prompt as `input_ids`, `sampling_params.n`, `return_logprob`. Every sample's
   `meta_info.weight_version` must be the rank's policy version (else EngineError: a sample of other weights is never
   returned). Logprobs are raw (the launcher sets SGLANG_RETURN_ORIGINAL_LOGPROB=1; a server started by hand must set
-  it too, or the trainer's logprob-agreement gate halts the run).
+  it too, or the trainer's logprob-agreement gate halts the run). A rank's rollout slots (`rank_slots`) call it at
+  once, each its own request on the shared connection pool (workers.engines.vllm_http), counted in flight.
 - pause/resume: `/pause_generation` (`abort` -> abort, `keep` -> in_place) and `/continue_generation`; `wait` waits
   (with a deadline) for this engine's own requests to end, then pauses in place. While paused `generate` is refused.
 - weights, as a transaction. prepare: read the staged update through the verified path (every checksum; a corrupt
@@ -275,11 +276,12 @@ class SglangEngine:
                 self._st.inflight -= 1
                 self._cond.notify_all()
         cached = min(cached, len(prompt_token_ids))
-        st = self._st.stats
-        st.groups += 1
-        st.generated_tokens += sum(len(s.token_ids) for s in samples)
-        st.prefill_tokens_computed += len(prompt_token_ids) - cached
-        st.prefill_tokens_saved += cached
+        with self._cond:  # generate runs in several rollout slots at once
+            st = self._st.stats
+            st.groups += 1
+            st.generated_tokens += sum(len(s.token_ids) for s in samples)
+            st.prefill_tokens_computed += len(prompt_token_ids) - cached
+            st.prefill_tokens_saved += cached
         return GroupOutput(
             samples=samples,
             policy_version=live.version,

@@ -3,7 +3,8 @@
 `KVDecoder.decode` runs one group of n samples of one prompt: the prompt's KV comes from the prefix cache
 (workers.engines.torch_prefix_cache) or is prefilled at batch n when the cache is off, then every step samples the
 next token of each unfinished sample (temperature / top-k / top-p / seed / stop ids, with raw or processed logprobs)
-and feeds it back through the model. Between steps it asks the engine's `poll` whether to go on (pause/abort/park
+and feeds it back through the model. A sample that ends (stop, length, or cancelled: a first k reached) leaves the
+decode batch and its KV cache rows at once, so the steps after it compute only the samples still running. Between steps it asks the engine's `poll` whether to go on (pause/abort/park
 are the engine's), and re-reads the serving version so an interruptible engine stamps a new span when the weights
 changed while parked. The caller holds the engine's model lock for the whole call.
 """
@@ -92,6 +93,7 @@ class KVDecoder:
         logprobs: list[list[float]] = [[] for _ in range(n)]
         finish: list[FinishReason | None] = [None] * n
 
+        active = list(range(n))  # the samples still in the decode batch, by row (finished and cancelled ones leave it)
         for step in range(sampling.max_tokens):
             if not poll(version):
                 finish = [f if f is not None else "abort" for f in finish]
@@ -103,19 +105,19 @@ class KVDecoder:
                     if finish[i] is None:
                         spans[i].append((len(tokens[i]), version, digest))
             if should_cancel is not None:
-                for i in range(n):
+                for i in active:
                     if finish[i] is None and should_cancel(i):
                         finish[i] = "abort"
             if all(f is not None for f in finish):
                 break
             next_ids, raw_lp, proc_lp = sample(logits, sampling, gen)
             chosen = raw_lp if sampling.logprob_mode == "raw" else proc_lp
-            for i in range(n):
+            for row, i in enumerate(active):
                 if finish[i] is not None:
                     continue
-                tok = int(next_ids[i])
+                tok = int(next_ids[row])
                 tokens[i].append(tok)
-                logprobs[i].append(float(chosen[i]))
+                logprobs[i].append(float(chosen[row]))
                 if tok in stops:
                     finish[i] = "stop"
                 elif step == sampling.max_tokens - 1:
@@ -133,10 +135,13 @@ class KVDecoder:
                     )
             if all(f is not None for f in finish):
                 break
-            feed = torch.tensor(
-                [[int(next_ids[i]) if finish[i] is None else self._pad_id] for i in range(n)], device=self.device
-            )
-            out = self._forward(feed, cache)
+            keep = [row for row, i in enumerate(active) if finish[i] is None]
+            if len(keep) < len(active):  # the ended rows leave the batch: the next steps compute only the others
+                rows = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(rows)
+                next_ids = next_ids[rows]
+                active = [active[row] for row in keep]
+            out = self._forward(next_ids[:, None], cache)
             cache = self._out_cache(out)
             logits = out.logits[:, -1, :].float()
 

@@ -12,7 +12,9 @@ Rules this engine enforces (IllegalEngineOrder otherwise):
   (after a level-2 sleep the weights are reallocated by wake(["weights"]) but hold garbage until a commit).
 - pause(mode): "abort" ends running generations at their next decode step (unfinished samples -> "abort");
   "wait" lets them finish; "keep" parks them at their next decode step (releasing the model lock) until resume().
-  pause returns once in-flight work is quiescent (finished, or parked for "keep"), within a deadline.
+  pause returns once in-flight work is quiescent (finished, or parked for "keep"), within a deadline. In flight
+  counts every generate called (a rank's rollout slots call it at once; they take the model lock one at a time, so
+  one still waiting for it is in flight too: it runs, or parks at its first step, before pause returns).
   This engine is not interruptible: a parked generation that finds a different policy version (or the engine asleep)
   when it resumes ends its unfinished samples with "abort" instead of mixing versions.
 - sleep(level): refused with generations in flight, with staged weights pending, or when already asleep.

@@ -1,5 +1,6 @@
 """The `/v1/completions` wire format a vLLM rank speaks: the request body of a group, the health probe's request,
-and the parsing of one returned choice into a SampleOutput (token ids, logprobs, finish reason).
+the parsing of one returned choice into a SampleOutput (token ids, logprobs, finish reason), and the accumulation of
+a streamed choice's deltas into one (`StreamedChoice`).
 """
 
 from __future__ import annotations
@@ -70,3 +71,55 @@ def parse_choice(choice: Mapping[str, Any], rank: int) -> SampleOutput:
         logprobs=[float(x) if x is not None else -math.inf for x in lp],
         finish_reason=_FINISH[reason],
     )
+
+
+class StreamedChoice:
+    """One sample of a streamed completion: each event's delta of one choice (token ids, logprobs, maybe its finish
+    reason) appended until it finishes, or until it holds `budget` tokens (a continuation request may ask for more
+    than one of its samples may still take: the rest of that sample's stream is ignored)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: Literal["stop", "length", "abort"] | None = None
+        self._full = False  # ended here at its budget: later deltas of its stream are dropped
+
+    def add(self, delta: Mapping[str, Any], rank: int) -> SampleOutput | None:
+        """Append one streamed delta; the sample when this delta ends it, else None."""
+        if self._full:
+            return None
+        if self.finish is not None:
+            raise EngineError(f"rank {rank}: vLLM streamed more of a choice that had finished")
+        token_ids = delta.get("token_ids")
+        lp = (delta.get("logprobs") or {}).get("token_logprobs")
+        if token_ids is None and lp is None and not delta.get("text"):
+            token_ids, lp = [], []  # a delta that only carries the finish reason
+        if token_ids is None or lp is None:
+            raise EngineError(
+                f"rank {rank}: vLLM streamed a delta without token_ids/logprobs (server too old for return_token_ids?)"
+            )
+        if len(lp) != len(token_ids):
+            raise EngineError(f"rank {rank}: vLLM streamed {len(token_ids)} tokens but {len(lp)} logprobs")
+        room = self.budget - len(self.token_ids)
+        self.token_ids += [int(t) for t in token_ids[:room]]
+        self.logprobs += [float(x) if x is not None else -math.inf for x in lp[:room]]
+        reason = delta.get("finish_reason")
+        if len(token_ids) >= room and (reason is None or len(token_ids) > room):
+            self._full, reason = True, "length"  # its budget is spent (what follows, if anything, is not its)
+        if reason is None:
+            return None
+        if reason not in _FINISH:
+            raise EngineError(f"rank {rank}: unknown finish_reason {reason!r} from vLLM")
+        self.finish = _FINISH[reason]
+        return self.output()
+
+    def reopen(self) -> None:
+        """A sample cut short ("abort") that goes on in a continuation request."""
+        self.finish = None
+
+    def output(self) -> SampleOutput:
+        """The sample as it stands: finished, or cut short ("abort") with the tokens it had."""
+        return SampleOutput(
+            token_ids=list(self.token_ids), logprobs=list(self.logprobs), finish_reason=self.finish or "abort"
+        )

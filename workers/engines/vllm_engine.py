@@ -6,7 +6,8 @@ launches one):
 
 - generate: `POST /v1/completions` with the prompt as token ids, `n`, `logprobs=0`, `return_token_ids=true`
   (workers.engines.vllm_completions); the logprob mode (raw or processed) is read from the server's config and
-  reported in `capabilities`.
+  reported in `capabilities`. A rank's rollout slots (`rank_slots`) call it at once, each its own request on the
+  shared connection pool (workers.engines.vllm_http), so the server batches their groups together.
 - pause/resume: `/pause?mode=`, `/resume`, `/is_paused`. While paused (by this engine) `generate` is refused.
 - weights: the HTTP engine cannot hand tensors over in memory, so the update goes through the staging store:
   `prepare_from_uri(version, uri, manifest)` makes every vLLM worker read and validate the staged update into its
@@ -27,9 +28,10 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,7 +55,7 @@ from rolledger.workers.engine import (
     WakeTag,
     WeightValidationError,
 )
-from rolledger.workers.engines.vllm_completions import completion_request, parse_choice, probe_request
+from rolledger.workers.engines.vllm_completions import StreamedChoice, completion_request, parse_choice, probe_request
 from rolledger.workers.engines.vllm_facts import parse_version, server_facts
 from rolledger.workers.engines.vllm_http import VllmHttp
 from rolledger.workers.netguard import check_engine_address
@@ -65,10 +67,24 @@ class _RankState:
     cache_generation: int = 0
     graph_generation: int = 0
     paused: bool = False
+    pause_mode: PauseMode | None = None  # how the engine was paused (None while it generates)
     asleep_level: int = 0
     staged_version: int | None = None
     weights_digest: str = ""
     stats: EngineStats = field(default_factory=EngineStats)
+
+
+@dataclass
+class _GroupRun:
+    """One generate call's samples as they stream in, across the requests that continue them after interruptions."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    streams: list[StreamedChoice]
+    spans: list[list[tuple[int, int, str]]]  # per sample: (first token, version, digest) where each version begins
+    continued: int = 0  # continuation requests so far
+    prefill_computed: int = 0
+    prefill_saved: int = 0
 
 
 class VllmEngine:
@@ -92,6 +108,8 @@ class VllmEngine:
         self.reset_deadline_s = reset_deadline_s
         self.http = VllmHttp(self.base_url, timeout_s)
         self._st = _RankState()
+        self._stats_lock = threading.Lock()  # generate runs in several rollout slots at once
+        self._resumed = threading.Condition()  # guards paused/pause_mode; notified by resume() (parked samples wait)
         self._tmp_staging: tempfile.TemporaryDirectory[str] | None = None
         self.facts = server_facts(self.http)
         label = str(self.http.get("/weight_info").get("weight_version", "default"))
@@ -109,7 +127,8 @@ class VllmEngine:
             sleep_levels=(1, 2) if self.facts.sleep_mode else (),
             prefix_cache=self.facts.prefix_caching,
             logprob_mode="processed" if self.facts.logprob_mode == "processed" else "raw",
-            interruptible=False,
+            interruptible=True,
+            streams_samples=True,
         )
 
     @property
@@ -133,11 +152,22 @@ class VllmEngine:
         sampling: SamplingParams,
         *,
         should_cancel: Callable[[int], bool] | None = None,
+        on_sample: Callable[[int, SampleOutput], None] | None = None,
     ) -> GroupOutput:
         """N samples in one request (vLLM prefills the shared prompt once with its prefix cache).
 
-        `should_cancel` is polled before the request only: a non-streaming HTTP request cannot be cancelled per
-        sample, so samples cancelled up front are returned empty with finish_reason "abort".
+        With `on_sample` (a group that can complete before all its samples end: first k, a deadline) the request is
+        streamed: each sample is handed over as it ends, and `should_cancel(i)` is polled at every streamed event.
+        Once every sample still running is cancelled (the first k finished, the group closed), the connection is
+        closed: vLLM aborts the request, its sequences leave the batch, and the cancelled samples come back with the
+        tokens they had (finish_reason "abort"; `stats.cancelled_*` count them). Without it, one plain request:
+        streaming would cost a parsed event per token for nothing. Samples cancelled before the request are not sent.
+
+        Interruptible: a `pause("keep")` aborts what the server runs (the server then holds nothing, so the update
+        can reset its cache and swap the weights); each sample it cut waits here, parked, until `resume()`, then
+        continues from its tokens so far in a new request (prompt + those tokens, the rest of its `max_tokens`),
+        under whatever weights serve then, with a span recording where each version begins. Parked past the
+        engine's timeout, the samples are returned cut short.
         """
         if self._st.asleep_level:
             raise IllegalEngineOrder(f"rank {self.rank}: generate while asleep (level {self._st.asleep_level})")
@@ -150,48 +180,158 @@ class VllmEngine:
                 f"rank {self.rank}: sampling.logprob_mode={sampling.logprob_mode!r} but the vLLM server computes "
                 f"{self.facts.logprobs_mode_raw} (restart it with --logprobs-mode to change)"
             )
-        cancelled = [i for i in range(n) if should_cancel is not None and should_cancel(i)]
-        live_n = n - len(cancelled)
-        samples: list[SampleOutput] = []
-        usage: dict[str, Any] = {}
-        if live_n:
-            body = self.http.post("/v1/completions", json=self.completion_request(prompt_token_ids, live_n, sampling))
-            usage = body.get("usage") or {}
-            samples = [parse_choice(c, self.rank) for c in sorted(body.get("choices", []), key=lambda c: c["index"])]
-            if len(samples) != live_n:
-                raise EngineError(f"rank {self.rank}: asked vLLM for {live_n} samples, got {len(samples)}")
-        samples += [SampleOutput(token_ids=[], logprobs=[], finish_reason="abort") for _ in cancelled]
-        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        cancel = should_cancel or (lambda _i: False)
+        run = _GroupRun(
+            prompt=list(prompt_token_ids),
+            sampling=sampling,
+            streams=[StreamedChoice(sampling.max_tokens) for _ in range(n)],
+            spans=[[(0, self._st.policy_version, self._st.weights_digest)] for _ in range(n)],
+        )
+        pending = [i for i in range(n) if not cancel(i)]
+        while pending:
+            if self._stream(run, pending, cancel, on_sample):
+                break  # every sample still running was cancelled: the request is aborted
+            cut = [i for i in pending if run.streams[i].finish == "abort"]
+            if not cut or not self._wait_resumed():
+                break  # all done; or cut by a plain abort (or parked too long): returned cut short
+            version, digest = self._st.policy_version, self._st.weights_digest
+            for i in cut:
+                run.streams[i].reopen()
+                start = len(run.streams[i].token_ids)
+                if run.spans[i][-1][1:] == (version, digest):
+                    continue  # resumed on the same weights (the update aborted): one span goes on
+                if run.spans[i][-1][0] == start:
+                    run.spans[i][-1] = (start, version, digest)  # cut before its first token there: no empty span
+                else:
+                    run.spans[i].append((start, version, digest))
+            run.continued += 1
+            pending = cut
+        samples = []
+        for i in range(n):
+            s = run.streams[i].output()
+            samples.append(replace(s, spans=tuple(run.spans[i])) if len(run.spans[i]) > 1 else s)
         st = self._st
-        st.stats.groups += 1
-        st.stats.generated_tokens += sum(len(s.token_ids) for s in samples)
-        st.stats.prefill_tokens_computed += len(prompt_token_ids) - cached
-        st.stats.prefill_tokens_saved += cached
+        with self._stats_lock:
+            st.stats.groups += 1
+            st.stats.generated_tokens += sum(len(s.token_ids) for s in samples)
+            st.stats.prefill_tokens_computed += run.prefill_computed
+            st.stats.prefill_tokens_saved += run.prefill_saved
+            st.stats.cancelled_samples += sum(1 for s in samples if s.finish_reason == "abort")
+            st.stats.cancelled_tokens += sum(len(s.token_ids) for s in samples if s.finish_reason == "abort")
         return GroupOutput(
             samples=samples,
-            policy_version=st.policy_version,
-            weights_digest=st.weights_digest,
+            policy_version=run.spans[0][0][1],
+            weights_digest=run.spans[0][0][2],
             cache_generation=st.cache_generation,
             graph_generation=st.graph_generation,
-            prefill_tokens_computed=len(prompt_token_ids) - cached,
-            prefill_tokens_saved=cached,
+            prefill_tokens_computed=run.prefill_computed,
+            prefill_tokens_saved=run.prefill_saved,
         )
+
+    def _stream(
+        self,
+        run: _GroupRun,
+        pending: list[int],
+        cancel: Callable[[int], bool],
+        on_sample: Callable[[int, SampleOutput], None] | None,
+    ) -> bool:
+        """One streamed request for the `pending` samples: the group's first (one prompt, n = len(pending)), or a
+        continuation (each sample's prompt + tokens so far, n = 1, the most tokens any of them may still take; each
+        is cut at its own budget here). True when it was closed early because every running sample was cancelled."""
+        if run.continued == 0:
+            body = self.completion_request(run.prompt, len(pending), run.sampling)
+        else:
+            left = max(run.sampling.max_tokens - len(run.streams[i].token_ids) for i in pending)
+            body = self.completion_request(run.prompt, 1, run.sampling.model_copy(update={"max_tokens": left}))
+            body["prompt"] = [run.prompt + run.streams[i].token_ids for i in pending]
+            if run.sampling.seed is not None:  # the same seed would replay the first request's draws
+                body["seed"] = (run.sampling.seed * 1_000_003 + run.continued) % 2**31
+        if on_sample is None:  # nobody waits for a sample before the group ends: one plain request
+            return self._request(run, pending, body)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        with self.http.stream_events("/v1/completions", body) as events:
+            for chunk in events:
+                if usage := chunk.get("usage"):
+                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                    run.prefill_saved += cached
+                    run.prefill_computed += int(usage.get("prompt_tokens") or 0) - cached
+                for c in chunk.get("choices") or ():
+                    j = int(c.get("index", -1))
+                    if not 0 <= j < len(pending):
+                        raise EngineError(f"rank {self.rank}: vLLM streamed choice {j} of {len(pending)}")
+                    ended = run.streams[pending[j]].add(c, self.rank)
+                    if ended is not None and ended.finish_reason != "abort" and on_sample is not None:
+                        i = pending[j]
+                        on_sample(i, replace(ended, spans=tuple(run.spans[i])) if len(run.spans[i]) > 1 else ended)
+                running = [i for i in pending if run.streams[i].finish is None]
+                if running and all(cancel(i) for i in running):
+                    return True  # leaving the block closes the connection: vLLM aborts the request
+        if any(run.streams[i].finish is None for i in pending):
+            raise EngineError(f"rank {self.rank}: vLLM's stream ended before every sample finished")
+        return False
+
+    def _request(self, run: _GroupRun, pending: list[int], body: dict[str, Any]) -> bool:
+        """`_stream` without streaming: the whole answer at once (samples cut by a pause come back "abort")."""
+        answer = self.http.post("/v1/completions", json=body)
+        usage = answer.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        run.prefill_saved += cached
+        run.prefill_computed += int(usage.get("prompt_tokens") or 0) - cached
+        choices = sorted(answer.get("choices", []), key=lambda c: c["index"])
+        if len(choices) != len(pending):
+            raise EngineError(f"rank {self.rank}: asked vLLM for {len(pending)} samples, got {len(choices)}")
+        for i, c in zip(pending, choices, strict=True):
+            run.streams[i].add(c, self.rank)
+        return False
+
+    def _wait_resumed(self) -> bool:
+        """Samples were cut by the server. Parked by pause("keep"): wait for resume() (True: continue them), unless
+        the engine is paused another way meanwhile or its timeout passes (False). Not parked (a plain abort): False."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._resumed:
+            if not (self._st.paused and self._st.pause_mode == "keep"):
+                return False
+            while self._st.paused:
+                left = deadline - time.monotonic()
+                if self._st.pause_mode != "keep" or left <= 0:
+                    return False
+                self._resumed.wait(timeout=left)
+            return True
 
     # -- pause / sleep ------------------------------------------------------------------------------------------
 
     def pause(self, mode: PauseMode) -> None:
+        """Stop generation: "wait" lets what runs finish, "abort" cuts it short, "keep" parks it (interruptible: the
+        server aborts what it runs, and each cut sample waits in `generate` to continue after `resume`). The engine
+        says it is paused before it asks the server, so a generation cut by this pause always finds itself parked."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be abort|wait|keep, got {mode!r}")
+        with self._resumed:
+            was = (self._st.paused, self._st.pause_mode)
+            self._st.paused, self._st.pause_mode = True, mode
+        try:
+            self._server_pause("abort" if mode == "keep" else mode)
+        except BaseException:
+            with self._resumed:
+                self._st.paused, self._st.pause_mode = was
+            raise
+
+    def resume(self) -> None:
+        self._server_resume()
+        with self._resumed:
+            self._st.paused, self._st.pause_mode = False, None
+            self._resumed.notify_all()
+
+    def _server_pause(self, mode: str) -> None:
         body = self.http.post("/pause", params={"mode": mode})
         if body.get("status") != "paused":
             raise EngineError(f"rank {self.rank}: vLLM /pause answered {body!r}")
-        self._st.paused = True
 
-    def resume(self) -> None:
+    def _server_resume(self) -> None:
         body = self.http.post("/resume")
         if body.get("status") != "resumed":
             raise EngineError(f"rank {self.rank}: vLLM /resume answered {body!r}")
-        self._st.paused = False
 
     @property
     def is_paused(self) -> bool:
@@ -383,11 +523,11 @@ class VllmEngine:
         gated until PolicyPublished)."""
         if not self.is_paused:
             return self._probe()
-        self.resume()
+        self._server_resume()  # the server only: generations parked by pause("keep") stay parked
         try:
             return self._probe()
         finally:
-            self.pause("wait")
+            self._server_pause("wait")
 
     def _probe(self) -> HealthReport:
         try:

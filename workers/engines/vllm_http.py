@@ -6,11 +6,19 @@ validation); `JsonHttp` turns every failure (no answer, a transport error, a non
 JSON object) into an EngineError naming the server kind, the route and the server. `VllmHttp` adds `rpc`, which calls
 `/collective_rpc` on every worker of a vLLM server (the routes of
 `rolledger.workers.vllm_extension.RolledgerWorkerExtension`, which answer one dict per worker and never raise).
+
+Threads: one `JsonHttp` serves a rank's control thread and all its rollout slots at once. Its `httpx.Client` is
+thread-safe (a connection pool under a lock); each request takes a connection of its own from the pool, so requests
+of several slots are in flight together (no lock around a request), and the pool is unbounded so no slot waits for
+another's connection (the connections open are at most the requests in flight: the rank's slots, at most 256, and
+its control thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,6 +26,7 @@ import httpx
 from rolledger.workers.engine import EngineError
 
 DEFAULT_EXTENSION = "rolledger.workers.vllm_extension.RolledgerWorkerExtension"
+_POOL = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # one per request in flight (above)
 
 
 class HttpRouteError(EngineError):
@@ -61,7 +70,7 @@ class JsonHttp:
     def __init__(self, base_url: str, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s, limits=_POOL)
 
     def request(self, method: str, route: str, **kw: Any) -> httpx.Response:
         try:
@@ -86,11 +95,44 @@ class JsonHttp:
     def get(self, route: str, **kw: Any) -> dict[str, Any]:
         return self.request_json("GET", route, **kw)
 
+    @contextlib.contextmanager
+    def stream_events(self, route: str, body: dict[str, Any]) -> Iterator[Iterator[dict[str, Any]]]:
+        """POST `body` (with "stream": true) and yield its server-sent events, each `data:` line's JSON object, up to
+        `[DONE]`. Leaving the block early closes the connection: the server sees the client go and aborts the request
+        (what a first-k group's cancelled samples need). Every failure is an EngineError, as for `request`."""
+        try:
+            with self._client.stream("POST", route, json=body) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise HttpRouteError(
+                        route, self.base_url, resp.status_code, error_message(resp), server=self.server
+                    )
+                yield _sse_objects(resp.iter_lines(), f"{self.server} {route} at {self.base_url}")
+        except httpx.TimeoutException as e:
+            raise EngineError(f"{self.server} {route} at {self.base_url}: no answer within {self.timeout_s}s") from e
+        except httpx.HTTPError as e:
+            raise EngineError(f"{self.server} {route} at {self.base_url}: {type(e).__name__}: {e}") from e
+
     def post(self, route: str, **kw: Any) -> dict[str, Any]:
         return self.request_json("POST", route, **kw)
 
     def close(self) -> None:
         self._client.close()
+
+
+def _sse_objects(lines: Iterator[str], where: str) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, event names
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise EngineError(f"{where}: expected a JSON object per event, got {obj!r:.200}")
+        if "error" in obj and "choices" not in obj:
+            raise EngineError(f"{where}: the stream failed: {obj['error']!r:.300}")
+        yield obj
 
 
 class VllmHttp(JsonHttp):

@@ -1,0 +1,155 @@
+"""Many groups in flight per rank (`rank_slots`): a rank's rollout slots generate several groups at once, and a rank
+killed with several of them in flight loses nothing and counts nothing twice. A real redis-server, the real torch
+engine, and for the kill real `rolledger worker rank` processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+from audit_check import audited_clean
+from test_heartbeats import Run
+from test_run_loop import execute, small
+from test_worker_kill import TERMINAL, _sample_id, _wait_for, _worker
+
+from rolledger.events.store import EventLog
+from rolledger.schemas import events as ev
+
+pytestmark = pytest.mark.slow
+SLOTS = 4
+
+
+def _rank_of(p: ev.Payload) -> int | None:
+    """The rank a sample event names (SampleCancelled names none)."""
+    if isinstance(p, ev.SampleStarted | ev.SampleFailed):
+        return p.rank
+    if isinstance(p, ev.SampleFinished):
+        return p.trajectory.rank
+    return None
+
+
+def _group_of(p: ev.Payload) -> str:
+    if isinstance(p, ev.SampleFinished):
+        return p.trajectory.group_id
+    assert isinstance(p, ev.SampleStarted | ev.SampleFailed | ev.SampleCancelled), p
+    return p.group_id
+
+
+def running_at_once(events: list[ev.Event]) -> dict[int, int]:
+    """Per rank, the most groups it was running at once, from the log alone: a group runs on a rank from its first
+    SampleStarted there to its last terminal sample event (in log order)."""
+    spans: dict[tuple[int, str], list[int]] = {}
+    owner: dict[str, int] = {}  # group -> the rank its samples started on
+    for at, e in enumerate(events):
+        p = e.payload
+        if isinstance(p, ev.SampleStarted):
+            owner.setdefault(p.group_id, p.rank)
+            spans.setdefault((p.rank, p.group_id), [at, at])
+        elif isinstance(p, TERMINAL) and getattr(p, "stage", "rollout") == "rollout":
+            rank = _rank_of(p)
+            key = (owner.get(_group_of(p), -1) if rank is None else rank, _group_of(p))
+            if key in spans:
+                spans[key][1] = at
+    most: Counter[int] = Counter()
+    for (rank, _), (start, _end) in spans.items():
+        inside = sum(1 for (r, _g), (s, e) in spans.items() if r == rank and s <= start <= e)
+        most[rank] = max(most[rank], inside)
+    return dict(most)
+
+
+def ended_once(events: list[ev.Event]) -> Counter[str]:
+    """Terminal rollout events per sample: every started sample must have exactly one."""
+    started = {e.payload.sample_id for e in events if isinstance(e.payload, ev.SampleStarted)}
+    ended = Counter(
+        _sample_id(e.payload)
+        for e in events
+        if isinstance(e.payload, TERMINAL) and getattr(e.payload, "stage", "rollout") == "rollout"
+    )
+    assert started <= set(ended), sorted(started - set(ended))[:5]  # nothing started is left open
+    assert all(c == 1 for c in ended.values()), ended.most_common(3)  # and nothing ends twice
+    return ended
+
+
+def test_a_rank_with_four_slots_runs_several_groups_at_once_and_audits_clean(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    cfg = small(ranks=1, rank_slots=SLOTS, steps=2, trainer={"warm_start_steps": 20, "groups_per_step": SLOTS})
+    events, summary = execute(redis_url, run_id, tmp_path, cfg)
+    assert summary.status == "completed" and summary.steps == 2
+    client = redis.Redis.from_url(redis_url)
+    audited_clean(EventLog(client, run_id).read())
+    client.close()
+    ended_once(events)
+    assert running_at_once(events)[0] > 1  # one rank, several groups between their SampleStarted and last end
+
+
+def test_a_killed_slot_is_replaced_and_its_group_is_closed_once(redis_url: str, run_id: str, tmp_path: Path) -> None:
+    cfg = small(
+        ranks=1,
+        rank_slots=SLOTS,
+        steps=2,
+        trainer={"warm_start_steps": 20, "groups_per_step": SLOTS},
+        recovery={"heartbeat_s": 0.3, "lost_after_s": 1.5},
+    )
+    events, summary = execute(redis_url, run_id, tmp_path, cfg, "kill-worker=rollout@2")
+    assert summary.status == "completed"  # the one rank's killed slot was replaced and the run went on
+    client = redis.Redis.from_url(redis_url)
+    audited_clean(EventLog(client, run_id).read())
+    client.close()
+    ended_once(events)
+    lost = [e.payload for e in events if isinstance(e.payload, ev.SampleFailed)]
+    assert len({p.group_id for p in lost}) == 1 and all("worker lost" in p.error for p in lost)  # the killed group
+    assert running_at_once(events)[0] > 1
+
+
+def test_a_sigkilled_rank_with_several_groups_in_flight_loses_nothing_and_counts_nothing_twice(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    groups = 3 * SLOTS
+    run = Run(redis_url, run_id, tmp_path, groups=groups, rank_slots=SLOTS, max_tokens=24)
+    a = _worker(redis_url, run_id, 0, "A", tmp_path / "a.log")
+    try:
+        # kill A once it has several groups in flight: each holds a pending entry of one of its slots
+        _wait_for(lambda: running_now(run.events(), rank=0) > 1, 120, "rank A to run several groups at once")
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=30)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    in_flight = running_now(run.events(), rank=0)
+    assert in_flight > 1
+    b = _worker(redis_url, run_id, 1, "B", tmp_path / "b.log")
+    try:
+        _wait_for(run.all_terminal, 180, "every sample to reach a terminal event")
+        _wait_for(run.nothing_pending, 60, "the rollout group to have nothing pending")
+    finally:
+        b.send_signal(signal.SIGTERM)
+        try:
+            b.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            b.kill()
+    events = audited_clean(run.log.read())
+    ended = ended_once(events)
+    assert set(ended) == {f"g{g:06d}/{i}" for g in range(groups) for i in range(run.n)}  # nothing lost
+    started = Counter(e.payload.sample_id for e in events if isinstance(e.payload, ev.SampleStarted))
+    assert all(c == 1 for c in started.values()), started.most_common(3)  # never generated twice
+    lost = [e.payload for e in events if isinstance(e.payload, ev.SampleFailed)]
+    assert {p.group_id for p in lost if p.rank == 1} and all("worker lost" in p.error for p in lost)
+    assert len({p.group_id for p in lost}) == in_flight  # B closed each group A had in flight, once
+    run.client.close()
+
+
+def running_now(events: list[ev.Event], rank: int) -> int:
+    """Groups the rank has started and not yet ended, at the log's end."""
+    open_samples: dict[str, set[str]] = {}
+    for e in events:
+        p = e.payload
+        if isinstance(p, ev.SampleStarted) and p.rank == rank:
+            open_samples.setdefault(p.group_id, set()).add(p.sample_id)
+        elif isinstance(p, TERMINAL) and _group_of(p) in open_samples:
+            open_samples[_group_of(p)].discard(_sample_id(p))
+    return sum(1 for samples in open_samples.values() if samples)
