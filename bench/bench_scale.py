@@ -184,6 +184,9 @@ class SimulatedEngine:
     def asleep_level(self) -> int:
         return 0
 
+    def kv_cache_tokens(self) -> int | None:
+        return None
+
     def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
         return {"w": TensorSpec((4,), "float32")}
 

@@ -381,6 +381,7 @@ class SimulatedConfig(ConfigModel):
     lengths: tuple[int, ...] = Field(
         (), description="lengths given per sample: sample i of every group has lengths[i % len]; overrides the above"
     )
+    kv_cache_tokens: int = Field(0, ge=0, description="the KV cache a rank reports, in tokens (0: none reported)")
 
     @field_validator("lengths")
     @classmethod
@@ -398,6 +399,13 @@ class RunConfig(ConfigModel):
     engine: Literal["torch", "vllm", "sglang", "simulated"] = "torch"  # simulated: benchmarks only
     ranks: int = Field(1, ge=1)
     rank_slots: int = Field(1, ge=1, le=256, description="groups one rank generates at once (its rollout slots)")
+    kv_cache_cap: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="a rank starts a group only while the worst case of its groups (n x (prompt + max_tokens) "
+        "tokens each) fits in this fraction of the KV cache its engine reports (vLLM, SGLang, simulated)",
+    )
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     group_size: int = Field(8, ge=1, description="N samples per prompt")
     partial_policy: PartialPolicy = PartialPolicy()

@@ -153,3 +153,43 @@ def running_now(events: list[ev.Event], rank: int) -> int:
         elif isinstance(p, TERMINAL) and _group_of(p) in open_samples:
             open_samples[_group_of(p)].discard(_sample_id(p))
     return sum(1 for samples in open_samples.values() if samples)
+
+
+@pytest.mark.parametrize(("kv_cache_tokens", "at_once"), [(250, 2), (0, 6)], ids=["kv-bounded", "kv-unreported"])
+def test_a_rank_starts_no_more_groups_than_its_engines_kv_cache_holds(
+    redis_url: str, run_id: str, tmp_path: Path, kv_cache_tokens: int, at_once: int
+) -> None:
+    """Six slots, eight groups of 2 samples x (7 prompt + 40 tokens) = 94 tokens at worst each. An engine that
+    reports a KV cache of 250 tokens (cap 0.9: 225) runs two groups at once, never three; one that reports none runs
+    one per slot. The simulated engine (declared token times) stands in for a server whose cache fills."""
+    import copy
+    import threading
+
+    from test_worker_kill import _wait_for as wait_for
+
+    from rolledger.workers.engines.simulated_engine import SimulatedEngine
+    from rolledger.workers.rank import RankWorker
+
+    run = Run(
+        redis_url,
+        run_id,
+        tmp_path,
+        groups=8,
+        max_tokens=40,
+        ranks=1,
+        rank_slots=6,
+        engine="simulated",
+        simulated={"lengths": [40], "time_scale": 0.2, "kv_cache_tokens": kv_cache_tokens},
+    )
+    assert 2 * run.n * (7 + 40) <= 0.9 * 250 < 3 * run.n * (7 + 40) or kv_cache_tokens == 0
+    engine = SimulatedEngine(copy.deepcopy(run.model), run.tok, run.cfg.simulated, rank=0)
+    worker = RankWorker(run.client, run.run_id, 0, engine)
+    thread: threading.Thread = worker.start()
+    try:
+        wait_for(run.all_terminal, 60, "every sample to reach a terminal event")
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    events = run.events()
+    ended_once(events)
+    assert running_at_once(events)[0] == at_once

@@ -156,6 +156,11 @@ class Engine(Protocol):
         """0 when awake (or woken by every tag)."""
         ...
 
+    def kv_cache_tokens(self) -> int | None:
+        """How many tokens the engine's KV cache holds, where the engine reports it (None: unbounded or unknown). A
+        rank keeps the worst case of the groups it runs at once within `kv_cache_cap` of it (workers/rollout.py)."""
+        ...
+
     def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
         """Name -> shape/dtype of the live weights, what staged tensors are validated against."""
         ...

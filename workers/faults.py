@@ -209,6 +209,9 @@ class FaultyEngine:
     def asleep_level(self) -> int:
         return self.inner.asleep_level
 
+    def kv_cache_tokens(self) -> int | None:
+        return self.inner.kv_cache_tokens()
+
     def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
         return self.inner.live_tensor_specs()
 

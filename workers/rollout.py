@@ -17,6 +17,12 @@ that slot's thread without acknowledging its entry; the rank's control thread st
 consumer), and the entry is reclaimed by whichever consumer's XAUTOCLAIM finds it first. A SIGKILLed rank leaves one
 pending entry per busy slot; other ranks reclaim each of them the same way.
 
+KV cache: where the engine reports its KV cache in tokens (vLLM, SGLang, the simulated engine; `kv_cache_tokens`), a
+slot starts a group only if the worst case of the rank's running groups and this one (n x (prompt + max_tokens)
+tokens each) fits in `kv_cache_cap` of it, or nothing runs on the rank: the slots never hand the engine more than
+its cache holds, so it never preempts or recomputes a group of ours. The reservation is bookkeeping under the rank's
+lock, made in the same step as the running count, so two slots cannot both take the last room.
+
 Consumer names: slot 0 is the worker's name (`rank-R`, or `--name`), slot k>0 `NAME/sK`; a replacement thread adds
 `.N` (its N-th thread). A restarted rank process with the same name reads each slot's own pending entries first.
 
@@ -32,6 +38,7 @@ a result that raced past the check is counted by the reducer as a late result, n
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Literal, Self
@@ -130,6 +137,9 @@ class Rollout:
         self.incarnation = 0  # slot threads started so far (the first ones and every replacement)
         self.groups_done = 0  # written under the rank's lock
         self._slots: dict[int, threading.Thread] = {}  # slot -> its thread
+        self.kv_reserved = 0  # KV tokens the running groups may take at most (written under the rank's lock)
+        self._kv_tokens: int | None = None  # the engine's KV cache in tokens (None: it reports none)
+        self._kv_asked = False
         self._starts: dict[int, int] = {}  # slot -> how many threads it has had
 
     def slots(self) -> int:
@@ -159,6 +169,19 @@ class Rollout:
         self._slots[k] = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
         self._slots[k].start()
 
+    def ask_kv_cache(self) -> None:
+        """Ask the engine for its KV cache size once (a slot does, before it takes work: never under the lock)."""
+        if not self._kv_asked:
+            self._kv_tokens, self._kv_asked = self.w.engine.kv_cache_tokens(), True
+
+    def kv_budget(self) -> float:
+        """The KV tokens this rank's running groups may take at most: `kv_cache_cap` of what the engine reports,
+        unbounded where it reports nothing."""
+        cfg = self.w.state.config
+        if self._kv_tokens is None or self._kv_tokens <= 0 or cfg is None:
+            return math.inf
+        return cfg.kv_cache_cap * self._kv_tokens
+
     def claim_ms(self) -> int:
         """How long an entry may go without a heartbeat before this rank reclaims it: the override given to the worker
         (`--claim-idle-ms`), else the run's `recovery.lost_after_s`."""
@@ -181,6 +204,7 @@ class Rollout:
 
     def _main(self, consumer: GroupConsumer) -> None:
         try:
+            self.ask_kv_cache()
             while not self.w.stop_event.is_set():
                 read_at = time.monotonic()  # a delivery resets the entry's idle time: the claim is fresh from here
                 for d in consumer.read(count=1, block_ms=100):
@@ -224,7 +248,11 @@ class Rollout:
             return "wait", []
         if about_to_be_quarantined(self.w.state, self.w.rank, time.time()):
             return "wait", []  # the open update's abort will quarantine this rank: start nothing now
+        need = kv_worst_case(p)
+        if self.w.running and self.kv_reserved + need > self.kv_budget():
+            return "wait", []  # its worst case would not fit beside the groups running: wait for one to end
         self.w.running += 1
+        self.kv_reserved += need
         return "start", []
 
     def _generate_group(self, d: Delivery, consumer: GroupConsumer, read_at: float) -> bool:
@@ -266,6 +294,7 @@ class Rollout:
         finally:
             with self.w.lock:
                 self.w.running -= 1
+                self.kv_reserved -= kv_worst_case(p)
                 self.groups_done += done
                 self.w.lock.notify_all()
 
@@ -385,6 +414,11 @@ class Rollout:
             cache_generation=out.cache_generation,
             graph_generation=out.graph_generation,
         )
+
+
+def kv_worst_case(p: ev.GroupAdmitted) -> int:
+    """The most KV cache tokens a group can take: every sample at its `max_tokens` after the prompt."""
+    return p.n * (len(p.prompt_token_ids) + p.sampling.max_tokens)
 
 
 def may_close_early(p: ev.GroupAdmitted) -> bool:

@@ -103,3 +103,10 @@ def test_the_live_checksums_are_sglangs_own_and_name_a_differing_tensor(sglang_r
         e._verify_live(e._loaded(99, r.model_dir, other))  # weights it does not serve
     assert info.value.tensor in other
     assert {k: v[0] for k, v in expected_checksums(e._st.live.tensors).items()} == live
+
+
+def test_the_engine_reports_the_servers_kv_cache_in_tokens(sglang_rank: SglangRank) -> None:
+    """What a rank keeps its groups' worst case within (`kv_cache_cap`): SGLang's `max_total_num_tokens`."""
+    tokens = sglang_rank.engine.kv_cache_tokens()
+    assert tokens is not None and tokens == int(sglang_rank.engine.http.get("/server_info")["max_total_num_tokens"])
+    assert tokens > 0

@@ -49,6 +49,8 @@ def test_engine_protocol_and_capabilities(vllm_cluster: VllmCluster) -> None:
         assert caps.sleep_levels == ()  # CPU: vLLM refuses --enable-sleep-mode
         assert caps.logprob_mode == "raw"  # the server's default --logprobs-mode raw_logprobs
         assert caps.prefix_cache is True
+        tokens = e.kv_cache_tokens()  # num_gpu_blocks x block_size of the server's cache_config_info metric
+        assert tokens is not None and tokens > 0, tokens
         specs = e.live_tensor_specs()
         base = vllm_cluster.base_state()
         assert set(specs) == set(base)

@@ -152,6 +152,8 @@ class SglangEngine:
         self.device = str(info.get("device", "unknown"))
         self.memory_saver = bool(info.get("enable_memory_saver", False))
         self.prefix_caching = not bool(info.get("disable_radix_cache", False))
+        total = info.get("max_total_num_tokens")  # the KV pool in tokens, where the server says
+        self._kv_tokens = int(total) if isinstance(total, int) and total > 0 else None
         self.model_dir = Path(model_dir if model_dir is not None else str(info.get("model_path", ""))).absolute()
         self.hf_config = _read_config(self.model_dir)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -361,6 +363,10 @@ class SglangEngine:
     @property
     def asleep_level(self) -> int:
         return self._st.asleep_level
+
+    def kv_cache_tokens(self) -> int | None:
+        """The server's KV pool in tokens (`max_total_num_tokens` of /server_info, read at connect), or None."""
+        return self._kv_tokens
 
     # -- weights ------------------------------------------------------------------------------------------------
 

@@ -178,6 +178,10 @@ class SimulatedEngine:
     def asleep_level(self) -> int:
         return self._inner.asleep_level
 
+    def kv_cache_tokens(self) -> int | None:
+        """`simulated.kv_cache_tokens`, the KV cache this rank says it has (None when 0: none reported)."""
+        return self.cfg.kv_cache_tokens or None
+
     @property
     def sim_steps(self) -> float:
         """Decode steps the clock has run (virtual busy time / step_s)."""

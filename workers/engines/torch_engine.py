@@ -478,6 +478,10 @@ class TorchEngine:
         with self._model_lock:
             return self._drop_prefix_cache()
 
+    def kv_cache_tokens(self) -> int | None:
+        """None: the torch engine allocates its KV cache per group, as it decodes."""
+        return None
+
     def weights_digest(self) -> str:
         """state_digest of the live weights, recomputed from the parameters (not a remembered value)."""
         with self._model_lock, self._state:

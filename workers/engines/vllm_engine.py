@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 import threading
 import time
@@ -74,6 +75,17 @@ class _RankState:
     stats: EngineStats = field(default_factory=EngineStats)
 
 
+def kv_cache_tokens(metrics: str) -> int | None:
+    """num_gpu_blocks x block_size from the labels of `vllm:cache_config_info` in a /metrics text, or None."""
+    for line in metrics.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+            if blocks.isdigit() and size.isdigit():
+                return int(blocks) * int(size)
+    return None
+
+
 @dataclass
 class _GroupRun:
     """One generate call's samples as they stream in, across the requests that continue them after interruptions."""
@@ -110,6 +122,7 @@ class VllmEngine:
         self._st = _RankState()
         self._stats_lock = threading.Lock()  # generate runs in several rollout slots at once
         self._resumed = threading.Condition()  # guards paused/pause_mode; notified by resume() (parked samples wait)
+        self._kv_tokens: int | None = None  # kv_cache_tokens, once read (0: the server does not say)
         self._tmp_staging: tempfile.TemporaryDirectory[str] | None = None
         self.facts = server_facts(self.http)
         label = str(self.http.get("/weight_info").get("weight_version", "default"))
@@ -371,6 +384,13 @@ class VllmEngine:
     @property
     def asleep_level(self) -> int:
         return self._st.asleep_level
+
+    def kv_cache_tokens(self) -> int | None:
+        """The server's KV cache in tokens: `num_gpu_blocks` x `block_size` of its `vllm:cache_config_info` metric
+        (vLLM names its CPU blocks so too), read once; None where the server does not say."""
+        if self._kv_tokens is None:
+            self._kv_tokens = kv_cache_tokens(self.http.request("GET", "/metrics").text) or 0
+        return self._kv_tokens or None
 
     # -- weights ------------------------------------------------------------------------------------------------
 
