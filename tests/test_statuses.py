@@ -160,8 +160,9 @@ def golden_log() -> list[ev.Event]:
 # `retired` and `recent_prompts`); then the run config's `sglang_urls` (issue 17); then issue 14: the scheduler's
 # state (frontier, observed lengths, estimate error; `recent_prompts` gone, the digest now leaves out `retired` only),
 # the measured pace (a group's `admitted_at`, an update's `staged_at`, admission's `gen_latency_s`/`step_busy_s`, the
-# trainer's `last_train_s`), and the config's `rank_slots`, `admission.max_wait_rounds` and `simulated` section.
-GOLDEN_DIGEST = "f1995c7dc43c040e6722e45e6c0552f9"
+# trainer's `last_train_s`), and the config's `rank_slots`, `kv_cache_cap`, `admission.max_wait_rounds` and `simulated`
+# section.
+GOLDEN_DIGEST = "8be8167ff4e7dc6f1ac3a3b57663851a"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

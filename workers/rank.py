@@ -14,7 +14,9 @@ The rollout slots (workers/rollout.py: `rank_slots` threads, one group each) gen
 folded state and the running-group count (the groups of all slots): the control thread folds under it, the slots
 read the state under it, and "may I start a group" (a slot) and "report drained / sleep" (control) are decided under
 it on the same state, so a group can never start after this rank reported EnginePaused, and a drain (but a `keep`
-pause, which parks them) waits until no slot runs a group. Faults are not here: a FaultyEngine (workers/faults.py)
+pause, which parks them) waits until no slot runs a group. A `keep` drain still waits until every running group's
+SampleStarted is in the log (`announcing`), so the log never shows a group starting after the rank paused. Faults are
+not here: a FaultyEngine (workers/faults.py)
 wraps the engine when the run has injections for this rank.
 """
 
@@ -38,6 +40,8 @@ from rolledger.workers.transport import read_manifest
 from rolledger.workflows import rank as rd
 from rolledger.workflows.state import RunState
 
+_ANNOUNCE_WITHIN_S = 5.0  # how long a failed prepare's report waits for running groups' SampleStarted
+
 
 class RankWorker(Worker):
     kind = "rank"
@@ -60,6 +64,10 @@ class RankWorker(Worker):
         self.lock = threading.Condition()  # guards follower.state and running; notified after every fold
         self.follower = Follower(self.log, self.lock)
         self.running = 0  # groups the rollout slots are generating (written under the lock)
+        self.announcing = 0  # of those, started but their SampleStarted not yet in the log (written under the lock)
+        # no group starts until the follower has folded this stream id ("" : until it is set; None: no hold); set
+        # around this rank's own RankPrepareFailed, which the coordinator answers by quarantining the rank
+        self.starts_held_through: str | None = None
         self._staged: int | None = None  # the version the engine holds staged
         self._failed_load: int | None = None  # the version a rejoin/reload last failed on
         self.rollout = Rollout(self, claim_idle_ms)
@@ -124,6 +132,8 @@ class RankWorker(Worker):
             case rd.ReportDrained(mode=mode):
                 with self.lock:  # may_serve is false on this state, and it cannot change before we fold again
                     if self.running and mode != "keep":
+                        return False
+                    if self.announcing:  # keep parks running groups, but each must be in the log before the pause
                         return False
                 if not self.engine.is_paused:
                     self.engine.pause(mode)
@@ -207,20 +217,20 @@ class RankWorker(Worker):
             )
         except StagingError as exc:
             phase = "transfer" if exc.kind in ("unreadable", "truncated", "transport") else "prepare"
-            self.emit(
+            self._prepare_failed(
                 ev.RankPrepareFailed(
                     version=a.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)
                 ),
-                cause=a.cause,
+                a.cause,
             )
             return
         except Exception as exc:  # noqa: BLE001 - the engine refused (shape/dtype) or anything else: fail closed
             tensor = exc.tensor if isinstance(exc, WeightValidationError) else None
-            self.emit(
+            self._prepare_failed(
                 ev.RankPrepareFailed(
                     version=a.version, rank=self.rank, phase="prepare", tensor=tensor, reason=str(exc)
                 ),
-                cause=a.cause,
+                a.cause,
             )
             return
         self._staged = a.version
@@ -234,6 +244,22 @@ class RankWorker(Worker):
             ),
             cause=a.cause,
         )
+
+    def _prepare_failed(self, failed: ev.RankPrepareFailed, cause: str) -> None:
+        """Report a failed prepare so that no group of this rank shows in the log after the quarantine that answers
+        it: starts are held from now until the follower has folded the report (the rollout then sees the failure,
+        `about_to_be_quarantined`), and the groups already started are announced (SampleStarted in the log) first."""
+        with self.lock:
+            self.starts_held_through = ""
+            deadline = time.monotonic() + _ANNOUNCE_WITHIN_S
+            while self.announcing and time.monotonic() < deadline:
+                self.lock.wait(timeout=0.05)  # woken by each announcement
+        try:
+            self.emit(failed, cause=cause)
+        finally:
+            with self.lock:
+                self.starts_held_through = self.emitter.last_id
+                self.lock.notify_all()
 
     def _commit(self, a: rd.Commit) -> None:
         started = time.perf_counter()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, Self
 
 import redis
@@ -52,6 +53,7 @@ from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.workers.engine import EngineCapabilities, GroupOutput, SampleOutput
 from rolledger.workers.runtime import WorkerKilled
+from rolledger.workers.shared_tail import order
 from rolledger.workflows.rank import may_serve
 from rolledger.workflows.update import about_to_be_quarantined
 
@@ -246,12 +248,18 @@ class Rollout:
             self.w.state, self.w.rank, live_version=self.w.engine.policy_version, incarnation=self.w.incarnation
         ):
             return "wait", []
+        held = self.w.starts_held_through
+        if held is not None:
+            if held == "" or order(self.w.follower.last_id) < order(held):
+                return "wait", []  # this rank reported a failed prepare that its follower has not folded yet
+            self.w.starts_held_through = None
         if about_to_be_quarantined(self.w.state, self.w.rank, time.time()):
             return "wait", []  # the open update's abort will quarantine this rank: start nothing now
         need = kv_worst_case(p)
         if self.w.running and self.kv_reserved + need > self.kv_budget():
             return "wait", []  # its worst case would not fit beside the groups running: wait for one to end
         self.w.running += 1
+        self.w.announcing += 1
         self.kv_reserved += need
         return "start", []
 
@@ -286,19 +294,29 @@ class Rollout:
             consumer.ack(d.stream_id)
             return True
         done = False
+        announced = [False]
+
+        def announce() -> None:  # its SampleStarted is in the log (or never will be): a keep drain may report
+            with self.w.lock:
+                if not announced[0]:
+                    announced[0] = True
+                    self.w.announcing -= 1
+                    self.w.lock.notify_all()
+
         try:
-            self._run(d, p, beat)
+            self._run(d, p, beat, announce)
             consumer.ack(d.stream_id)
             done = True
             return True
         finally:
+            announce()
             with self.w.lock:
                 self.w.running -= 1
                 self.kv_reserved -= kv_worst_case(p)
                 self.groups_done += done
                 self.w.lock.notify_all()
 
-    def _run(self, d: Delivery, p: ev.GroupAdmitted, beat: Heartbeat) -> None:
+    def _run(self, d: Delivery, p: ev.GroupAdmitted, beat: Heartbeat, announce: Callable[[], None]) -> None:
         engine, rank = self.w.engine, self.w.rank
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
         version, digest = engine.policy_version, engine.weights_digest()
@@ -320,6 +338,7 @@ class Rollout:
                 for i in range(p.n)
             ]
         )
+        announce()
         started = time.perf_counter()
 
         def should_cancel(_: int) -> bool:
@@ -356,7 +375,10 @@ class Rollout:
             )
             return
         gen_ms = (time.perf_counter() - started) * 1e3
-        emit(*self._results(p, out, gen_ms, skip=streamed))
+        # a sample without spans ran on one version: the one the group started on (its SampleStarted stamp), not the
+        # one serving when the group ended (an interruptible group spans a commit; its early samples ended before it)
+        started_on = GroupOutput(out.samples, version, digest, out.cache_generation, out.graph_generation)
+        emit(*self._results(p, started_on, gen_ms, skip=streamed))
 
     def _results(self, p: ev.GroupAdmitted, out: GroupOutput, gen_ms: float, skip: set[int]) -> list[ev.Payload]:
         results: list[ev.Payload] = []
