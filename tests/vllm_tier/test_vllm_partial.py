@@ -28,21 +28,22 @@ from .conftest import PROMPT, free_port, skip_reason, vllm_import_error
 
 pytestmark = pytest.mark.vllm
 
-MAX_TOKENS = 2000
-# wide enough that a decode step takes milliseconds on a CPU: the server cannot outrun the client by a whole sample
+MAX_TOKENS = 600
+# big enough that a decode step takes tens of milliseconds on a CPU: the server cannot outrun the client by a whole
+# sample, even on a loaded machine (a tiny model finished 2,000 tokens before a pause 20 streamed tokens in could land)
 _ENDLESS = ModelConfig(
     dtype="bfloat16",
     max_position_embeddings=2048,
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
 )
 
 
 def _endless_checkpoint(directory: Path) -> Path:
-    """A small Qwen2 with 2,048 positions that never ends a sample: the EOS row of the tied embedding is zero and the
+    """A Qwen2 of about 100M parameters with 2,048 positions that never ends a sample: the EOS row of the tied embedding is zero and the
     others are scaled by 50, so a token's own logit dwarfs EOS's."""
     import torch
 
