@@ -673,6 +673,14 @@ def test_a_rank_that_rejoins_during_an_update_it_is_not_part_of_starts_nothing_u
     sim.coordinator()  # committed
     assert UpdateStatus(sim.state.updates[2].status).is_decided_commit
     assert not rd.may_serve(sim.state, 1, live_version=0)
+    while sim.state.policy_version < 2:  # rank 0 swaps and probes, the coordinator publishes v2
+        sim.rank_turn(0)
+        sim.coordinator()
+    # published, and the coordinator has not yet sent rank 1 (still on v0) to reload: it is behind, so it starts
+    # nothing (CI: a group it started here landed after that RankQuarantined, invariant 4)
+    assert sim.state.open_update is None and sim.state.ranks[1].status == EngineStatus.AWAKE
+    assert sim.state.ranks[1].committed_version == 0
+    assert not rd.may_serve(sim.state, 1, live_version=0)
     settle(sim)
     v = sim.state.policy_version
     assert v >= 2 and sim.engines[1].version == v and rd.may_serve(sim.state, 1, live_version=v)

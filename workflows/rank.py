@@ -284,6 +284,10 @@ def may_serve(state: RunState, rank: int, live_version: int | None = None, incar
         return False
     if live_version is not None and live_version != me.committed_version:
         return False
+    if me.committed_version < state.policy_version and state.open_update is None:
+        # behind the published version (it rejoined on an older one while an update it was not part of ran): the
+        # coordinator sends it to reload, and a group started first would land after that quarantine (invariant 4)
+        return False
     return not _held(state, rank) and not _sleep_due(state, me)
 
 
