@@ -27,10 +27,15 @@ Configurations (admission's rate throttle off in all: the lag cap is the bound o
   one-step-off    max_lag = 1: the next batch generates while the trainer trains on this one; drain "wait" (an
                   update waits for the generations in flight).
   async           max_lag = --lag-cap (4): generation runs up to 4 versions ahead; drain "wait".
+  async+srgf+i    max_lag = --lag-cap, scheduler "srgf" (shortest estimated group first, fairness bound
+                  admission.max_wait_rounds), and interruptible generation (update.drain_mode "keep": in-flight
+                  samples park during the update and continue under the new version, each token stamped with its
+                  version), and the trainer trains step s+1 beside the open update of step s
+                  (trainer.overlap_update); every sample of a group is trained on.
   async+srgf+kN+i max_lag = --lag-cap, scheduler "srgf" (shortest estimated group first, fairness bound
                   admission.max_wait_rounds), partial_policy first_k k=6 of 8 (the stragglers are cancelled), and
                   interruptible generation (update.drain_mode "keep": in-flight samples park during the update and
-                  continue under the new version, each token stamped with its version).
+                  continue under the new version, each token stamped with its version), with the overlap above.
 
 Measured from each run's log (window: first GroupAdmitted to last BatchConsumed): trained samples per second
 (BatchConsumed) and its ratio to synchronous, trainer-idle fraction (1 - simulated train time / window), rollout-idle
@@ -91,6 +96,8 @@ class Measured:
     wasted: int
     generated: int
     dropped: int
+    first_batch_s: float  # first GroupAdmitted to the first BatchConsumed: the trainer waits for a whole batch
+    update_s: float  # mean UpdateStaged to PolicyPublished: the trainer's wait for each update it staged
 
     @property
     def per_s(self) -> float:
@@ -135,12 +142,20 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "synchronous": {"admission": {"max_lag": 0}},
     "one-step-off": {"admission": {"max_lag": 1}},
     "async": {"admission": {"max_lag": "CAP"}},
+    "async+srgf+i": {
+        "admission": {"max_lag": "CAP"},
+        "scheduler": "srgf",
+        "interruptible": True,
+        "update": {"drain_mode": "keep"},
+        "trainer": {"overlap_update": True},
+    },
     "async+srgf+kN+i": {
         "admission": {"max_lag": "CAP"},
         "scheduler": "srgf",
         "partial_policy": {"kind": "first_k", "k": 6},
         "interruptible": True,
         "update": {"drain_mode": "keep"},
+        "trainer": {"overlap_update": True},
     },
 }
 
@@ -157,6 +172,7 @@ def simulated_trainer(url: str, run_id: str, train_s: float, stop: threading.Eve
                 raise SystemExit(f"{run_id}: the ranks did not join")
             client.follow(block_ms=100)
         model, _ = load_policy(client.model_dir)
+        overlap = client.config.trainer.overlap_update
         first = next(iter(model.parameters()))
         while (batch := client.next_batch(policy_weights(model))) is not None:
             client.agreement(batch, [list(t.logprobs) for t in batch.on_policy_trajectories])  # not measured
@@ -169,7 +185,8 @@ def simulated_trainer(url: str, run_id: str, train_s: float, stop: threading.Eve
                 loss=0.0, reward_mean=statistics.fmean(batch.rewards), max_seq_ratio=1.0, clipped_frac=0.0
             )
             try:
-                client.publish(batch, policy_weights(model), stats, train_ms=took_ms)
+                # beside an open update (overlap_update) publish returns once recorded: the next step trains now
+                client.publish(batch, policy_weights(model), stats, train_ms=took_ms, wait=not overlap)
             except UpdateFailed as e:
                 print(f"  {run_id}: step {batch.step}: {e}", flush=True)
 
@@ -234,6 +251,12 @@ def measure(name: str, events: list[ev.Event], engines: list[Any], ranks: int) -
         elif isinstance(p, ev.SampleFinished | ev.SampleCancelled | ev.SampleFailed):
             gid = p.trajectory.group_id if isinstance(p, ev.SampleFinished) else p.group_id
             end[gid] = max(end.get(gid, 0.0), e.wall_time)
+    staged = {e.payload.version: e.wall_time for e in events if isinstance(e.payload, ev.UpdateStaged)}
+    opened = [
+        e.wall_time - staged[e.payload.version]
+        for e in events
+        if isinstance(e.payload, ev.PolicyPublished) and e.payload.version in staged
+    ]
     busy = [
         union_s([(t, end[g]) for g, (r, t) in start.items() if r == rank and g in end], lo, hi) / window
         for rank in range(ranks)
@@ -251,6 +274,8 @@ def measure(name: str, events: list[ev.Event], engines: list[Any], ranks: int) -
         wasted=sum(e.tokens_wasted for e in sims),
         generated=sum(e.stats.generated_tokens for e in sims),
         dropped=sum(1 for e in events if isinstance(e.payload, ev.TrajectoryDropped)),
+        first_batch_s=min(e.wall_time for e in consumed) - lo,
+        update_s=statistics.fmean(opened) if opened else 0.0,
     )
 
 
@@ -342,12 +367,13 @@ def main() -> None:
         print(
             f"\n{'configuration':<17}{'window s':>9}{'trained':>8}{'samples/s':>10}{'vs sync':>8}{'trainer idle':>13}"
             f"{'rollout idle':>13}{'lag mean':>9}{'lag max':>8}{'wasted tok':>11}{'of generated':>13}{'dropped':>8}"
+            f"{'1st batch s':>12}{'update s':>9}"
         )
         for r in results:
             print(
                 f"{r.name:<17}{r.window_s:>9.1f}{r.trained:>8}{r.per_s:>10.2f}{r.per_s / sync.per_s:>7.2f}x"
                 f"{r.trainer_idle:>13.1%}{r.rollout_idle:>13.1%}{r.lag_mean:>9.2f}{r.lag_max:>8}{r.wasted:>11}"
-                f"{r.wasted / max(1, r.generated):>13.1%}{r.dropped:>8}"
+                f"{r.wasted / max(1, r.generated):>13.1%}{r.dropped:>8}{r.first_batch_s:>12.2f}{r.update_s:>9.3f}"
             )
         best = max(results[1:], key=lambda r: r.per_s, default=sync)
         cap = args.lag_cap if best.name.startswith("async") else (1 if best.name == "one-step-off" else 0)

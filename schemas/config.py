@@ -194,6 +194,13 @@ class TrainerConfig(ConfigModel):
         description="median |trainer - engine| logprob on on-policy tokens above which the weights did not arrive: "
         "the trainer halts the run instead of training (float32 engines agree to ~1e-7; raise it for bf16 engines)",
     )
+    overlap_update: bool = Field(
+        False,
+        description="disaggregated only: plan and train step s+1 while the update of step s is still open (staged "
+        "but not published), recording it once that update closes; the trainer no longer idles through each update, "
+        "but its weights are then never the serving ones when it plans, so the agreement gate measures nothing "
+        "(no sample is on-policy) and lags are counted against the open version",
+    )
 
 
 class UpdateConfig(ConfigModel):
@@ -436,6 +443,11 @@ class RunConfig(ConfigModel):
         k = self.partial_policy.k
         if k is not None and k > self.group_size:
             raise ValueError(f"partial_policy.k={k} exceeds group_size={self.group_size}")
+        if self.trainer.overlap_update and self.mode != "disaggregated":
+            raise ValueError(
+                "trainer.overlap_update needs mode = 'disaggregated' (colocated, the trainer has the "
+                "devices only while every engine sleeps)"
+            )
         return self
 
     @classmethod

@@ -229,3 +229,24 @@ def test_stale_weights_are_still_caught_with_processed_logprobs(redis_url: str, 
     events, summary = execute(redis_url, run_id, tmp_path, cfg, "stale-weights=0")
     assert summary.status == "failed"
     assert "logprob agreement lost on v1" in of(events, ev.RunFinished)[-1].reason
+
+
+def test_with_overlap_update_every_step_is_recorded_only_after_the_update_before_it_closed(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """trainer.overlap_update: the built-in trainer plans and trains step s+1 while v_s's transaction is still open,
+    and records it (BatchConsumed .. UpdateStaged) only once that transaction closed, so no update is ever superseded
+    and every one commits; lags recorded against the open version keep the cap on the published one (the audit's
+    invariant 5 recomputes them from the tokens' versions)."""
+    cfg = small(steps=4, trainer={"warm_start_steps": 5, "groups_per_step": 1, "overlap_update": True})
+    events, summary = execute(redis_url, run_id, tmp_path, cfg)
+    assert summary.status == "completed" and summary.updates_committed == 4
+    assert not of(events, ev.UpdateAborted)
+    closed: dict[int, int] = {}  # version -> index of its PolicyPublished
+    for i, e in enumerate(events):
+        if isinstance(e.payload, ev.PolicyPublished):
+            closed[e.payload.version] = i
+        elif isinstance(e.payload, ev.UpdateStaged) and e.payload.version > 1:
+            assert e.payload.version - 1 in closed, f"v{e.payload.version} staged while v{e.payload.version - 1} open"
+    report = audit(events)
+    assert report.ok, report.render()

@@ -16,10 +16,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder, default_config
+from pydantic import ValidationError
 
 from rolledger.events.envelope import make_event
 from rolledger.events.lease import LeaderLease
@@ -35,8 +37,17 @@ from rolledger.workflows.admission import AdmissionInputs
 from rolledger.workflows.coordinator import decide, decide_terminal
 from rolledger.workflows.handoff import engines_asleep
 from rolledger.workflows.reducer import replay
-from rolledger.workflows.state import RunState
-from rolledger.workflows.trainer import TrainPlan, Wait, WaitReason, group_lag, plan_step, refusal
+from rolledger.workflows.state import RunState, group_lag, group_version
+from rolledger.workflows.trainer import (
+    TrainPlan,
+    Wait,
+    WaitReason,
+    may_record,
+    next_version,
+    overlaps_update,
+    plan_step,
+    refusal,
+)
 
 MOVES = st.sampled_from(["group"] * 3 + ["train"] * 3 + ["publish"] * 2 + ["abort", "sleep", "wake"])
 
@@ -72,7 +83,7 @@ def check_plan(state: RunState, plan: TrainPlan | Wait) -> None:
     cfg = state.config
     assert cfg is not None
     assert plan == plan_step(copy.deepcopy(state)), "the same state gives the same plan"
-    if state.open_update is not None:
+    if state.open_update is not None and not overlaps_update(state):
         assert plan == Wait(WaitReason.UPDATE_OPEN) or (isinstance(plan, Wait) and plan.reason.is_final)
     if cfg.mode == "colocated" and not engines_asleep(state):
         assert isinstance(plan, Wait)
@@ -81,15 +92,18 @@ def check_plan(state: RunState, plan: TrainPlan | Wait) -> None:
     assert plan.step == state.trainer.step + 1
     assert plan.version > max([*state.updates, state.policy_version]), "a new number, never an aborted one again"
     assert plan.base_version == state.policy_version
-    ready = sorted(g.group_id for g in state.ready_groups())
-    selected = ready[: cfg.trainer.groups_per_step]
+    # the oldest tokens first, then admission order: the group nearest the lag cap is never passed over
+    ready = [g.group_id for g in sorted(state.ready_groups(), key=lambda g: (group_version(g), g.group_id))]
+    selected = sorted(ready[: cfg.trainer.groups_per_step])
     consumed = list(plan.batch.group_ids) if plan.batch is not None else []
     assert sorted([d.group_id for d in plan.drops] + consumed) == selected
+    # beside an open update (overlap_update) lags count against the open version: what may be published first
+    ahead = state.open_update.version - state.policy_version if state.open_update is not None else 0
     for d in plan.drops:  # drops exactly the selected groups over the cap, with their lag
-        assert d.lag == group_lag(state, state.groups[d.group_id]) > cfg.admission.max_lag
+        assert d.lag == group_lag(state, state.groups[d.group_id]) + ahead > cfg.admission.max_lag
     if plan.batch is not None:
         for gid, lag in zip(plan.batch.group_ids, plan.batch.lags, strict=True):
-            assert lag == group_lag(state, state.groups[gid]) <= cfg.admission.max_lag
+            assert lag == group_lag(state, state.groups[gid]) + ahead <= cfg.admission.max_lag
         assert len(plan.rewards) == len(plan.batch.trajectory_ids)
         assert set(plan.on_policy) <= set(plan.batch.trajectory_ids)
 
@@ -97,30 +111,45 @@ def check_plan(state: RunState, plan: TrainPlan | Wait) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     colocated=st.booleans(),
+    overlap=st.booleans(),
     max_lag=st.integers(0, 2),
     per_step=st.integers(1, 3),
     moves=st.lists(MOVES, min_size=15, max_size=60),
 )
 def test_the_trainer_plans_only_what_its_state_allows_and_never_twice(
-    colocated: bool, max_lag: int, per_step: int, moves: list[str]
+    colocated: bool, overlap: bool, max_lag: int, per_step: int, moves: list[str]
 ) -> None:
+    """With `trainer.overlap_update` (disaggregated only) a step is planned beside the open update of the last one
+    and recorded once that update closes (`may_record`); its recorded lags are then never below the true ones."""
+    overlap = overlap and not colocated
     b = LogBuilder(
         mode="colocated" if colocated else "disaggregated",
         steps=8,
         admission={"max_lag": max_lag, "max_queued_bytes": 10**9},
-        trainer={"groups_per_step": per_step},
+        trainer={"groups_per_step": per_step, "overlap_update": overlap},
     )
     b.start_run()
     staged: list[int] = []
     steps_taken: list[int] = []
+    pending: TrainPlan | None = None  # planned and trained beside an open update, not yet recorded
+    overlapped = 0
     for move in moves:
         state = replay(b.build())
+        if pending is not None and may_record(state):
+            if pending.batch is not None:
+                staged.append(pending.version)
+                steps_taken.append(pending.step)
+            state, pending = record(b, pending), None
         plan = plan_step(state)
         check_plan(state, plan)
         v = open_version(state)
         if move == "group" and not state.admission.paused:
             b.group()
-        elif move == "train" and isinstance(plan, TrainPlan):
+        elif move == "train" and isinstance(plan, TrainPlan) and pending is None:
+            if not may_record(state):
+                assert overlap and overlaps_update(state)
+                pending, overlapped = plan, overlapped + 1
+                continue
             plan_events(b, plan)
             after = replay(b.build())
             assert after.anomalies == [], after.anomalies
@@ -158,6 +187,7 @@ def test_the_trainer_plans_only_what_its_state_allows_and_never_twice(
     event(
         f"steps taken: {min(len(steps_taken), 3)}+, aborted: {any(u.status == 'aborted' for u in replay(b.build()).updates.values())}"
     )
+    event(f"steps planned beside an open update: {min(overlapped, 2)}+")
     events = b.build()
     final = replay(events)
     assert final.anomalies == [], final.anomalies
@@ -169,6 +199,67 @@ def test_the_trainer_plans_only_what_its_state_allows_and_never_twice(
         plan = plan_step(prefix)
         if isinstance(plan, TrainPlan) and plan.batch is not None:
             assert plan.step == prefix.trainer.step + 1 and plan.version not in prefix.updates
+
+
+def record(b: LogBuilder, plan: TrainPlan) -> RunState:
+    """Record a step planned beside an update that has now closed: its lags never understate the true ones (the
+    update may have published since the plan), and the step and version are still the next ones."""
+    state = replay(b.build())
+    assert plan.batch is not None or plan.drops
+    for gid, lag in zip(plan.batch.group_ids if plan.batch else (), plan.batch.lags if plan.batch else (), strict=True):
+        g = state.groups[gid]
+        assert state.config is not None and group_lag(state, g) <= lag <= state.config.admission.max_lag
+    assert plan.step == state.trainer.step + 1 and plan.version == next_version(state)
+    plan_events(b, plan)
+    after = replay(b.build())
+    assert after.anomalies == [], after.anomalies
+    return after
+
+
+def test_with_overlap_the_next_step_is_planned_beside_the_open_update_and_recorded_after_it_closes() -> None:
+    """Step 1 staged v1 and its update is open. Without overlap_update the trainer waits (UPDATE_OPEN); with it, step
+    2 is planned now, over a group generated on v0 whose lag counts against v1 (1, within the cap of 1), and may be
+    recorded only once v1 closes. A group whose lag against v1 would pass the cap is dropped, though v0 is still
+    published."""
+    for overlap in (False, True):
+        b = LogBuilder(steps=4, admission={"max_lag": 1}, trainer={"groups_per_step": 1, "overlap_update": overlap})
+        b.start_run().group()
+        first = plan_step(replay(b.build()))
+        assert isinstance(first, TrainPlan)
+        plan_events(b, first)
+        b.group()
+        state = replay(b.build())
+        assert state.open_update is not None and state.open_update.version == 1 and state.policy_version == 0
+        plan = plan_step(state)
+        if not overlap:
+            assert plan == Wait(WaitReason.UPDATE_OPEN)
+            continue
+        assert isinstance(plan, TrainPlan) and plan.batch is not None
+        assert (plan.step, plan.version, plan.base_version, plan.weights_version) == (2, 2, 0, 1)
+        assert plan.batch.lags == (1,) and plan.on_policy == ()  # nothing was generated on v1, the trainer's weights
+        assert not may_record(state)
+        b.request_prepare(1).prepare(1, 0).pause(AdmissionReason.UPDATE).commit(1).commit_rank(1, 0).publish(1)
+        b.resume(AdmissionReason.UPDATE)
+        after = replay(b.build())
+        assert may_record(after) and after.policy_version == 1
+        fresh = plan_step(after)  # planned now, the same groups have the same lags: v1's were counted already
+        assert isinstance(fresh, TrainPlan) and fresh.batch is not None and fresh.batch.lags == plan.batch.lags
+        plan_events(b, plan)
+        assert replay(b.build()).anomalies == []
+    strict = LogBuilder(steps=4, admission={"max_lag": 0}, trainer={"groups_per_step": 1, "overlap_update": True})
+    strict.start_run().group()
+    first = plan_step(replay(strict.build()))
+    assert isinstance(first, TrainPlan)
+    plan_events(strict, first)
+    strict.group()
+    dropped = plan_step(replay(strict.build()))
+    assert isinstance(dropped, TrainPlan) and dropped.batch is None
+    assert [(d.lag, d.reason) for d in dropped.drops] == [(1, "lag")]
+
+
+def test_overlap_update_is_refused_for_a_colocated_run() -> None:
+    with pytest.raises(ValidationError, match="trainer.overlap_update needs mode = 'disaggregated'"):
+        default_config(mode="colocated", trainer={"overlap_update": True})
 
 
 def test_a_second_staging_of_a_version_is_an_anomaly() -> None:

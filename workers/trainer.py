@@ -4,7 +4,8 @@ path any user's training loop takes.
 Per step: `next_batch` (the decider's plan, with the weights' lineage checked), the trainer's logprobs of the
 on-policy tokens in each trajectory's mode (`token_logprobs`) through the `agreement` gate, one GRPO optimizer step,
 and `publish` (staged with its manifest and recorded as one batch under the step's single-writer keys; the next
-`next_batch` waits while the update is open). It keeps nothing the reducer knows. Faults wrap `train`
+`next_batch` waits while the update is open; with `trainer.overlap_update` it trains the next step beside it
+and `publish` records that step once the update closes). It keeps nothing the reducer knows. Faults wrap `train`
 (workers/faults.py).
 
 The model object is the trainer's weights; a respawned trainer in this process shares it and, like a restarted

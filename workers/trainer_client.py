@@ -64,6 +64,7 @@ from rolledger.workflows.trainer import (
     TrainPlan,
     Wait,
     lineage,
+    may_record,
     may_train,
     next_version,
     plan_step,
@@ -426,12 +427,27 @@ class TrainerClient:
             tensors=len(staged.manifest.tensors),
             parent_weights_digest=batch.parent_digest,
         )
+        self._wait_recordable(plan.version)
         if self._append([*plan.drops, plan.batch, done, update], plan.once_keys):
             for tid in plan.batch.trajectory_ids:
                 self.trajectories.pop(tid, None)
         if wait:
             self.wait_published(plan.version, timeout_s=timeout_s)
         return plan.version
+
+    def _wait_recordable(self, version: int) -> None:
+        """A step planned beside its last update (`trainer.overlap_update`) is recorded once that update closes
+        (`may_record`); RunOver when the run ends first. The deadline: the open update's own, plus slack."""
+        u = self.config.update
+        deadline = time.monotonic() + u.prepare_deadline_s + u.drain_deadline_s + u.commit_deadline_s + 30.0
+        while True:
+            self.follow()
+            state = self.follower.state
+            if may_record(state):
+                return
+            if state.status.is_terminal:
+                raise RunOver(f"the run ended ({state.status}) before v{version} could be recorded")
+            self._wait(deadline, f"the close of the update before v{version}")
 
     def wait_published(self, version: int, *, timeout_s: float | None = None) -> int:
         """Wait for the update of `version` to resolve: return it once published, UpdateFailed when it aborted,

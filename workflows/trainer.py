@@ -4,9 +4,11 @@ Owns every decision the trainer takes; `workers/trainer.py` only does what a pla
 trajectories, measure the logprob gap, train, stage, append).
 
 - `plan_step(state) -> TrainPlan | Wait`: the next step, or why there is none. It waits while the run is not running,
-  after a refused step, once the last step is taken, while an update is open (at most one transaction in flight), in
-  colocated mode while any engine is awake, and while fewer than `groups_per_step` groups are ready. Otherwise it
-  takes the oldest `groups_per_step` ready groups (by group id), drops those over the lag cap (the second check after
+  after a refused step, once the last step is taken, while an update is open (at most one transaction in flight;
+  with `trainer.overlap_update` the next step is planned and trained beside its own last update, and recorded once
+  that closes: `overlaps_update`, `may_record`, `lag_base`), in colocated mode while any engine is awake, and while
+  fewer than `groups_per_step` groups are ready. Otherwise it
+  takes the oldest `groups_per_step` ready groups (by the version of their oldest tokens, then group id), drops those over the lag cap (the second check after
   admission's; lag = published version - the group's oldest version), and plans the step over the rest: the step
   number (`trainer.step + 1`), the version it will stage (`next_version`: one past every version ever staged or
   published, so an aborted number is never reused), the version the trainer's weights are (`weights_version`), the
@@ -33,7 +35,7 @@ from enum import StrEnum
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus, SampleStatus
 from rolledger.workflows.handoff import engines_asleep
-from rolledger.workflows.state import GroupState, RunState, group_lag, group_version
+from rolledger.workflows.state import GroupState, RunState, group_version
 
 
 class WaitReason(StrEnum):
@@ -115,6 +117,34 @@ def versions_to_keep(state: RunState) -> frozenset[int]:
     return frozenset(keep)
 
 
+def overlaps_update(state: RunState) -> bool:
+    """Does the trainer plan its next step while its last update is open (`trainer.overlap_update`)? Only over an
+    update of its own last staged version: one step training beside one transaction, never two transactions."""
+    cfg, u = state.config, state.open_update
+    return (
+        cfg is not None
+        and cfg.trainer.overlap_update
+        and cfg.mode == "disaggregated"
+        and u is not None
+        and u.version == weights_version(state)
+    )
+
+
+def may_record(state: RunState) -> bool:
+    """May a planned step be recorded (its BatchConsumed and UpdateStaged appended) now? Not while an update is
+    open: a newer UpdateStaged would supersede it (workflows/update.py aborts the older), so a step planned beside
+    an open update (`overlaps_update`) waits for it to close."""
+    return state.open_update is None
+
+
+def lag_base(state: RunState) -> int:
+    """The version a planned step's lags are counted against: the published one, or, planning beside an open update,
+    that update's version (it may be published before the step is recorded; if it aborts, the recorded lag is one
+    more than the true one: the bound holds either way)."""
+    u = state.open_update
+    return max(state.policy_version, u.version) if u is not None and overlaps_update(state) else state.policy_version
+
+
 def wait_reason(state: RunState) -> WaitReason | None:
     """Why the trainer has no step now, None when it has one."""
     cfg = state.config
@@ -124,7 +154,7 @@ def wait_reason(state: RunState) -> WaitReason | None:
         return WaitReason.REFUSED
     if state.trainer.step >= cfg.steps:
         return WaitReason.LAST_STEP_TAKEN
-    if state.open_update is not None:
+    if state.open_update is not None and not overlaps_update(state):
         return WaitReason.UPDATE_OPEN
     if cfg.mode == "colocated" and not engines_asleep(state):
         return WaitReason.ENGINES_AWAKE  # colocated: the trainer's turn comes only while every engine sleeps
@@ -140,11 +170,13 @@ def plan_step(state: RunState) -> TrainPlan | Wait:
         return Wait(why)
     cfg = state.config
     assert cfg is not None  # wait_reason checked it
-    selected = sorted(state.ready_groups(), key=lambda g: g.group_id)[: cfg.trainer.groups_per_step]
+    # the oldest tokens first (then admission order): a group nearest the lag cap is trained before it passes it
+    selected = sorted(state.ready_groups(), key=lambda g: (group_version(g), g.group_id))[: cfg.trainer.groups_per_step]
     drops: list[ev.TrajectoryDropped] = []
     kept: list[GroupState] = []
+    base = lag_base(state)
     for g in selected:
-        lag = group_lag(state, g)
+        lag = base - group_version(g)
         if lag > cfg.admission.max_lag:
             drops.append(
                 ev.TrajectoryDropped(group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason="lag", lag=lag)
@@ -160,7 +192,7 @@ def plan_step(state: RunState) -> TrainPlan | Wait:
         step=step,
         group_ids=tuple(g.group_id for g in kept),
         versions=tuple(group_version(g) for g in kept),
-        lags=tuple(group_lag(state, g) for g in kept),
+        lags=tuple(base - group_version(g) for g in kept),
         trajectory_ids=trajectory_ids,
         bytes=sum(g.bytes for g in kept),
     )
