@@ -10,7 +10,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, SamplingParams, TrainerConfig
 from rolledger.schemas.statuses import AdmissionReason, GroupStatus, PolicyKind, SampleStatus
 from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission, gates
-from rolledger.workflows.groups import decide_group
+from rolledger.workflows.groups import decide_group, decide_groups
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.scheduler import PromptItem, remaining_tokens
 from rolledger.workflows.state import GroupState, RunState, SampleState
@@ -393,3 +393,35 @@ def test_the_rate_throttle_follows_the_measured_generation_latency_and_trainer_s
     assert gates(state, tight, 0, 0).rate_cap == 2 * (1 + 2)
     # before anything is measured: two batches
     assert gates(started(cfg), cfg, 0, 0).rate_cap == 2 * 2
+
+
+def _stale_cancels(b: LogBuilder) -> list[tuple[str, str]]:
+    return [
+        (p.group_id, p.reason) for p in decide_groups(replay(b.build()), now=0.0) if isinstance(p, ev.GroupCancelled)
+    ]
+
+
+def test_an_open_group_that_can_no_longer_be_trained_is_cancelled_as_stale() -> None:
+    """max_lag 1. A group whose first sample finished on v0 is trainable while v1 is published and doomed once v2 is
+    (the trainer would drop it for lag): it is cancelled then, not generated to the end. Under first 1 of 2, a group
+    with a sample not yet started can still give a sample within the cap, so it stays; a group started on v1 stays."""
+    b = LogBuilder(group_size=2)
+    b.start_run()
+    b.admit("g-old")
+    b.start("g-old/0").start("g-old/1").finish("g-old/0")
+    b.update()
+    assert _stale_cancels(b) == []  # v1 published: tokens of v0 are within max_lag 1
+    b.update()
+    [(gid, why)] = _stale_cancels(b)
+    assert gid == "g-old" and "v2 is published and max_lag is 1" in why and "tokens of v0" in why
+
+    k = LogBuilder(group_size=2, partial_policy={"kind": "first_k", "k": 1})
+    k.start_run()
+    k.admit("g-both").start("g-both/0").start("g-both/1")  # both started on v0, none finished
+    k.admit("g-one").start("g-one/0")  # its second sample has not started: it would start on a version in the cap
+    k.update()
+    k.admit("g-new").start("g-new/0").start("g-new/1")  # started on v1
+    k.update()
+    cancels = _stale_cancels(k)
+    assert [gid for gid, _ in cancels] == ["g-both"]
+    assert "only 0 of the 1 required samples can be newer" in cancels[0][1]

@@ -48,7 +48,8 @@ def test_fresh_groups_start_the_handoff_and_the_trainer_then_has_a_batch() -> No
     decided = decide_handoff(state)
     assert len(decided) == 1 and isinstance(decided[0], ev.AdmissionPaused)
     assert decided[0].reason == AdmissionReason.HANDOFF
-    # once the engines sleep, the trainer drops the stale head of the queue and trains on the fresh groups
+    # once the engines sleep, the trainer drops the stale head of the queue and, in the same step, trains on the
+    # fresh groups: a drop does not shrink the batch
     b.emit(decided[0], producer="coordinator")
     for rank in (0, 1):
         b.emit(ev.EngineSlept(rank=rank, level=1, bytes_freed=1, verified=True), producer=f"rank-{rank}")
@@ -56,9 +57,6 @@ def test_fresh_groups_start_the_handoff_and_the_trainer_then_has_a_batch() -> No
     plan = plan_step(state)
     assert isinstance(plan, TrainPlan)
     dropped = {d.group_id for d in plan.drops}
-    assert plan.batch is None and len(dropped) == 2  # the window of the two oldest: both stale
-    for d in plan.drops:
-        b.emit(d, producer="trainer")
-    plan = plan_step(folded(b))
-    assert isinstance(plan, TrainPlan) and plan.batch is not None and not plan.drops
-    assert set(plan.batch.group_ids).isdisjoint(dropped) and len(plan.batch.group_ids) == 2
+    assert len(dropped) == 2 and all(d.reason == "lag" for d in plan.drops)  # the two oldest: both stale
+    assert plan.batch is not None and len(plan.batch.group_ids) == 2 and set(plan.batch.group_ids).isdisjoint(dropped)
+    assert plan.batch.lags == (0, 0)

@@ -92,13 +92,17 @@ def check_plan(state: RunState, plan: TrainPlan | Wait) -> None:
     assert plan.step == state.trainer.step + 1
     assert plan.version > max([*state.updates, state.policy_version]), "a new number, never an aborted one again"
     assert plan.base_version == state.policy_version
-    # the oldest tokens first, then admission order: the group nearest the lag cap is never passed over
-    ready = [g.group_id for g in sorted(state.ready_groups(), key=lambda g: (group_version(g), g.group_id))]
-    selected = sorted(ready[: cfg.trainer.groups_per_step])
-    consumed = list(plan.batch.group_ids) if plan.batch is not None else []
-    assert sorted([d.group_id for d in plan.drops] + consumed) == selected
     # beside an open update (overlap_update) lags count against the open version: what may be published first
     ahead = state.open_update.version - state.policy_version if state.open_update is not None else 0
+    # every ready group over the cap is dropped; the batch is the oldest tokens first (then admission order) among
+    # the rest, full (groups_per_step) or absent
+    ready = sorted(state.ready_groups(), key=lambda g: (group_version(g), g.group_id))
+    over = [g.group_id for g in ready if group_lag(state, g) + ahead > cfg.admission.max_lag]
+    fresh = [g.group_id for g in ready if g.group_id not in over]
+    assert sorted(d.group_id for d in plan.drops) == sorted(over)
+    consumed = list(plan.batch.group_ids) if plan.batch is not None else []
+    per_step = cfg.trainer.groups_per_step
+    assert consumed == (fresh[:per_step] if len(fresh) >= per_step else [])
     for d in plan.drops:  # drops exactly the selected groups over the cap, with their lag
         assert d.lag == group_lag(state, state.groups[d.group_id]) + ahead > cfg.admission.max_lag
     if plan.batch is not None:

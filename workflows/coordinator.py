@@ -140,9 +140,12 @@ def decide(state: RunState, now: float, fence: int, inputs: AdmissionInputs) -> 
     if any(r not in state.ranks for r in range(state.config.ranks)):
         return []  # nothing is admitted or updated before every rank has joined: a run on fewer ranks is another run
     out: list[ev.Payload] = decide_update(state, now, fence)
-    out += decide_groups(state, now)
+    closing = decide_groups(state, now)
+    out += closing
     out += decide_handoff(state)
-    end = decide_run_end(state)
+    # the run's end cancels every open group: not in the decision that closes some of them (completed, or cancelled
+    # for a deadline or as stale), or a group would be closed twice; it comes once those are folded
+    end = [] if closing else decide_run_end(state)
     out += end
     if not out and not end:
         out += decide_admission(state, inputs)

@@ -8,6 +8,9 @@
   it can never be trained on. (An open group counts such a sample as failed, like any other.)
 - deadline (any policy): at the deadline a group with at least k finished completes as partial, the rest of its
   samples are cancelled; a group short of k is cancelled.
+- stale (any policy): an open group that can no longer be trained within `admission.max_lag` of the published version
+  is cancelled at once (its tokens are too old, or too few of its samples can be newer), not generated to the end
+  for the trainer to drop (prime-rl drops stale groups early the same way).
 Cancelling is a decision here (GroupCompleted/GroupCancelled); the rollout worker that holds the samples sees it and
 ends each unfinished sample with SampleCancelled, so every dispatched sample reaches a terminal event.
 """
@@ -19,6 +22,8 @@ from rolledger.schemas.statuses import GroupOutcome, GroupStatus, PolicyKind, Sa
 from rolledger.schemas.trajectory import trajectory_nbytes
 from rolledger.workflows.reducer_common import sample_index
 from rolledger.workflows.state import GroupState, RunState, SampleState
+
+_LOST = frozenset({SampleStatus.FAILED, SampleStatus.CANCELLED})
 
 
 def decide_groups(state: RunState, now: float) -> list[ev.Payload]:
@@ -32,10 +37,34 @@ def decide_groups(state: RunState, now: float) -> list[ev.Payload]:
             continue
         if not g.status.is_open:
             continue
-        decision = decide_group(g, now, g.deadline)
+        decision = decide_group(g, now, g.deadline) or _cancel_if_stale(state, g)
         if decision is not None:
             out.append(decision)
     return out
+
+
+def _cancel_if_stale(state: RunState, g: GroupState) -> ev.GroupCancelled | None:
+    """An open group that can no longer be trained is cancelled now rather than generated to the end and dropped by
+    the trainer: a finished sample's tokens are older than the lag cap allows (published - max_lag), or too few of
+    its samples can still finish on versions within it. Lags only grow, so this never cancels a trainable group
+    (the trainer counts lags against the published version or a newer one)."""
+    cfg = state.config
+    if cfg is None:
+        return None
+    floor = state.policy_version - cfg.admission.max_lag  # the oldest version a trained token may come from
+    if floor <= 0:
+        return None
+    why = f"stale: v{state.policy_version} is published and max_lag is {cfg.admission.max_lag}"
+    if g.versions and g.versions[0] < floor:
+        return ev.GroupCancelled(group_id=g.group_id, reason=f"{why}; it holds tokens of v{g.versions[0]}")
+    # a sample not started yet would start on a version within the cap; a lost one, or one started before the floor,
+    # cannot give a trainable sample
+    stale = sum(1 for s in g.samples.values() if s.status in _LOST or s.policy_version < floor)
+    if g.n - stale < g.required:
+        return ev.GroupCancelled(
+            group_id=g.group_id, reason=f"{why}; only {g.n - stale} of the {g.required} required samples can be newer"
+        )
+    return None
 
 
 def decide_group(g: GroupState, now: float, deadline: float | None) -> ev.Payload | None:

@@ -7,9 +7,10 @@ trajectories, measure the logprob gap, train, stage, append).
   after a refused step, once the last step is taken, while an update is open (at most one transaction in flight;
   with `trainer.overlap_update` the next step is planned and trained beside its own last update, and recorded once
   that closes: `overlaps_update`, `may_record`, `lag_base`), in colocated mode while any engine is awake, and while
-  fewer than `groups_per_step` groups are ready. Otherwise it
-  takes the oldest `groups_per_step` ready groups (by the version of their oldest tokens, then group id), drops those over the lag cap (the second check after
-  admission's; lag = published version - the group's oldest version), and plans the step over the rest: the step
+  fewer than `groups_per_step` groups are ready. Otherwise it drops every ready group over the lag cap (the second
+  check after admission's; lag = published version - the group's oldest version: lags only grow, so none of them can
+  ever be trained) and takes the `groups_per_step` oldest of the rest (by the version of their oldest tokens, then
+  group id), so a drop does not shrink the batch; with fewer left, the plan is the drops alone. It plans: the step
   number (`trainer.step + 1`), the version it will stage (`next_version`: one past every version ever staged or
   published, so an aborted number is never reused), the version the trainer's weights are (`weights_version`), the
   on-policy trajectories the gap is measured on, and the rewards.
@@ -170,19 +171,22 @@ def plan_step(state: RunState) -> TrainPlan | Wait:
         return Wait(why)
     cfg = state.config
     assert cfg is not None  # wait_reason checked it
-    # the oldest tokens first (then admission order): a group nearest the lag cap is trained before it passes it
-    selected = sorted(state.ready_groups(), key=lambda g: (group_version(g), g.group_id))[: cfg.trainer.groups_per_step]
-    drops: list[ev.TrajectoryDropped] = []
-    kept: list[GroupState] = []
+    # every ready group over the lag cap is dropped (lags only grow: none of them can ever be trained), and the step
+    # takes the oldest tokens first (then admission order) among the rest: a group nearest the cap is trained before
+    # it passes it, and a drop does not shrink the batch
     base = lag_base(state)
-    for g in selected:
-        lag = base - group_version(g)
-        if lag > cfg.admission.max_lag:
-            drops.append(
-                ev.TrajectoryDropped(group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason="lag", lag=lag)
-            )
-        else:
-            kept.append(g)
+    ready = sorted(state.ready_groups(), key=lambda g: (group_version(g), g.group_id))
+    drops = [
+        ev.TrajectoryDropped(
+            group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason="lag", lag=base - group_version(g)
+        )
+        for g in ready
+        if base - group_version(g) > cfg.admission.max_lag
+    ]
+    fresh = [g for g in ready if base - group_version(g) <= cfg.admission.max_lag]
+    kept: list[GroupState] = fresh[: cfg.trainer.groups_per_step] if len(fresh) >= cfg.trainer.groups_per_step else []
+    if not kept and not drops:
+        return Wait(WaitReason.TOO_FEW_READY)  # (wait_reason counted them: unreachable, kept for the type's sake)
     step, version, held = state.trainer.step + 1, next_version(state), weights_version(state)
     if not kept:
         return TrainPlan(step, version, state.policy_version, held, tuple(drops), None, (), ())
