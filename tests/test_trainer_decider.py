@@ -220,18 +220,23 @@ def record(b: LogBuilder, plan: TrainPlan) -> RunState:
     return after
 
 
+def step_one_staged_and_a_new_group(*, max_lag: int, overlap: bool) -> LogBuilder:
+    """One group per step: step 1 trained on a group of v0 and staged v1 (its update open), then one more group."""
+    b = LogBuilder(steps=4, admission={"max_lag": max_lag}, trainer={"groups_per_step": 1, "overlap_update": overlap})
+    b.start_run().group()
+    first = plan_step(replay(b.build()))
+    assert isinstance(first, TrainPlan)
+    plan_events(b, first)
+    return b.group()
+
+
 def test_with_overlap_the_next_step_is_planned_beside_the_open_update_and_recorded_after_it_closes() -> None:
     """Step 1 staged v1 and its update is open. Without overlap_update the trainer waits (UPDATE_OPEN); with it, step
     2 is planned now, over a group generated on v0 whose lag counts against v1 (1, within the cap of 1), and may be
     recorded only once v1 closes. A group whose lag against v1 would pass the cap is dropped, though v0 is still
     published."""
     for overlap in (False, True):
-        b = LogBuilder(steps=4, admission={"max_lag": 1}, trainer={"groups_per_step": 1, "overlap_update": overlap})
-        b.start_run().group()
-        first = plan_step(replay(b.build()))
-        assert isinstance(first, TrainPlan)
-        plan_events(b, first)
-        b.group()
+        b = step_one_staged_and_a_new_group(max_lag=1, overlap=overlap)
         state = replay(b.build())
         assert state.open_update is not None and state.open_update.version == 1 and state.policy_version == 0
         plan = plan_step(state)
@@ -250,13 +255,7 @@ def test_with_overlap_the_next_step_is_planned_beside_the_open_update_and_record
         assert isinstance(fresh, TrainPlan) and fresh.batch is not None and fresh.batch.lags == plan.batch.lags
         plan_events(b, plan)
         assert replay(b.build()).anomalies == []
-    strict = LogBuilder(steps=4, admission={"max_lag": 0}, trainer={"groups_per_step": 1, "overlap_update": True})
-    strict.start_run().group()
-    first = plan_step(replay(strict.build()))
-    assert isinstance(first, TrainPlan)
-    plan_events(strict, first)
-    strict.group()
-    dropped = plan_step(replay(strict.build()))
+    dropped = plan_step(replay(step_one_staged_and_a_new_group(max_lag=0, overlap=True).build()))
     assert isinstance(dropped, TrainPlan) and dropped.batch is None
     assert [(d.lag, d.reason) for d in dropped.drops] == [(1, "lag")]
 
