@@ -82,13 +82,13 @@ def events_of(redis_url: str, run_id: str) -> list[ev.Event]:
 
 
 def learned_through_the_client(
-    redis_url: str, run_id: str, tmp_path: Path, name: str, example: Path
+    redis_url: str, run_id: str, tmp_path: Path, name: str, example: Path, steps: int = 30
 ) -> tuple[str, list[ev.Event], float, float]:
-    """Run 30 steps with `example` as the trainer named `name`; check what every learning run must show (completed,
-    audit clean with every version's lineage checked, every step and batch by `name`); return the trainer's output,
-    the events and the mean reward of the first and last 5 steps."""
+    """Run `steps` steps with `example` as the trainer named `name`; check what every learning run must show
+    (completed, audit clean with every version's lineage checked, every step and batch by `name`); return the
+    trainer's output, the events and the mean reward of the first and last 5 steps."""
     run = BackgroundRun(
-        redis_url, run_id, tmp_path, steps=30, group_size=8, trainer={"warm_start_steps": 400, "groups_per_step": 4}
+        redis_url, run_id, tmp_path, steps=steps, group_size=8, trainer={"warm_start_steps": 400, "groups_per_step": 4}
     )
     out = finish(start_trainer(redis_url, run_id, name, example))
     summary = run.wait()
@@ -96,20 +96,22 @@ def learned_through_the_client(
     events = events_of(redis_url, run_id)
     report = audit(events)
     assert report.ok, report.violations
-    assert report.checked[9] == 30  # every version's lineage recorded and checked
-    steps = [e for e in events if isinstance(e.payload, ev.TrainStepFinished)]
-    assert len(steps) == 30 and {e.producer for e in steps} == {name}
+    assert report.checked[9] == steps  # every version's lineage recorded and checked
+    taken = [e for e in events if isinstance(e.payload, ev.TrainStepFinished)]
+    assert len(taken) == steps and {e.producer for e in taken} == {name}
     consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
     assert consumed and {e.producer for e in consumed} == {name}
-    assert "published v30" in out
-    rewards = [e.payload.reward_mean for e in steps]  # type: ignore[union-attr]
+    assert f"published v{steps}" in out
+    rewards = [e.payload.reward_mean for e in taken]  # type: ignore[union-attr]
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
     print(f"{name}: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
     return out, events, first, last
 
 
 def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_id: str, tmp_path: Path) -> None:
-    _, events, first, last = learned_through_the_client(redis_url, run_id, tmp_path, "torch-example", EXAMPLE)
+    """40 steps, as the default run: measured gains of the last 5 steps' mean reward over the first 5's, 16 runs:
+    0.064-0.136. At 30 steps (before) 12 runs gave 0.056-0.158 and a CI run 0.050, on the bound asserted."""
+    _, events, first, last = learned_through_the_client(redis_url, run_id, tmp_path, "torch-example", EXAMPLE, steps=40)
     assert last > first + 0.05, (first, last)
     from rolledger.workflows.lineage import lineage
 

@@ -29,6 +29,10 @@ def test_two_aborts_in_a_row_do_not_hang_the_run(redis_url: str, run_id: str, tm
     assert summary.status == "completed" and summary.steps == 4
     aborts = of(events, ev.UpdateAborted)
     assert [a.failed_ranks for a in aborts] == [(1,), (1,)]
-    assert [q.rank for q in of(events, ev.RankQuarantined)] == [1, 1]
+    quarantined = of(events, ev.RankQuarantined)
+    # one per abort; a rejoin that lands while a later update runs without it is also sent to reload once that one
+    # publishes (timing decides whether that happens): rank 1 only, "behind" only
+    assert [q.rank for q in quarantined if "behind the published" not in q.reason] == [1, 1]
+    assert {q.rank for q in quarantined} == {1}
     assert summary.updates_aborted == 2 and summary.updates_committed == 2
     assert audit(events).ok, audit(events).render()

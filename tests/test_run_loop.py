@@ -128,10 +128,13 @@ def test_a_rank_failing_its_commit_is_quarantined_and_rejoins_on_the_published_v
 ) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small(), "fail-rank=1@commit")
     q = of(events, ev.RankQuarantined)
-    assert len(q) == 1 and q[0].rank == 1
+    assert q and q[0].rank == 1 and "commit failed" in q[0].reason, q
+    # a rejoin that lands while the next update runs without it is behind once that one publishes: sent to reload
+    # it (timing decides whether that happens); never another rank, never another reason
+    assert all(x.rank == 1 and "behind the published" in x.reason for x in q[1:]), q
     first_publish = next(p for p in of(events, ev.PolicyPublished) if p.version == q[0].version)
     assert first_publish.ranks == (0,)  # published on the healthy rank only
-    rejoin = [p for p in of(events, ev.RankJoined) if p.rank == 1][-1]
+    rejoin = next(p for p in of(events, ev.RankJoined) if p.rank == 1 and p.policy_version > 0)
     assert rejoin.policy_version == q[0].version and rejoin.weights_digest == first_publish.weights_digest
     last = of(events, ev.PolicyPublished)[-1]
     assert last.ranks == (0, 1)  # back in service for the later updates
@@ -143,7 +146,10 @@ def test_stale_weights_are_caught_by_the_probe_and_the_rank_never_serves_them(
 ) -> None:
     events, summary = execute(redis_url, run_id, tmp_path, small(ranks=3), "stale-weights=2")
     q = of(events, ev.RankQuarantined)
-    assert len(q) == 1 and q[0].rank == 2 and "probe" in q[0].reason
+    assert q and q[0].rank == 2 and "probe" in q[0].reason, q
+    # rejoined (on v1, rolled forward) while the next update ran without it, it started nothing and was then sent to
+    # reload the published one (timing decides whether that happens): behind, nothing else
+    assert all(x.rank == 2 and "behind the published" in x.reason for x in q[1:]), q
     v = q[0].version
     published = next(p for p in of(events, ev.PolicyPublished) if p.version == v)
     assert 2 not in published.ranks
