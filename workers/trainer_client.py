@@ -435,11 +435,17 @@ class TrainerClient:
             self.wait_published(plan.version, timeout_s=timeout_s)
         return plan.version
 
+    def _update_deadline(self, timeout_s: float | None = None) -> float:
+        """When a wait on one update gives up: `timeout_s`, else the run's prepare + drain + commit deadlines (what
+        the coordinator allows the transaction), plus 30 s of slack; a time.monotonic() value."""
+        u = self.config.update
+        budget = timeout_s if timeout_s is not None else u.prepare_deadline_s + u.drain_deadline_s + u.commit_deadline_s
+        return time.monotonic() + budget + 30.0
+
     def _wait_recordable(self, version: int) -> None:
         """A step planned beside its last update (`trainer.overlap_update`) is recorded once that update closes
         (`may_record`); RunOver when the run ends first. The deadline: the open update's own, plus slack."""
-        u = self.config.update
-        deadline = time.monotonic() + u.prepare_deadline_s + u.drain_deadline_s + u.commit_deadline_s + 30.0
+        deadline = self._update_deadline()
         while True:
             self.follow()
             state = self.follower.state
@@ -452,9 +458,7 @@ class TrainerClient:
     def wait_published(self, version: int, *, timeout_s: float | None = None) -> int:
         """Wait for the update of `version` to resolve: return it once published, UpdateFailed when it aborted,
         RunOver when the run ended first. Default deadline: the run's prepare + drain + commit deadlines."""
-        u = self.config.update
-        budget = timeout_s if timeout_s is not None else u.prepare_deadline_s + u.drain_deadline_s + u.commit_deadline_s
-        deadline = time.monotonic() + budget + 30.0
+        deadline = self._update_deadline(timeout_s)
         while True:
             self.follow()
             state = self.follower.state
