@@ -1,32 +1,40 @@
 """Benchmark of rollout through rolledger (run by hand): a RankWorker on a real redis-server vs the engine called directly.
 
-    python bench/bench_rollout.py [--groups 32] [--n 8] [--max-tokens 16] [--fewshot 6] [--threads 1] [--slots 1]
-                                  [--no-aof]
+    python bench/bench_rollout.py [--groups 16] [--n 8] [--max-tokens 16] [--fewshot 6] [--threads 1] [--slots 4]
+                                  [--no-aof] [--rounds 15]
 
 Workload (as bench/bench_engine.py): `--groups` prompts "<few-shot prefix> a+b=" on the tiny policy
 (workers.policy_model, default ModelConfig with positions widened to fit), `--n` samples per group, `--max-tokens`,
 temperature 1, seed = group index, so both paths sample exactly the same tokens (checked: the totals must match).
 
-Measured side by side in one process, each on a fresh TorchEngine over the same weights, warmed up the same way:
+Measured side by side in one process, each path on its own TorchEngine over the same weights, warmed up the same way,
+in `--rounds` interleaved rounds (direct, rolledger, direct, rolledger, ...: this machine's speed drifts by tens of
+percent between runs a minute apart, so the two paths are always compared within one round, and the median of the
+per-round ratios is reported):
 
   direct          engine.generate(prompt, n, sampling) for every group, from `--slots` threads at once (each takes
                   the next group when it is done with one; 1: a plain loop): the baseline;
   rolledger       a RankWorker (workers/rank.py) with `rank_slots = --slots` (the same concurrency) on its own
-                  redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), after it has
-                  joined the run: the clock starts before G GroupAdmitted events are appended (one MULTI/EXEC) and
-                  stops when the log holds a SampleFinished for every sample (counted on the entries' `t` field, so
-                  the watcher decodes nothing). It includes everything the worker does per group: consumer-group read,
-                  following the log, SampleStarted x n, generation, SampleFinished x n (encode + append), ack;
-  direct, no cache  TorchEngine(prefix_cache=False), for the prefill comparison.
+                  redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), joined once for all
+                  rounds. A round appends its G GroupAdmitted events (one MULTI/EXEC) and waits until the log holds a
+                  SampleFinished for every sample. Its time is read from Redis's own clock, so the watcher cannot
+                  stretch it: from the GroupAdmitted batch's stream id to the last SampleFinished's (stream ids are
+                  milliseconds); the watcher reads only the `t` field's worth (it decodes nothing) and polls every
+                  50 ms instead of waking on every append. It includes everything the worker does per group:
+                  work-stream read, following the log, SampleStarted x n, generation, SampleFinished x n (encode +
+                  append), ack;
+  direct, no cache  TorchEngine(prefix_cache=False), once, for the prefill comparison.
 
-Printed: generated tokens/s of each, rolledger/direct as the overhead ratio (1.00 = free), and the prompt tokens
-prefilled per group with the prefix cache vs without. The machine is shared: the load average is printed with them.
+Printed: generated tokens/s of each path per round and the median ratio rolledger/direct (1.00 = free), the overhead
+in ms per group, and the prompt tokens prefilled per group with the prefix cache vs without. The machine is shared:
+the load average is printed with them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -98,50 +106,67 @@ def direct(name: str, engine: TorchEngine, prompts: list[list[int]], n: int, max
 XReadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None
 
 
-def wait_for_type(client: redis.Redis, key: str, type_: bytes, count: int, deadline_s: float) -> None:
-    """Block until the stream holds `count` entries whose `t` field is `type_` (nothing decoded), or fail."""
-    seen = 0
-    after: str | bytes = "0-0"
+def ms_of(stream_id: str | bytes) -> int:
+    """The millisecond part of a stream id (Redis's clock when the entry was added)."""
+    text = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    return int(text.partition("-")[0])
+
+
+def wait_for_type(client: redis.Redis, key: str, after: str, type_: bytes, count: int, deadline_s: float) -> str:
+    """Poll (every 50 ms: the round's time comes from stream ids, not from when this loop wakes) until the stream
+    holds `count` entries after `after` whose `t` field is `type_` (nothing decoded); return the last one's id."""
+    seen, last = 0, after
     deadline = time.monotonic() + deadline_s
+    cursor: str | bytes = after
     while seen < count:
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms < 1:
+        if time.monotonic() > deadline:
             raise SystemExit(f"timed out: {seen} of {count} {type_.decode()} after {deadline_s:.0f} s")
         # a sync client without decode_responses: [(stream, [(entry_id, fields)])] (redis-py types it Any | Awaitable)
-        reply = cast(XReadReply, client.xread({key: after}, count=1000, block=remaining_ms))
+        reply = cast(XReadReply, client.xread({key: cursor}, count=10_000))
         for _, entries in reply or []:
             for entry_id, fields in entries:
-                after = entry_id
-                seen += fields.get(b"t") == type_
+                cursor = entry_id
+                if fields.get(b"t") == type_:
+                    seen, last = seen + 1, entry_id.decode()
+        if seen < count:
+            time.sleep(0.05)  # a poll interval, not synchronisation: the measured span is read from stream ids
+    return last
 
 
-def through_rolledger(
-    url: str, engine: TorchEngine, model: torch.nn.Module, cfg: RunConfig, prompts: list[list[int]], deadline_s: float
-) -> Result:
-    client = connect(url)
-    log = EventLog(client, RUN_ID)
-    n, max_tokens = cfg.group_size, cfg.sampling.max_tokens
-    log.append(
-        make_event(
-            ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model))),
-            run_id=RUN_ID,
-            producer="bench",
-            policy_version=0,
+class ThroughRolledger:
+    """One RankWorker on its own engine and redis-server, joined once; `round` generates the prompts through it."""
+
+    def __init__(
+        self, url: str, engine: TorchEngine, model: torch.nn.Module, cfg: RunConfig, deadline_s: float
+    ) -> None:
+        self.client = connect(url)
+        self.log = EventLog(self.client, RUN_ID)
+        self.engine, self.cfg, self.deadline_s = engine, cfg, deadline_s
+        self.rounds = 0
+        self.log.append(
+            make_event(
+                ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model))),
+                run_id=RUN_ID,
+                producer="bench",
+                policy_version=0,
+            )
         )
-    )
-    worker = RankWorker(client, RUN_ID, 0, engine)
-    worker.start()
-    try:
-        wait_for_type(client, log.key, b"RankJoined", 1, deadline_s)
+        self.worker = RankWorker(self.client, RUN_ID, 0, engine)
+        self.worker.start()
+        wait_for_type(self.client, self.log.key, "0-0", b"RankJoined", 1, deadline_s)
+
+    def round(self, prompts: list[list[int]]) -> Result:
+        n, max_tokens = self.cfg.group_size, self.cfg.sampling.max_tokens
+        self.rounds += 1
         admitted = [
             make_event(
                 ev.GroupAdmitted(
-                    group_id=f"g{g:06d}",
+                    group_id=f"r{self.rounds}g{g:06d}",
                     prompt_id=f"p{g}",
                     prompt_token_ids=ids,
                     n=n,
                     sampling=sampling_for(g, max_tokens),
-                    partial_policy=cfg.partial_policy,
+                    partial_policy=self.cfg.partial_policy,
                     answer="0",
                     est_remaining_tokens=n * max_tokens,
                     est_bytes=1000 * n,
@@ -154,33 +179,34 @@ def through_rolledger(
             )
             for g, ids in enumerate(prompts)
         ]
-        before = engine.stats.prefill_tokens_computed
-        start = time.perf_counter()
-        log.append_many(admitted)
-        wait_for_type(client, log.key, b"SampleFinished", len(prompts) * n, deadline_s)
-        seconds = time.perf_counter() - start
-    finally:
-        worker.stop()
-        worker.join(timeout=30)
-    if worker.error is not None:
-        raise SystemExit(f"rank worker failed: {worker.error!r}")
-    tokens = 0
-    for stored in log.read(types={"SampleFinished"}):
-        assert isinstance(stored.event.payload, ev.SampleFinished)
-        tokens += len(stored.event.payload.trajectory.token_ids)
-    return Result("rolledger", seconds, tokens, engine.stats.prefill_tokens_computed - before, len(prompts))
+        before = self.engine.stats.prefill_tokens_computed
+        ids = self.log.append_many(admitted)
+        last = wait_for_type(self.client, self.log.key, ids[-1], b"SampleFinished", len(prompts) * n, self.deadline_s)
+        if self.worker.error is not None:
+            raise SystemExit(f"rank worker failed: {self.worker.error!r}")
+        tokens = 0
+        for stored in self.log.read("(" + ids[-1], last, types={"SampleFinished"}):
+            assert isinstance(stored.event.payload, ev.SampleFinished)
+            tokens += len(stored.event.payload.trajectory.token_ids)
+        seconds = (ms_of(last) - ms_of(ids[0])) / 1e3
+        return Result("rolledger", seconds, tokens, self.engine.stats.prefill_tokens_computed - before, len(prompts))
+
+    def close(self) -> None:
+        self.worker.stop()
+        self.worker.join(timeout=30)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--groups", type=int, default=16, help="groups per round")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--fewshot", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--slots", type=int, default=1, help="groups generated at once: rank_slots, and direct's threads")
+    ap.add_argument("--slots", type=int, default=4, help="groups generated at once: rank_slots, and direct's threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-aof", action="store_true", help="redis without persistence (default: AOF, appendfsync no)")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds of each path (median reported)")
     ap.add_argument("--deadline-s", type=float, default=600.0, help="give up waiting for the worker after this")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -200,32 +226,42 @@ def main() -> None:
         return e, model
 
     load_before = os.getloadavg()
-    base = direct("direct", engine()[0], prompts, args.n, args.max_tokens, args.slots)
     nocache = direct("direct, no cache", engine(prefix_cache=False)[0], prompts, args.n, args.max_tokens, args.slots)
+    direct_engine = engine()[0]
+    pairs: list[tuple[Result, Result]] = []
     with redis_server(aof=not args.no_aof) as (url, _):
         e, model = engine()
-        ours = through_rolledger(url, e, model, cfg, prompts, args.deadline_s)
+        ours = ThroughRolledger(url, e, model, cfg, args.deadline_s)
+        try:
+            for _ in range(args.rounds):
+                base = direct("direct", direct_engine, prompts, args.n, args.max_tokens, args.slots)
+                pairs.append((base, ours.round(prompts)))
+        finally:
+            ours.close()
     load_after = os.getloadavg()
 
     print(
         f"\ngroups={args.groups} n={args.n} prompt tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
         f"max_tokens={args.max_tokens} slots={args.slots} torch threads={args.threads} "
-        f"redis aof={'off' if args.no_aof else 'appendfsync no'}"
+        f"redis aof={'off' if args.no_aof else 'appendfsync no'} rounds={args.rounds} (direct, rolledger alternating)"
     )
-    print(f"{'path':<18} {'seconds':>8} {'gen tokens':>11} {'tok/s':>8} {'vs direct':>10} {'prefill/group':>14}")
-    for r in (base, ours, nocache):
-        print(
-            f"{r.name:<18} {r.seconds:>8.2f} {r.tokens:>11} {r.tok_s:>8.0f} {r.tok_s / base.tok_s:>9.2f}x "
-            f"{r.prefill_per_group:>14.1f}"
-        )
-    same = "same tokens" if ours.tokens == base.tokens else f"TOKEN COUNTS DIFFER ({ours.tokens} vs {base.tokens})"
+    print(f"{'round':<6} {'direct tok/s':>13} {'rolledger tok/s':>16} {'ratio':>7} {'ms/group':>9}")
+    ratios, overheads = [], []
+    for k, (base, mine) in enumerate(pairs, 1):
+        ratio = mine.tok_s / base.tok_s
+        extra = (mine.seconds - base.seconds) / args.groups * 1e3
+        ratios.append(ratio)
+        overheads.append(extra)
+        same = "" if mine.tokens == base.tokens else f"  TOKEN COUNTS DIFFER ({mine.tokens} vs {base.tokens})"
+        print(f"{k:<6} {base.tok_s:>13.0f} {mine.tok_s:>16.0f} {ratio:>6.2f}x {extra:>+9.1f}{same}")
+    cold = pairs[0][0]  # round 1: the prompts not yet in the prefix cache (later rounds find them there)
     print(
-        f"\nrolledger overhead: {ours.tok_s / base.tok_s:.2f}x the direct rate "
-        f"({(ours.seconds - base.seconds) / args.groups * 1e3:+.1f} ms per group; {same})"
+        f"\nrolledger overhead: median {statistics.median(ratios):.2f}x the direct rate "
+        f"({statistics.median(overheads):+.1f} ms per group), over {len(pairs)} rounds"
     )
     print(
-        f"prefill per group: {base.prefill_per_group:.1f} tokens with the prefix cache vs "
-        f"{nocache.prefill_per_group:.1f} without ({base.prefill_per_group / nocache.prefill_per_group:.3f}x)"
+        f"prefill per group (round 1): {cold.prefill_per_group:.1f} tokens with the prefix cache vs "
+        f"{nocache.prefill_per_group:.1f} without ({cold.prefill_per_group / nocache.prefill_per_group:.3f}x)"
     )
     print(
         f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "

@@ -379,9 +379,16 @@ class EventLog:
             lo = "(" + as_str(page[-1][0])
 
     def tail(
-        self, after_id: str, *, block_ms: int, count: int = 500, types: Collection[str] | None = None
+        self,
+        after_id: str,
+        *,
+        block_ms: int,
+        count: int = 500,
+        types: Collection[str] | None = None,
+        trust: Trust = Trust.VALIDATE,
     ) -> list[StoredEvent]:
         """Entries after `after_id` ("$" = only new ones), waiting up to block_ms for the first; [] on timeout.
+        `trust` as for `read`.
 
         Entries that yield nothing (malformed ones, dead-lettered once; other types than `types`) do not end the
         wait: the read moves past them and keeps waiting, so a caller resuming from the last event it got never spins
@@ -399,7 +406,7 @@ class EventLog:
             if not reply:
                 return []
             entries = reply[0][1]
-            out = list(self._decode_entries(entries, consumer="tail", types=types))
+            out = list(self._decode_entries(entries, consumer="tail", types=types, trust=trust))
             if out:
                 return out
             after = as_str(entries[-1][0])

@@ -26,8 +26,9 @@ lock, made in the same step as the running count, so two slots cannot both take 
 Consumer names: slot 0 is the worker's name (`rank-R`, or `--name`), slot k>0 `NAME/sK`; a replacement thread adds
 `.N` (its N-th thread). A restarted rank process with the same name reads each slot's own pending entries first.
 
-Heartbeats: from the moment a group is delivered until its entry is acknowledged, a small thread refreshes the claim
-every `recovery.heartbeat_s` (`GroupConsumer.refresh`, one round trip per beat), so another rank reclaims the entry
+Heartbeats: from the moment a group is delivered until its entry is acknowledged, the slot's heartbeat thread (one
+per slot, for the slot's life) refreshes the claim every `recovery.heartbeat_s` (`GroupConsumer.refresh`, one round
+trip per beat), so another rank reclaims the entry
 only once this rank missed its beats for `recovery.lost_after_s` (a dead or stopped process), however long the group
 takes. The reclaim deadline is "missed beats", not a budget per declared token: with a live heartbeat a long group
 is never mistaken for a lost one, so no per-`max_tokens` estimate is needed. A rank that comes back after losing its
@@ -41,8 +42,9 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, Self
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Literal
 
 import redis
 
@@ -68,9 +70,9 @@ class ClaimLost(Exception):
     """Another consumer reclaimed the group this rank was working on: stop, append nothing more for it."""
 
 
-class Heartbeat:
-    """Keeps this consumer's claim on one entry alive while the rollout works on it (a thread beating every
-    `interval_s`); `lost` is set once a beat finds the entry owned by another consumer.
+class Claim:
+    """A slot's claim on the one entry it works on; `lost` is set once a beat finds the entry owned by another
+    consumer.
 
     A confirmed beat is trusted for `trust_s` (default: the smaller of `interval_s` and a quarter of the consumer's
     `claim_idle_ms`), measured from before it was sent: the beat reset the entry's idle time, so no consumer whose
@@ -87,24 +89,9 @@ class Heartbeat:
     ) -> None:
         self.consumer = consumer
         self.stream_id = stream_id
-        self.interval_s = interval_s
         self.trust_s = trust_s if trust_s is not None else min(interval_s, consumer.claim_idle_ms / 4000)
         self._confirmed = confirmed_at  # monotonic time the last confirming beat (or the delivery's read) was sent
         self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"{consumer.consumer}-heartbeat", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.interval_s + 5.0)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.interval_s) and not self.lost.is_set():
-            self.owned(fresh=True)  # a beat always refreshes: trust never stretches the time between beats
 
     def owned(self, *, fresh: bool = False) -> bool:
         """Beat now: is the entry still this consumer's? (A failed round trip is a missed beat, not a loss.)"""
@@ -127,6 +114,48 @@ class Heartbeat:
         """Before an append: raise ClaimLost when the entry is no longer this consumer's."""
         if not self.owned():
             raise ClaimLost(self.stream_id)
+
+
+class Heartbeat:
+    """One slot's heartbeat: a thread that lives as long as the slot and, every `interval_s()`, refreshes the claim
+    the slot holds (`hold`), if any. One thread per slot, not one per group: starting and joining a thread per group
+    cost more than the beats themselves. A claim is beaten within `interval_s` of being taken and then every
+    `interval_s`, never less often than one thread per group would."""
+
+    def __init__(self, name: str, interval_s: Callable[[], float]) -> None:
+        self.interval_s = interval_s
+        self._claim: Claim | None = None
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._beat, name=f"{name}-heartbeat", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def hold(self, claim: Claim) -> Iterator[Claim]:
+        """Beat `claim` while the block runs."""
+        with self._cv:
+            self._claim = claim
+        try:
+            yield claim
+        finally:
+            with self._cv:
+                self._claim = None
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5.0)
+
+    def _beat(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait(self.interval_s())  # woken early only by close
+                if self._stopped:
+                    return
+                claim = self._claim
+            if claim is not None and not claim.lost.is_set():
+                claim.owned(fresh=True)  # a beat always refreshes: trust never stretches the time between beats
 
 
 class Rollout:
@@ -205,6 +234,7 @@ class Rollout:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _main(self, consumer: GroupConsumer) -> None:
+        heartbeat = Heartbeat(consumer.consumer, self.heartbeat_s)
         try:
             self.ask_kv_cache()
             while not self.w.stop_event.is_set():
@@ -213,12 +243,14 @@ class Rollout:
                     if not isinstance(d.event.payload, ev.GroupAdmitted):
                         consumer.ack(d.stream_id)
                         continue
-                    if not self._generate_group(d, consumer, read_at):
+                    if not self._generate_group(d, consumer, heartbeat, read_at):
                         return
         except WorkerKilled as exc:
             self.w.logger.warning("rollout slot killed by injection", consumer=consumer.consumer, reason=str(exc))
         except Exception:
             self.w.logger.exception("rollout slot crashed", consumer=consumer.consumer)
+        finally:
+            heartbeat.close()
 
     def _open(self, group_id: str) -> bool:
         g = self.w.state.groups.get(group_id)
@@ -263,15 +295,16 @@ class Rollout:
         self.kv_reserved += need
         return "start", []
 
-    def _generate_group(self, d: Delivery, consumer: GroupConsumer, read_at: float) -> bool:
-        with Heartbeat(consumer, d.stream_id, self.heartbeat_s(), confirmed_at=read_at) as beat:
+    def _generate_group(self, d: Delivery, consumer: GroupConsumer, heartbeat: Heartbeat, read_at: float) -> bool:
+        claim = Claim(consumer, d.stream_id, self.heartbeat_s(), confirmed_at=read_at)
+        with heartbeat.hold(claim) as beat:
             try:
                 return self._take_group(d, consumer, beat)
             except ClaimLost:
                 self.w.logger.warning("group reclaimed by another rank; dropping it", entry=d.stream_id)
                 return True  # not ours to acknowledge any more
 
-    def _take_group(self, d: Delivery, consumer: GroupConsumer, beat: Heartbeat) -> bool:
+    def _take_group(self, d: Delivery, consumer: GroupConsumer, beat: Claim) -> bool:
         p = d.event.payload
         assert isinstance(p, ev.GroupAdmitted)
         seen_by = time.monotonic() + _SEEN_WITHIN_S
@@ -316,7 +349,7 @@ class Rollout:
                 self.groups_done += done
                 self.w.lock.notify_all()
 
-    def _run(self, d: Delivery, p: ev.GroupAdmitted, beat: Heartbeat, announce: Callable[[], None]) -> None:
+    def _run(self, d: Delivery, p: ev.GroupAdmitted, beat: Claim, announce: Callable[[], None]) -> None:
         engine, rank = self.w.engine, self.w.rank
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
         version, digest = engine.policy_version, engine.weights_digest()

@@ -15,6 +15,12 @@ its entries in the buffer, so N followers cost one read and one decode per entry
 buffer (one created late, starting from the first entry) reads that gap itself, then joins the buffer. Entries every
 registered follower has folded leave the buffer. Decoded events are shared between followers: events are frozen
 models and the reducer copies what it keeps, so no follower can change another's.
+
+Trust: the tail reads the run's own live log, which only rolledger's processes write (every append goes through
+`events.codec.encode`, which takes validated models only), so it decodes with `Trust.OWN_LOG`: the heavy events
+(SampleFinished, GroupAdmitted) are built without running pydantic's validators a second time. An entry of any other
+shape is still validated, and a malformed one is still dead-lettered. `replay`, `audit` and `lineage` read with full
+validation (they may be given a log from anywhere).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import threading
 import weakref
 from typing import Protocol
 
+from rolledger.events.codec import Trust
 from rolledger.events.store import EventLog, StoredEvent
 
 
@@ -66,7 +73,7 @@ class SharedTail:
             start = self._start
         gap: list[StoredEvent] = []
         if behind:  # older than the buffer: read the gap directly (a follower created late)
-            gap = list(self.log.read("(" + after_id if after_id != "0-0" else "-", start))
+            gap = list(self.log.read("(" + after_id if after_id != "0-0" else "-", start, trust=Trust.OWN_LOG))
             after_id = start
         if through is not None and order(self._scanned) < order(through):
             self._read_until(through)
@@ -106,7 +113,7 @@ class SharedTail:
                 return  # another thread read it meanwhile
             self.reads += 1
             self.log.last_scanned_id = None
-            got = list(self.log.read("(" + self._scanned if self._scanned != "0-0" else "-", "+"))
+            got = list(self.log.read("(" + self._scanned if self._scanned != "0-0" else "-", "+", trust=Trust.OWN_LOG))
             self._append(got, self.log.last_scanned_id)
 
     def _wait_for_more(self, after_id: str, block_ms: int) -> list[StoredEvent]:
@@ -120,7 +127,7 @@ class SharedTail:
                 return got
             self.reads += 1
             self.log.last_scanned_id = None
-            new = self.log.tail(self._scanned, block_ms=block_ms)
+            new = self.log.tail(self._scanned, block_ms=block_ms, trust=Trust.OWN_LOG)
             self._append(new, self.log.last_scanned_id)
         finally:
             self._fetch.release()

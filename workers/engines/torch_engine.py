@@ -483,10 +483,13 @@ class TorchEngine:
         return None
 
     def weights_digest(self) -> str:
-        """state_digest of the live weights, recomputed from the parameters (not a remembered value)."""
-        with self._model_lock, self._state:
+        """state_digest of the live weights, measured from the parameters when they were made live (at construction
+        and by every commit; a level-1 wake puts the same bytes back, a level-2 one serves nothing until a commit):
+        the digest `generate` stamps its samples with. Not recomputed per call: a rank asks for it per group, and a
+        pass over every parameter per group would cost a real model seconds (vLLM's worker keeps it the same way)."""
+        with self._state:
             self._check_serving("weights_digest")
-            return state_digest(policy_state(self._model))
+            return self._digest
 
     def health(self) -> HealthReport:
         """Greedy 4-token decode of a fixed probe (full forward each step); fails on NaN/inf or an engine error."""
