@@ -416,8 +416,12 @@ class RunConfig(ConfigModel):
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     group_size: int = Field(8, ge=1, description="N samples per prompt")
     partial_policy: PartialPolicy = PartialPolicy()
-    scheduler: Literal["fifo", "srgf"] = Field(
-        "fifo", description="admission order (workflows/scheduler.py): by prompt index, or shortest estimated first"
+    scheduler: Literal["fifo", "srgf", "youngest-cancel"] = Field(
+        "fifo",
+        description="admission order (workflows/scheduler.py): by prompt index, or shortest estimated first; "
+        "youngest-cancel admits by prompt index and, when the untrained groups outnumber the rate throttle's cap, "
+        "cancels the youngest open ones down to it (prime-rl's overload policy; needs "
+        "admission.throttle_to_drain_rate)",
     )
     interruptible: bool = False
     sleep_level: Literal[1, 2] = 1
@@ -443,6 +447,11 @@ class RunConfig(ConfigModel):
         k = self.partial_policy.k
         if k is not None and k > self.group_size:
             raise ValueError(f"partial_policy.k={k} exceeds group_size={self.group_size}")
+        if self.scheduler == "youngest-cancel" and not self.admission.throttle_to_drain_rate:
+            raise ValueError(
+                "scheduler = 'youngest-cancel' needs admission.throttle_to_drain_rate (its overload is the "
+                "throttle's cap)"
+            )
         if self.trainer.overlap_update and self.mode != "disaggregated":
             raise ValueError(
                 "trainer.overlap_update needs mode = 'disaggregated' (colocated, the trainer has the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from logbuilder import LogBuilder
+from pydantic import ValidationError
 
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
@@ -425,3 +426,42 @@ def test_an_open_group_that_can_no_longer_be_trained_is_cancelled_as_stale() -> 
     cancels = _stale_cancels(k)
     assert [gid for gid, _ in cancels] == ["g-both"]
     assert "only 0 of the 1 required samples can be newer" in cancels[0][1]
+
+
+def _youngest_cancel_log(scheduler: str) -> LogBuilder:
+    """groups_per_step 2, so the throttle's cap is 4 before the drain rate is measured; six groups untrained: g0
+    completed (waiting for the trainer), g1-g5 open, admitted in that order."""
+    b = LogBuilder(group_size=2, scheduler=scheduler, trainer=TrainerConfig(groups_per_step=2))
+    b.start_run()
+    b.admit("g0").start("g0/0").start("g0/1").finish("g0/0").finish("g0/1").complete("g0")
+    for gid in ("g1", "g2", "g3", "g4", "g5"):
+        b.admit(gid)
+    return b
+
+
+def test_youngest_cancel_cancels_the_newest_open_groups_down_to_the_throttle_cap() -> None:
+    """prime-rl's overload policy. Six untrained groups against a cap of four: the two admitted last are cancelled,
+    naming the overload; the completed group counts but is never a candidate. FIFO and SRGF cancel nothing (they
+    only stop admitting). A group the same round cancels for another reason is not counted: one youngest goes, not
+    two. Once the excess is cancelled nothing more is."""
+    for scheduler in ("fifo", "srgf"):
+        assert decide_groups(replay(_youngest_cancel_log(scheduler).build()), now=0.0) == []
+
+    b = _youngest_cancel_log("youngest-cancel")
+    out = decide_groups(replay(b.build()), now=0.0)
+    assert [p.group_id for p in out if isinstance(p, ev.GroupCancelled)] == ["g5", "g4"] and len(out) == 2
+    assert all(
+        isinstance(p, ev.GroupCancelled) and "6 untrained groups > the throttle's cap 4" in p.reason for p in out
+    )
+    assert decide_groups(fold_all(replay(b.build()), out), now=0.0) == []
+
+    b.start("g1/0").fail("g1/0")  # all 2 of 2 required: g1 can no longer complete, so this round cancels it
+    out = decide_groups(replay(b.build()), now=0.0)
+    cancelled = [(p.group_id, p.reason) for p in out if isinstance(p, ev.GroupCancelled)]
+    assert [gid for gid, _ in cancelled] == ["g1", "g5"] and len(out) == 2
+    assert "5 untrained groups > the throttle's cap 4" in cancelled[1][1]
+
+
+def test_youngest_cancel_needs_the_rate_throttle() -> None:
+    with pytest.raises(ValidationError, match="'youngest-cancel' needs admission.throttle_to_drain_rate"):
+        RunConfig(scheduler="youngest-cancel", admission=AdmissionConfig(throttle_to_drain_rate=False))

@@ -11,6 +11,11 @@
 - stale (any policy): an open group that can no longer be trained within `admission.max_lag` of the published version
   is cancelled at once (its tokens are too old, or too few of its samples can be newer), not generated to the end
   for the trainer to drop (prime-rl drops stale groups early the same way).
+- overload (scheduler = "youngest-cancel", prime-rl's overload policy): when the untrained groups (completed and
+  waiting for the trainer, or in flight) outnumber the rate throttle's cap (`admission.throttle_cap`: the trainer's
+  drain slowed since they were admitted), the youngest open groups are cancelled down to the cap, newest admission
+  first: they hold the least generated work, and the older ones, nearest to done, keep going. FIFO and SRGF only stop
+  admitting and let the excess finish (it may be dropped for lag later).
 Cancelling is a decision here (GroupCompleted/GroupCancelled); the rollout worker that holds the samples sees it and
 ends each unfinished sample with SampleCancelled, so every dispatched sample reaches a terminal event.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import GroupOutcome, GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import trajectory_nbytes
+from rolledger.workflows.admission import throttle_cap
 from rolledger.workflows.reducer_common import sample_index
 from rolledger.workflows.state import GroupState, RunState, SampleState
 
@@ -40,7 +46,26 @@ def decide_groups(state: RunState, now: float) -> list[ev.Payload]:
         decision = decide_group(g, now, g.deadline) or _cancel_if_stale(state, g)
         if decision is not None:
             out.append(decision)
-    return out
+    return out + _cancel_youngest_on_overload(state, out)
+
+
+def _cancel_youngest_on_overload(state: RunState, decided: list[ev.Payload]) -> list[ev.Payload]:
+    """Under youngest-cancel: the youngest open groups, down to the throttle's cap on untrained groups (module
+    docstring). Groups this round already closes are not candidates; those it cancels no longer count."""
+    cfg = state.config
+    if cfg is None or cfg.scheduler != "youngest-cancel":
+        return []
+    closing = {p.group_id for p in decided if isinstance(p, (ev.GroupCompleted, ev.GroupCancelled))}
+    cancelled = {p.group_id for p in decided if isinstance(p, ev.GroupCancelled)}
+    untrained = [g for g in state.groups.values() if g.untrained and g.group_id not in cancelled]
+    cap = throttle_cap(state, cfg)
+    excess = len(untrained) - cap
+    if excess <= 0:
+        return []
+    open_groups = [g for g in untrained if g.status.is_open and g.group_id not in closing]
+    youngest = sorted(open_groups, key=lambda g: (g.admitted_at, g.group_id), reverse=True)[:excess]
+    why = f"overload (youngest-cancel): {len(untrained)} untrained groups > the throttle's cap {cap}"
+    return [ev.GroupCancelled(group_id=g.group_id, reason=why) for g in youngest]
 
 
 def _cancel_if_stale(state: RunState, g: GroupState) -> ev.GroupCancelled | None:

@@ -4,6 +4,7 @@ The queue is ordered by group identity: prompts have an index in the run's promp
 admission chooses among the `window` lowest indices not yet admitted (the *frontier* and after it). Policies:
 
 - `fifo`: by index.
+- `youngest-cancel`: by index too; on overload the youngest open groups are cancelled (workflows/groups.py).
 - `srgf` (shortest-remaining-group-first): by the estimated tokens of the group, ties by index, with a fairness
   bound: a prompt that later prompts have overtaken `admission.max_wait_rounds` x `trainer.groups_per_step` times
   is admitted before any shorter one. So every prompt is admitted after at most that many later ones: none starves.
