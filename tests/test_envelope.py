@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
-from rolledger.events.envelope import make_event, new_event_id
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rolledger.events.envelope import crockford26, make_event, new_event_id
 from rolledger.schemas import events as ev
 
 CROCKFORD = set("0123456789ABCDEFGHJKMNPQRSTVWXYZ")
@@ -16,6 +19,13 @@ def test_ids_are_ulids_that_sort_in_creation_order_even_within_one_millisecond()
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     later = new_event_id(now_ms=int(time.time() * 1000) + 60_000)
     assert later > ids[-1] and later[:10] > ids[-1][:10]  # the first 10 characters are the milliseconds
+
+
+@given(st.integers(min_value=0, max_value=(1 << 128) - 1))
+def test_crockford26_is_the_digit_by_digit_encoding(value: int) -> None:
+    """The ULID text: 26 digits of 5 bits, most significant first, in Crockford's alphabet."""
+    expected = "".join("0123456789ABCDEFGHJKMNPQRSTVWXYZ"[(value >> (5 * i)) & 31] for i in range(25, -1, -1))
+    assert crockford26(value) == expected
 
 
 def test_make_event_stamps_the_schema_version_a_fresh_id_and_the_wall_time() -> None:
