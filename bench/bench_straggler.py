@@ -19,7 +19,8 @@ what a length estimate can learn; 0.8 the sample's), capped at 4,000 tokens (max
 8 groups per trainer step; `--train-s` of training per step; `--ranks` x `--slots` groups generate at once in every
 configuration (the same inference capacity for all).
 
-Configurations (admission's rate throttle off in all: the lag cap is the bound on staleness):
+Configurations (admission's rate throttle off in all but async+t+i and async+yc+i: the lag cap is the bound on
+staleness):
 
   synchronous     admission.max_lag = 0: the groups of step s+1 are admitted only once version s is published, so
                   the engines generate one whole batch, wait while it is trained on and the update lands, and repeat
@@ -32,6 +33,10 @@ Configurations (admission's rate throttle off in all: the lag cap is the bound o
                   samples park during the update and continue under the new version, each token stamped with its
                   version), and the trainer trains step s+1 beside the open update of step s
                   (trainer.overlap_update); every sample of a group is trained on.
+  async+t+i       as async+srgf+i, but FIFO and with admission's rate throttle on (the baseline of the next row).
+  async+yc+i      as async+t+i, but scheduler "youngest-cancel" (prime-rl's overload policy: FIFO, and when the
+                  untrained groups outnumber the rate throttle's cap, its overload signal, the youngest open ones are
+                  cancelled).
   async+srgf+kN+i max_lag = --lag-cap, scheduler "srgf" (shortest estimated group first, fairness bound
                   admission.max_wait_rounds), partial_policy first_k k=6 of 8 (the stragglers are cancelled), and
                   interruptible generation (update.drain_mode "keep": in-flight samples park during the update and
@@ -145,6 +150,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "async+srgf+i": {
         "admission": {"max_lag": "CAP"},
         "scheduler": "srgf",
+        "interruptible": True,
+        "update": {"drain_mode": "keep"},
+        "trainer": {"overlap_update": True},
+    },
+    "async+t+i": {
+        "admission": {"max_lag": "CAP", "throttle_to_drain_rate": True},
+        "interruptible": True,
+        "update": {"drain_mode": "keep"},
+        "trainer": {"overlap_update": True},
+    },
+    "async+yc+i": {
+        "admission": {"max_lag": "CAP", "throttle_to_drain_rate": True},
+        "scheduler": "youngest-cancel",
         "interruptible": True,
         "update": {"drain_mode": "keep"},
         "trainer": {"overlap_update": True},
