@@ -97,7 +97,15 @@ def log_has(run_dir: Path, run_id: str, type_: str) -> bool:
 def test_sigkill_of_rolledger_run_takes_its_redis_server_with_it(tmp_path: Path) -> None:
     proc = start_run(tmp_path, "killed")
     try:
-        wait_for("an embedded redis-server", lambda: children_named(proc.pid, "redis-server"), 120, proc)
+        # the run's redis_url is written once its server serves; before that a child named redis-server may be the
+        # short-lived `redis-server --version` probe that picks the binary
+        url_file = tmp_path / "killed" / "redis_url"
+        wait_for(
+            "an embedded redis-server",
+            lambda: url_file.exists() and children_named(proc.pid, "redis-server"),
+            120,
+            proc,
+        )
         (server,) = children_named(proc.pid, "redis-server")
         proc.kill()
         proc.wait(timeout=30)
