@@ -13,7 +13,9 @@ percent between runs a minute apart, so the two paths are always compared within
 per-round ratios is reported):
 
   direct          engine.generate(prompt, n, sampling) for every group, from `--slots` threads at once (each takes
-                  the next group when it is done with one; 1: a plain loop): the baseline;
+                  the next group when it is done with one; 1: a plain loop): the baseline. With --slots > 1 both
+                  engines batch the groups in flight into one decode step (TorchEngine(batch_groups=True), what a run
+                  with rank_slots > 1 builds); --one-group-per-step decodes one group at a time on both;
   rolledger       a RankWorker (workers/rank.py) with `rank_slots = --slots` (the same concurrency) on its own
                   redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), joined once for all
                   rounds. A round appends its G GroupAdmitted events (one MULTI/EXEC) and waits until the log holds a
@@ -204,6 +206,12 @@ def main() -> None:
     ap.add_argument("--fewshot", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--slots", type=int, default=4, help="groups generated at once: rank_slots, and direct's threads")
+    ap.add_argument(
+        "--one-group-per-step",
+        action="store_true",
+        help="both engines decode one group at a time (default with --slots > 1: groups share each decode step, as a "
+        "run with rank_slots > 1 does)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-aof", action="store_true", help="redis without persistence (default: AOF, appendfsync no)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds of each path (median reported)")
@@ -219,9 +227,11 @@ def main() -> None:
         group_size=args.n, rank_slots=args.slots, model=model_cfg, sampling=SamplingParams(max_tokens=args.max_tokens)
     )
 
+    batch = args.slots > 1 and not args.one_group_per_step
+
     def engine(prefix_cache: bool = True) -> tuple[TorchEngine, torch.nn.Module]:
         model = build_model(model_cfg, len(tok), args.seed)
-        e = TorchEngine(model, tok, prefix_cache=prefix_cache)
+        e = TorchEngine(model, tok, prefix_cache=prefix_cache, batch_groups=batch)
         direct("warmup", e, warm, args.n, args.max_tokens)  # same warm-up for every engine: same cache state after
         return e, model
 
@@ -242,7 +252,7 @@ def main() -> None:
 
     print(
         f"\ngroups={args.groups} n={args.n} prompt tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
-        f"max_tokens={args.max_tokens} slots={args.slots} torch threads={args.threads} "
+        f"max_tokens={args.max_tokens} slots={args.slots} batch_groups={batch} torch threads={args.threads} "
         f"redis aof={'off' if args.no_aof else 'appendfsync no'} rounds={args.rounds} (direct, rolledger alternating)"
     )
     print(f"{'round':<6} {'direct tok/s':>13} {'rolledger tok/s':>16} {'ratio':>7} {'ms/group':>9}")

@@ -18,12 +18,12 @@ from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
 CONFIG = ModelConfig(dtype="bfloat16")
 
 
-@pytest.fixture(scope="module")
-def subject(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContractSubject]:
+@pytest.fixture(scope="module", params=[False, True], ids=["one-group", "batch-groups"])
+def subject(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[ContractSubject]:
     tok = build_tokenizer()
     model = build_model(CONFIG, len(tok), seed=0)
     base = {k: v.clone() for k, v in policy_state(model).items()}
-    engine = TorchEngine(model, tok, rank=0)
+    engine = TorchEngine(model, tok, rank=0, batch_groups=request.param)
     store = DirectoryStagingStore(tmp_path_factory.mktemp("contract") / "staging")
 
     def other(seed: int) -> dict[str, torch.Tensor]:
@@ -37,7 +37,7 @@ def subject(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContractSubjec
 
 
 class TestTorchEngine(EngineContract):
-    """Every contract test, on the in-process torch engine."""
+    """Every contract test, on the in-process torch engine: one group per decode, and groups batched together."""
 
 
 def test_the_contract_module_is_collected_once_per_engine() -> None:

@@ -157,6 +157,10 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
     e = VllmEngine(endless_server.url, rank=0, model_name=endless_server.model, timeout_s=120.0)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprob_mode="raw")
     try:
+        # Every generation compared below computes its prompt from scratch, as the one it is compared with did (the
+        # commit drops the prefix cache, so the continuation did): a cached prefix takes another kernel path, and an
+        # unscaled random policy's near-tied bfloat16 logits let greedy decoding follow the smallest difference.
+        e.reset_prefix_cache()
         before = e.generate(PROMPT, 1, greedy).samples[0]
         assert before.finish_reason == "length"
         v0, d0 = e.policy_version, e.weights_digest()
@@ -178,6 +182,7 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
             except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
                 result.append(exc)
 
+        e.reset_prefix_cache()
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
         assert streaming.wait(timeout=60.0), ("no token streamed", result)
@@ -201,15 +206,27 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
         (start0, ver0, dig0), (k, ver1, dig1) = sample.spans
         assert (start0, ver0, dig0) == (0, v0, d0) and (ver1, dig1) == (v1, d1)
         assert 0 < k < MAX_TOKENS
-        assert sample.token_ids[:k] == before.token_ids[:k]  # the old weights' tokens up to the interruption
+        # the old weights' tokens up to the interruption
+        assert sample.token_ids[:k] == before.token_ids[:k], _first_difference(sample.token_ids[:k], before.token_ids)
+        e.reset_prefix_cache()
         rest = e.generate([*PROMPT, *sample.token_ids[:k]], 1, greedy.model_copy(update={"max_tokens": MAX_TOKENS - k}))
-        assert sample.token_ids[k:] == rest.samples[0].token_ids  # the new weights' continuation of that prefix
+        # the new weights' continuation of that prefix
+        assert sample.token_ids[k:] == rest.samples[0].token_ids, (
+            k,
+            _first_difference(sample.token_ids[k:], rest.samples[0].token_ids),
+        )
         assert sample.finish_reason == rest.samples[0].finish_reason
         assert sample.token_ids[k:] != before.token_ids[k : k + len(sample.token_ids) - k]
         print(f"\ninterrupted at token {k}; continued under v{v1} for {len(sample.token_ids) - k} tokens")
         _serve(e, v1 + 1, endless_server, tmp_path)  # the endless policy again, for the next test
     finally:
         e.close()
+
+
+def _first_difference(a: list[int], b: list[int]) -> str:
+    """Where two token lists part (for an assertion's message)."""
+    at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"lengths {len(a)} and {len(b)}, first difference at {at}: {a[at : at + 5]} vs {b[at : at + 5]}"
 
 
 def _serve(e: object, version: int, server: Server, tmp_path: Path) -> None:

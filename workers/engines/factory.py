@@ -41,7 +41,9 @@ def build_engines(
         engines: list[Engine] = []
         for r in range(cfg.ranks):
             model, _ = load_policy(model_dir)
-            engines.append(TorchEngine(model, tokenizer, rank=r, interruptible=cfg.interruptible))
+            engines.append(
+                TorchEngine(model, tokenizer, rank=r, interruptible=cfg.interruptible, batch_groups=cfg.rank_slots > 1)
+            )
 
         def close() -> None:
             for e in engines:

@@ -81,7 +81,7 @@ class KVDecoder:
         """Decode one group. `serving()`: the (policy version, weights digest) serving now; `poll(version)`: False
         ends the unfinished samples with "abort"."""
         version, digest = serving()
-        cache, logits, computed, saved = self._prefill(prompt, n)
+        cache, logits, computed, saved = self.prefill(prompt, n)
         gen = torch.Generator(device=self.device)
         if sampling.seed is not None:
             gen.manual_seed(sampling.seed)
@@ -142,7 +142,7 @@ class KVDecoder:
                 next_ids = next_ids[rows]
                 active = [active[row] for row in keep]
             out = self._forward(next_ids[:, None], cache)
-            cache = self._out_cache(out)
+            cache = self.out_cache(out)
             logits = out.logits[:, -1, :].float()
 
         samples = [
@@ -184,12 +184,26 @@ class KVDecoder:
             kwargs[self._cache_kw] = cache
         return self._model(**kwargs)
 
+    def forward_step(
+        self, input_ids: torch.Tensor, cache: DynamicCache, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> Any:
+        """One decode forward of a padded batch (workers.engines.torch_batch): the mask hides each row's padding
+        columns and `position_ids` [rows, 1] gives each row its own position."""
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "use_cache": True,
+            self._cache_kw: cache,
+        }
+        return self._model(**kwargs)
+
     @staticmethod
-    def _out_cache(out: Any) -> DynamicCache:
+    def out_cache(out: Any) -> DynamicCache:
         cache = out.get("cache") if hasattr(out, "get") else None
         return cache if cache is not None else out.past_key_values
 
-    def _prefill(self, prompt: list[int], n: int) -> tuple[DynamicCache, torch.Tensor, int, int]:
+    def prefill(self, prompt: list[int], n: int) -> tuple[DynamicCache, torch.Tensor, int, int]:
         """KV cache of the prompt expanded to batch n, the next-token logits [n, vocab], computed and saved counts."""
         length = len(prompt)
         config = self._model.config
@@ -197,7 +211,7 @@ class KVDecoder:
         if prefix is None:
             ids = torch.tensor([prompt] * n, device=self.device)
             out = self._forward(ids, None)
-            return self._out_cache(out), out.logits[:, -1, :].float(), n * length, 0
+            return self.out_cache(out), out.logits[:, -1, :].float(), n * length, 0
 
         key = tuple(prompt)
         cached_kv, matched, cached_last = prefix.lookup(key)
@@ -210,7 +224,7 @@ class KVDecoder:
             out = self._forward(ids, base)
             kv = [
                 (cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
-                for layer in cast(Any, self._out_cache(out)).layers
+                for layer in cast(Any, self.out_cache(out)).layers
             ]
             last = out.logits[0, -1, :].float()
             computed = length - matched

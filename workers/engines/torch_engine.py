@@ -1,7 +1,8 @@
 """The built-in torch engine: one inference rank running a Hugging Face causal LM in-process.
 
 `TorchEngine` composes, from the modules beside it in workers/engines/: KV-cache generation of groups and sampling
-(torch_decode) with a real prefix cache (torch_prefix_cache), sleep/wake with measured (accounted) memory
+(torch_decode), one group per call or, with `batch_groups`, the groups of concurrent calls in one decode batch run by
+the engine's decode thread (torch_batch), with a real prefix cache (torch_prefix_cache), sleep/wake with measured (accounted) memory
 (torch_memory), and the two-step weight update: stage into an inactive buffer, commit by copying into the live
 parameters (torch_weights). What this module owns is the order those may happen in: pause/resume and parking, and
 the rules below, over two locks (the model lock around every use of the model, its parameters and the prefix cache;
@@ -14,7 +15,8 @@ Rules this engine enforces (IllegalEngineOrder otherwise):
   "wait" lets them finish; "keep" parks them at their next decode step (releasing the model lock) until resume().
   pause returns once in-flight work is quiescent (finished, or parked for "keep"), within a deadline. In flight
   counts every generate called (a rank's rollout slots call it at once; they take the model lock one at a time, so
-  one still waiting for it is in flight too: it runs, or parks at its first step, before pause returns).
+  one still waiting for it is in flight too: it runs, or parks at its first step, before pause returns). With
+  batch_groups the decode thread parks once for its whole batch and counts every group it holds as parked.
   This engine is not interruptible: a parked generation that finds a different policy version (or the engine asleep)
   when it resumes ends its unfinished samples with "abort" instead of mixing versions.
 - sleep(level): refused with generations in flight, with staged weights pending, or when already asleep.
@@ -27,7 +29,7 @@ Rules this engine enforces (IllegalEngineOrder otherwise):
   "kv_cache" still sleeps — that is how new weights arrive after a level-2 sleep. sleep() is refused while a
   staged buffer is pending; commit needs the staged version.
 
-Over 400 lines (about 490) for a reason: the rules above are one state machine over those two locks. Every public
+Over 400 lines (about 580) for a reason: the rules above are one state machine over those two locks. Every public
 method checks and changes the same flags under them (a parked generation releases the model lock, sleep and commit
 take both), so cutting it further would spread one locking invariant over several modules; the work each rule
 guards already lives in the modules named above.
@@ -60,7 +62,8 @@ from rolledger.workers.engine import (
     WakeTag,
 )
 from rolledger.workers.engines import torch_memory, torch_weights
-from rolledger.workers.engines.torch_decode import KVDecoder, validate_request
+from rolledger.workers.engines.torch_batch import BatchRequest, GroupBatcher, wait_for
+from rolledger.workers.engines.torch_decode import Decoded, KVDecoder, validate_request
 from rolledger.workers.engines.torch_prefix_cache import PrefixCache
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.transport import DeltaBase, load_verified
@@ -86,6 +89,7 @@ class TorchEngine:
         keep_timeout_s: float = 300.0,
         probe_text: str = "12+34=",
         interruptible: bool = False,
+        batch_groups: bool = False,
     ) -> None:
         if prefix_cache_entries < 1:
             raise ValueError(f"prefix_cache_entries must be >= 1 (got {prefix_cache_entries})")
@@ -134,6 +138,21 @@ class TorchEngine:
         self._closed = False
         self._pause_timeout_s = pause_timeout_s
         self._keep_timeout_s = keep_timeout_s
+
+        # batch_groups: concurrent generate calls share one decode batch, run by one decode thread (torch_batch)
+        self._batch_groups = batch_groups
+        self._pending: list[BatchRequest] = []  # submitted, not yet taken by the decode thread (under _state)
+        self._decode_thread: threading.Thread | None = None
+        self._batcher = GroupBatcher(
+            self._decoder,
+            self._model.config,
+            eos_id=self._eos_id,
+            device=self.device,
+            take=self._take_pending,
+            pending=lambda: len(self._pending),
+            poll=self._poll_control,
+            serving=lambda: (self._policy_version, self._digest),
+        )
 
         self._policy_version = policy_version
         self._cache_generation = 0
@@ -196,18 +215,33 @@ class TorchEngine:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused ({self._paused})")
             self._check_serving("generate")
             self._inflight += 1
+            if self._batch_groups:
+                req = BatchRequest(prompt, n, sampling, should_cancel, streams=on_sample is not None)
+                self._pending.append(req)
+                thread = self._start_decode_thread()
+                self._state.notify_all()
         started = time.perf_counter()
         try:
-            self._model_lock.acquire()
-            try:
-                out = self._generate_locked(prompt, n, sampling, should_cancel, on_sample)
-            finally:
-                self._model_lock.release()
+            if self._batch_groups:
+                out = self._output(wait_for(req, on_sample, thread.is_alive))
+            else:
+                self._model_lock.acquire()
+                try:
+                    out = self._output(self._decode(prompt, n, sampling, should_cancel, on_sample))
+                finally:
+                    self._model_lock.release()
         finally:
             with self._state:
                 self._inflight -= 1
                 self._state.notify_all()
         with self._state:
+            aborted = [s for s in out.samples if s.finish_reason == "abort"]
+            self.stats.cancelled_samples += len(aborted)
+            self.stats.cancelled_tokens += sum(len(s.token_ids) for s in aborted)
+            if self._batch_groups:
+                c = self._batcher.counters
+                self.stats.extra["batch_max_groups"] = float(c.max_groups)
+                self.stats.extra["batch_mean_groups"] = c.group_steps / c.steps if c.steps else 0.0
             self.stats.groups += 1
             self.stats.generated_tokens += sum(len(s.token_ids) for s in out.samples)
             self.stats.prefill_tokens_computed += out.prefill_tokens_computed
@@ -231,15 +265,16 @@ class TorchEngine:
                 f"rank {self.rank}: {what} before new weights were committed after a level-2 sleep"
             )
 
-    def _generate_locked(
+    def _decode(
         self,
         prompt: list[int],
         n: int,
         sampling: SamplingParams,
         should_cancel: Callable[[int], bool] | None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
-    ) -> GroupOutput:
-        out = self._decoder.decode(
+    ) -> Decoded:
+        """One group alone, in the calling thread, which holds the model lock."""
+        return self._decoder.decode(
             prompt,
             n,
             sampling,
@@ -248,6 +283,33 @@ class TorchEngine:
             should_cancel=should_cancel,
             on_sample=on_sample,
         )
+
+    def _start_decode_thread(self) -> threading.Thread:
+        """The decode thread of batch_groups, started on first use (caller holds self._state)."""
+        if self._decode_thread is None or not self._decode_thread.is_alive():
+            self._decode_thread = threading.Thread(
+                target=self._decode_loop, name=f"torch-decode-rank{self.rank}", daemon=True
+            )
+            self._decode_thread.start()
+        return self._decode_thread
+
+    def _decode_loop(self) -> None:
+        """Run the shared decode batch whenever requests are pending; end when the engine closes."""
+        while True:
+            with self._state:
+                while not self._pending and not self._closed:
+                    self._state.wait()
+                if not self._pending:
+                    return
+            with self._model_lock:
+                self._batcher.run()
+
+    def _take_pending(self) -> list[BatchRequest]:
+        with self._state:
+            taken, self._pending = self._pending, []
+            return taken
+
+    def _output(self, out: Decoded) -> GroupOutput:
         return GroupOutput(
             samples=out.samples,
             policy_version=out.policy_version,
@@ -258,11 +320,12 @@ class TorchEngine:
             prefill_tokens_saved=out.prefill_tokens_saved,
         )
 
-    def _poll_control(self, version: int) -> bool:
+    def _poll_control(self, version: int, held: Callable[[], int] | None = None) -> bool:
         """Called with the model lock held between decode steps. False: end the unfinished samples ("abort").
 
         Under pause("keep") the generation parks here with the model lock released until resume/abort/deadline;
-        it continues only if the engine still serves the same policy version.
+        it continues only if the engine still serves the same policy version. `held()`: how many generate calls
+        this park holds (the decode thread of batch_groups parks every group of its batch at once); one otherwise.
         """
         if self._abort.is_set():
             return False
@@ -273,7 +336,8 @@ class TorchEngine:
         try:
             deadline = time.monotonic() + self._keep_timeout_s
             with self._state:
-                self._parked += 1
+                count = held() if held is not None else 1
+                self._parked += count
                 self._state.notify_all()
                 try:
                     while self._paused == "keep" and not self._abort.is_set():
@@ -281,8 +345,13 @@ class TorchEngine:
                         if left <= 0:
                             return False
                         self._state.wait(left)
+                        now = held() if held is not None else 1
+                        if now != count:
+                            self._parked += now - count
+                            count = now
+                            self._state.notify_all()
                 finally:
-                    self._parked -= 1
+                    self._parked -= count
                     self._state.notify_all()
         finally:
             self._model_lock.acquire()
