@@ -269,6 +269,12 @@ def main() -> None:
         f"\nrolledger overhead: median {statistics.median(ratios):.2f}x the direct rate "
         f"({statistics.median(overheads):+.1f} ms per group), over {len(pairs)} rounds"
     )
+    if batch:
+        both = [(name, eng.stats.extra) for name, eng in (("direct", direct_engine), ("rolledger", e))]
+        print(
+            "groups per decode step (mean over the run; the most at once): "
+            + ", ".join(f"{name} {x['batch_mean_groups']:.2f} ({x['batch_max_groups']:.0f})" for name, x in both)
+        )
     print(
         f"prefill per group (round 1): {cold.prefill_per_group:.1f} tokens with the prefix cache vs "
         f"{nocache.prefill_per_group:.1f} without ({cold.prefill_per_group / nocache.prefill_per_group:.3f}x)"

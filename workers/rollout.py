@@ -297,14 +297,14 @@ class Rollout:
 
     def _generate_group(self, d: Delivery, consumer: GroupConsumer, heartbeat: Heartbeat, read_at: float) -> bool:
         claim = Claim(consumer, d.stream_id, self.heartbeat_s(), confirmed_at=read_at)
-        with heartbeat.hold(claim) as beat:
+        with heartbeat.hold(claim):
             try:
-                return self._take_group(d, consumer, beat)
+                return self._take_group(d, consumer, claim)
             except ClaimLost:
                 self.w.logger.warning("group reclaimed by another rank; dropping it", entry=d.stream_id)
                 return True  # not ours to acknowledge any more
 
-    def _take_group(self, d: Delivery, consumer: GroupConsumer, beat: Claim) -> bool:
+    def _take_group(self, d: Delivery, consumer: GroupConsumer, claim: Claim) -> bool:
         p = d.event.payload
         assert isinstance(p, ev.GroupAdmitted)
         seen_by = time.monotonic() + _SEEN_WITHIN_S
@@ -322,7 +322,7 @@ class Rollout:
                 self.w.lock.wait(timeout=0.2)  # woken by every fold of the control thread
         if verdict == "skip":
             if orphans:
-                beat.check()
+                claim.check()
             self.w.emitter.emit(orphans, policy_version=self.w.engine.policy_version, causation_id=d.event.event_id)
             consumer.ack(d.stream_id)
             return True
@@ -337,7 +337,7 @@ class Rollout:
                     self.w.lock.notify_all()
 
         try:
-            self._run(d, p, beat, announce)
+            self._run(d, p, claim, announce)
             consumer.ack(d.stream_id)
             done = True
             return True
@@ -349,13 +349,13 @@ class Rollout:
                 self.groups_done += done
                 self.w.lock.notify_all()
 
-    def _run(self, d: Delivery, p: ev.GroupAdmitted, beat: Claim, announce: Callable[[], None]) -> None:
+    def _run(self, d: Delivery, p: ev.GroupAdmitted, claim: Claim, announce: Callable[[], None]) -> None:
         engine, rank = self.w.engine, self.w.rank
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
         version, digest = engine.policy_version, engine.weights_digest()
 
         def emit(*payloads: ev.Payload) -> None:
-            beat.check()  # still ours? (a reclaimed group gets nothing more from this rank)
+            claim.check()  # still ours? (a reclaimed group gets nothing more from this rank)
             self.w.emitter.emit(list(payloads), policy_version=engine.policy_version, causation_id=d.event.event_id)
 
         emit(
@@ -375,7 +375,7 @@ class Rollout:
         started = time.perf_counter()
 
         def should_cancel(_: int) -> bool:
-            if beat.lost.is_set():
+            if claim.lost.is_set():
                 return True
             with self.w.lock:
                 return not self._open(p.group_id)
