@@ -272,8 +272,11 @@ def main() -> None:
     if batch:
         both = [(name, eng.stats.extra) for name, eng in (("direct", direct_engine), ("rolledger", e))]
         print(
-            "groups per decode step (mean over the run; the most at once): "
-            + ", ".join(f"{name} {x['batch_mean_groups']:.2f} ({x['batch_max_groups']:.0f})" for name, x in both)
+            "groups per decode step (mean over the run; the most at once; ms per step): "
+            + ", ".join(
+                f"{name} {x['batch_mean_groups']:.2f} ({x['batch_max_groups']:.0f}; {x['batch_step_ms']:.2f} ms)"
+                for name, x in both
+            )
         )
     print(
         f"prefill per group (round 1): {cold.prefill_per_group:.1f} tokens with the prefix cache vs "

@@ -23,6 +23,7 @@ checks them once per step for its group.
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -93,11 +94,13 @@ class BatchRequest:
 
 @dataclass
 class BatchCounters:
-    """What the batch did: steps run, groups summed over steps, the most groups one step held."""
+    """What the batch did: steps run, groups summed over steps, the most groups one step held, and the wall time
+    its steps took (sampling and forward, not prefills or parks)."""
 
     steps: int = 0
     group_steps: int = 0
     max_groups: int = 0
+    step_s: float = 0.0
 
 
 class DecodeBatch:
@@ -249,7 +252,9 @@ class GroupBatcher:
                     cache, logits, req.computed, req.saved = self._decoder.prefill(req.prompt, req.n)
                     batch.join(req, cache, logits)
                 waiting = []
+                started = time.perf_counter()
                 self._step(batch)
+                self.counters.step_s += time.perf_counter() - started
             except Exception as exc:  # noqa: BLE001 - a failed forward fails every group in it, not the thread
                 for req in [*_unique(req for req, _ in batch.rows), *waiting]:
                     req.fail(exc)
@@ -278,11 +283,10 @@ class GroupBatcher:
             chosen = raw_lp if req.sampling.logprob_mode == "raw" else proc_lp
             next_ids[idx] = ids
             stops = set(req.sampling.stop_token_ids) | {self._eos_id}
-            for k, r in enumerate(live):
+            for r, tok, lp in zip(live, ids.tolist(), chosen.tolist(), strict=True):  # one copy out, not one per row
                 i = batch.rows[r][1]
-                tok = int(ids[k])
                 req.tokens[i].append(tok)
-                req.logprobs[i].append(float(chosen[k]))
+                req.logprobs[i].append(lp)
                 if tok in stops:
                     req.finish[i] = "stop"
                 elif len(req.tokens[i]) >= req.sampling.max_tokens:

@@ -112,12 +112,13 @@ class KVDecoder:
                 break
             next_ids, raw_lp, proc_lp = sample(logits, sampling, gen)
             chosen = raw_lp if sampling.logprob_mode == "raw" else proc_lp
+            step_ids, step_lps = next_ids.tolist(), chosen.tolist()  # one copy out, not one per row
             for row, i in enumerate(active):
                 if finish[i] is not None:
                     continue
-                tok = int(next_ids[row])
+                tok = step_ids[row]
                 tokens[i].append(tok)
-                logprobs[i].append(float(chosen[row]))
+                logprobs[i].append(step_lps[row])
                 if tok in stops:
                     finish[i] = "stop"
                 elif step == sampling.max_tokens - 1:
