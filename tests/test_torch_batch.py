@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import GroupOutput, SampleOutput
+from rolledger.workers.engine import GroupOutput, PauseMode, SampleOutput
 from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer
 
@@ -178,42 +178,51 @@ def test_a_caller_whose_on_sample_raises_gets_its_exception_and_the_other_groups
         batched.close()
 
 
+def pause_mid_batch(
+    engine: TorchEngine,
+    calls: Callable[[Callable[[int], bool]], list[Callable[[], GroupOutput]]],
+    mode: PauseMode,
+    at_step: int,
+) -> tuple[threading.Thread, list[GroupOutput | BaseException]]:
+    """Run `calls(check)` as one batch; at a sample's `at_step`-th step the decode thread waits in `check`, mid-sample,
+    until pause(mode) has been asked. Returns once pause returned: the batch's thread and its results (filled when
+    the batch ends)."""
+    steps: dict[int, int] = {}
+    reached, go = threading.Event(), threading.Event()
+
+    def check(i: int) -> bool:
+        steps[i] = steps.get(i, 0) + 1
+        if steps[i] == at_step and not reached.is_set():
+            reached.set()
+            assert go.wait(DEADLINE_S)
+        return False
+
+    results: list[GroupOutput | BaseException] = []
+    t = threading.Thread(target=lambda: results.extend(together(engine, calls(check))), daemon=True)
+    t.start()
+    assert reached.wait(DEADLINE_S)
+    pauser = threading.Thread(target=engine.pause, args=(mode,), daemon=True)
+    pauser.start()
+    wait_until(lambda: engine.is_paused, "pause asked for")
+    go.set()
+    pauser.join(DEADLINE_S)  # "abort": no generation is in flight; "keep": the whole batch is parked
+    assert not pauser.is_alive()
+    return t, results
+
+
 def test_pause_abort_ends_every_group_of_the_batch(tok: PreTrainedTokenizerFast) -> None:
     batched = make_engine(tok, batch_groups=True)
     try:
         long_run = SamplingParams(temperature=1.0, max_tokens=40, seed=4, stop_token_ids=[])
-        steps: dict[int, int] = {}
-        at_second_step, go = threading.Event(), threading.Event()
-
-        def check(i: int) -> bool:  # the decode thread waits here, mid-sample, until pause("abort") has been asked
-            steps[i] = steps.get(i, 0) + 1
-            if steps[i] == 2 and not at_second_step.is_set():
-                at_second_step.set()
-                assert go.wait(DEADLINE_S)
-            return False
-
-        results: list[GroupOutput | BaseException] = []
-
-        def run() -> None:
-            results.extend(
-                together(
-                    batched,
-                    [
-                        lambda: batched.generate(ids(tok, TEXTS[0]), 2, long_run, should_cancel=check),
-                        lambda: batched.generate(ids(tok, TEXTS[2]), 2, long_run, should_cancel=check),
-                    ],
-                )
-            )
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        assert at_second_step.wait(DEADLINE_S)
-        pauser = threading.Thread(target=batched.pause, args=("abort",), daemon=True)
-        pauser.start()
-        wait_until(lambda: batched.is_paused, "pause asked for")
-        go.set()
-        pauser.join(DEADLINE_S)  # pause returns once no generation is in flight
-        assert not pauser.is_alive()
+        t, results = pause_mid_batch(
+            batched,
+            lambda check: [
+                partial(batched.generate, ids(tok, text), 2, long_run, should_cancel=check)
+                for text in (TEXTS[0], TEXTS[2])
+            ],
+            "abort",
+            at_step=2,
+        )
         t.join(DEADLINE_S)
         assert not t.is_alive() and len(results) == 2
         for out in results:
@@ -234,38 +243,15 @@ def test_pause_keep_parks_the_whole_batch_and_resume_continues_it(tok: PreTraine
         run_params = [SamplingParams(temperature=1.0, max_tokens=30, seed=5 + k, stop_token_ids=[]) for k in range(2)]
         prompts = [ids(tok, TEXTS[0]), ids(tok, TEXTS[2])]
         expected = [alone.generate(p, 2, s) for p, s in zip(prompts, run_params, strict=True)]
-        steps: dict[int, int] = {}
-        at_third_step, go = threading.Event(), threading.Event()
-
-        def check(i: int) -> bool:  # the decode thread waits here, mid-sample, until pause("keep") has been asked
-            steps[i] = steps.get(i, 0) + 1
-            if steps[i] == 3 and not at_third_step.is_set():
-                at_third_step.set()
-                assert go.wait(DEADLINE_S)
-            return False
-
-        results: list[GroupOutput | BaseException] = []
-
-        def run() -> None:
-            results.extend(
-                together(
-                    batched,
-                    [
-                        partial(batched.generate, p, 2, s, should_cancel=check)
-                        for p, s in zip(prompts, run_params, strict=True)
-                    ],
-                )
-            )
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        assert at_third_step.wait(DEADLINE_S)
-        pauser = threading.Thread(target=batched.pause, args=("keep",), daemon=True)
-        pauser.start()
-        wait_until(lambda: batched.is_paused, "pause asked for")
-        go.set()
-        pauser.join(DEADLINE_S)  # pause returns only once the whole batch is parked
-        assert not pauser.is_alive()
+        t, results = pause_mid_batch(
+            batched,
+            lambda check: [
+                partial(batched.generate, p, 2, s, should_cancel=check)
+                for p, s in zip(prompts, run_params, strict=True)
+            ],
+            "keep",
+            at_step=3,
+        )
         assert t.is_alive()  # parked, not finished
         batched.resume()
         t.join(DEADLINE_S)
