@@ -324,6 +324,33 @@ def test_a_copy_that_failed_to_write_fails_every_transfer_of_it(tmp_path: Path) 
     assert any("No space left" in f for f in server.failed), server.failed
 
 
+def test_close_ends_every_transfer_before_it_returns(tmp_path: Path) -> None:
+    """A transfer still running when the server closes (here: holding back its last bucket for a copy never written)
+    has ended, and recorded why, by the time close returns: nothing of torch.distributed runs on a thread of it when
+    the process exits (a gloo group torn down by the interpreter's exit aborts the process)."""
+    server = td.WeightServer(tmp_path, bucket_bytes=1000, timeout_s=60)
+    uri, _ = _offer(server, tmp_path, 1, _state(3))
+    manifest = td.read_manifest(uri, 1, timeout_s=60)
+    got: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            td.receive_verified(uri, 1, manifest, timeout_s=60)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            got.append(e)
+
+    receiver = threading.Thread(target=fetch, daemon=True)
+    receiver.start()
+    while not any(t.name.startswith("weight-send:") for t in threading.enumerate()):
+        assert receiver.is_alive(), got
+        threading.Event().wait(0.01)  # polling for the server's transfer thread; the receiver's deadline bounds it
+    server.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("weight-send:")]
+    assert any("closed" in f for f in server.failed), server.failed
+    receiver.join(60)
+    assert got and isinstance(got[0], StagingError), got
+
+
 def test_the_dist_store_serves_a_snapshot_and_writes_the_same_version_behind(tmp_path: Path) -> None:
     from rolledger.workers.transport import DistStagingStore
 

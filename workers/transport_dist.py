@@ -605,6 +605,8 @@ class WeightServer:
         # the accept loop blocks on the request queue: its own connection, with a deadline it never reaches
         self._accept_store = dist.TCPStore(host, self.port, is_master=False, timeout=datetime.timedelta(days=7))
         self._closed = threading.Event()
+        self._senders: set[threading.Thread] = set()  # transfers running, each on its own thread
+        self._senders_lock = threading.Lock()
         self.served: list[str] = []  # the directories sent, one entry per completed transfer
         self.failed: list[str] = []  # why a transfer failed, one entry per failed one
         if self.root.is_dir():
@@ -628,12 +630,27 @@ class WeightServer:
             self._store.delete_key(f"manifest/{dirname}")
 
     def close(self) -> None:
+        """Stop serving: no request is accepted any more, a transfer running stops at its next bucket, and every
+        transfer thread has ended (or `timeout_s` passed) when this returns, so nothing of torch.distributed is still
+        running on them when the process exits (a gloo group torn down by the interpreter's exit aborts it)."""
         if self._closed.is_set():
             return
         self._closed.set()
+        deadline = time.monotonic() + self.timeout_s
+        with self._held_lock:  # a transfer holding back its last bucket for a copy not yet written ends now
+            for held in self._held.values():
+                if not held.durable.is_set():
+                    held.error = "the weight server closed first"
+                    held.durable.set()
         with contextlib.suppress(Exception):
             self._store.queue_push(_REQUESTS, _STOP)
         self._thread.join(timeout=self.timeout_s)
+        with self._senders_lock:
+            senders = list(self._senders)
+        for t in senders:
+            t.join(timeout=max(deadline - time.monotonic(), 0.0))
+        if alive := [t.name for t in senders if t.is_alive()]:
+            log.warning("weight_server.transfers_still_running", threads=alive, timeout_s=self.timeout_s)
 
     def __enter__(self) -> Self:
         return self
@@ -658,12 +675,15 @@ class WeightServer:
             except (ValueError, KeyError, TypeError):
                 log.warning("weight_server.bad_request", request=raw[:200])
                 continue
-            threading.Thread(
+            sender = threading.Thread(
                 target=self._serve,
                 args=(session, dirname, digest, base_version),
                 name=f"weight-send:{session[:8]}",
                 daemon=True,
-            ).start()
+            )
+            with self._senders_lock:
+                self._senders.add(sender)
+            sender.start()
 
     def _serve(self, session: str, dirname: str, digest: str, base_version: int) -> None:
         """Send one version to one receiver; any failure ends this session only."""
@@ -673,6 +693,9 @@ class WeightServer:
         except Exception as e:  # noqa: BLE001 - a receiver that fails or dies ends its own session, never the server
             self.failed.append(f"{dirname}: {e}")
             log.warning("weight_server.transfer_failed", dir=dirname, session=session, error=str(e)[:300])
+        finally:
+            with self._senders_lock:
+                self._senders.discard(threading.current_thread())
 
     def offer(self, dirname: str, manifest: WeightManifest, tensors: Mapping[str, torch.Tensor]) -> str:
         """Serve a version from memory (`tensors`, prepared and checksummed into `manifest`, which the server keeps
@@ -773,6 +796,8 @@ class WeightServer:
             dst = raw_bytes(bucket)
             buckets = list(_chunks(sizes, self.bucket_bytes))
             for tag, pieces in enumerate(buckets):
+                if self._closed.is_set():
+                    raise RuntimeError(f"the weight server closed while sending {dirname}")
                 at = 0
                 for i, lo, length in pieces:
                     dst[at : at + length] = pieces_of[i][lo : lo + length]
