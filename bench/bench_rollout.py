@@ -62,6 +62,8 @@ from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.weights import state_digest
+from rolledger.workflows.admission import sample_reserve
+from rolledger.workflows.scheduler import PromptItem
 
 RUN_ID = "bench-rollout"
 
@@ -171,7 +173,14 @@ class ThroughRolledger:
                     partial_policy=self.cfg.partial_policy,
                     answer="0",
                     est_remaining_tokens=n * max_tokens,
-                    est_bytes=1000 * n,
+                    est_bytes=n
+                    * sample_reserve(
+                        f"r{self.rounds}g{g:06d}",
+                        PromptItem(g, f"p{g}", tuple(ids), "0"),
+                        n,
+                        sampling_for(g, max_tokens),
+                        False,
+                    ),
                     queued_bytes=0,
                     byte_cap=10**12,
                 ),

@@ -42,8 +42,8 @@ from pydantic.fields import FieldInfo
 
 from rolledger.schemas.base import PackedArray, PackedArraySchema
 from rolledger.schemas.events import PAYLOAD_TYPES, Event, upcast
+from rolledger.schemas.wire import ARRAY_EXT, SCALARS, wire_form
 
-_ARRAY_EXT = 1
 _PACK_CTX = {"packed": True}
 _CURRENT_VERSION = {name: cls.SCHEMA_VERSION for name, cls in PAYLOAD_TYPES.items()}
 _unpackb = msgpack.unpackb
@@ -72,7 +72,7 @@ class DecodeError(ValueError):
 
 def _default(obj: Any) -> Any:
     if isinstance(obj, PackedArray):
-        return msgpack.ExtType(_ARRAY_EXT, obj.typecode.encode() + obj.data)
+        return msgpack.ExtType(ARRAY_EXT, obj.typecode.encode() + obj.data)
     if isinstance(obj, tuple):
         return list(obj)
     if isinstance(obj, PurePath):
@@ -86,7 +86,7 @@ _ARRAY_TYPECODES = {ord(c): c for c in "ifb"}  # first byte -> typecode: int32, 
 def _ext_hook(code: int, data: bytes) -> Any:
     """An array ext becomes an `array.array` of its wire typecode (one C call); the field's schema checks the typecode
     and turns it into a list without validating element by element (schemas.base.PackedArraySchema)."""
-    if code != _ARRAY_EXT:
+    if code != ARRAY_EXT:
         return msgpack.ExtType(code, data)
     typecode = _ARRAY_TYPECODES.get(data[0]) if data else None
     if typecode is None:
@@ -103,57 +103,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
 _packer = msgpack.Packer(default=_default, use_bin_type=True)
 
 
-_FIELDS: dict[type[BaseModel], tuple[tuple[str, str | None], ...]] = {}
-
-
-def _fields(cls: type[BaseModel]) -> tuple[tuple[str, str | None], ...]:
-    """(field name, wire typecode of a packed-array field or None), read once per model class."""
-    found = _FIELDS.get(cls)
-    if found is None:
-        found = tuple(
-            (name, next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None))
-            for name, info in cls.model_fields.items()
-        )
-        _FIELDS[cls] = found
-    return found
-
-
-def _wire(obj: Any) -> Any:
-    """What `model_dump(context={"packed": True})` gives, built straight from the (already validated) models' fields:
-    the models are immutable and valid, so serialising is a walk, and arrays become ext blobs in one C call each."""
-    if isinstance(obj, BaseModel):
-        values = obj.__dict__
-        out: dict[str, Any] = {}
-        for name, typecode in _fields(type(obj)):
-            value = values[name]
-            if typecode is not None:
-                try:
-                    packed = array.array(typecode, value).tobytes()
-                except OverflowError as exc:  # a model built with model_construct/model_copy skipped the range check
-                    raise ValueError(f"{type(obj).__name__}.{name}: {exc}") from None
-                out[name] = msgpack.ExtType(_ARRAY_EXT, typecode.encode() + packed)
-            elif type(value) in _SCALARS:
-                out[name] = value
-            else:
-                out[name] = _wire(value)
-        return out
-    if isinstance(obj, (list, tuple)):
-        return [_wire(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _wire(v) for k, v in obj.items()}
-    if isinstance(obj, PurePath):
-        return str(obj)
-    return obj
-
-
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
 def encode(event: Event) -> bytes:
     """Event -> msgpack bytes (arrays packed as binary)."""
     values = event.__dict__
     env = {k: values[k] for k in _ENVELOPE_FIELDS}
-    payload = _wire(event.payload)
+    payload = wire_form(event.payload)
     del payload["type"]
     return _packer.pack({"t": event.type, "v": event.schema_version, "e": env, "p": payload})
 
@@ -248,12 +202,12 @@ def _conv(annotation: Any, info: FieldInfo | None = None) -> Conv | None:
             return v.tolist()
 
         return packed
-    if annotation in _SCALARS:
+    if annotation in SCALARS:
         return None
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Literal:
-        if all(type(a) in _SCALARS for a in args):
+        if all(type(a) in SCALARS for a in args):
             return None
         members = {a.value: a for a in args if isinstance(a, enum.Enum)}
         if len(members) != len(args):

@@ -112,6 +112,12 @@ class SampleFinished(Payload):
     trajectory: Trajectory
     answer: str = Field("", description="the group's ground truth, carried so the reward worker stays stateless")
     gen_ms: float = 0.0
+    nbytes: int | None = Field(
+        None,
+        ge=0,
+        description="the trajectory's encoded size, what its group holds while queued (events/codec.encoded_size); "
+        "None in a log written before it was recorded (then schemas/trajectory.trajectory_nbytes counts)",
+    )
 
 
 class SampleFailed(Payload):

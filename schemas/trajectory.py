@@ -2,18 +2,76 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import array
+import functools
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from rolledger.schemas.base import F32Array, I8Array, I32Array, Model
 from rolledger.schemas.config import SamplingParams
+from rolledger.schemas.wire import encoded_size
 
 
 def trajectory_nbytes(prompt_tokens: int, generated_tokens: int) -> int:
-    """Bytes a queued trajectory holds: int32 prompt ids; per generated token an int32 id, int32 position, float32
-    logprob and int8 mask; plus a fixed overhead. The one formula admission, completion and the trainer share."""
+    """The bytes a log written before `SampleFinished.nbytes` counted for a queued trajectory: its arrays (int32
+    prompt ids; per generated token an int32 id, int32 position, float32 logprob, int8 mask) plus 256. Such a log is
+    replayed and audited by this formula; a newer one records every trajectory's encoded size."""
     return 4 * prompt_tokens + 13 * generated_tokens + 256
+
+
+SPANS_RESERVED = 8  # version spans a sample of an interruptible run may carry within its reservation
+_WIDE_INT = 2**32 - 1  # the widest integer a trajectory field is reserved for (5 bytes of msgpack)
+_DIGEST = "f" * 64  # the longest weights digest reserved for (a sha256 in hex)
+_ENGINE = "e" * 32  # the longest engine name reserved for
+
+
+def reserved_nbytes(
+    group_id: str, prompt_id: str, prompt_tokens: int, n: int, sampling: SamplingParams, spans: int
+) -> int:
+    """The encoded size of the largest trajectory a sample of this group can finish with, within its reservation:
+    every array at `sampling.max_tokens`, the widest integers (seed included), digest and engine name, and `spans`
+    version spans. Admission reserves it per sample; a rank whose sample encodes larger fails it rather than let the
+    queue overrun its byte cap. An encoded size depends on the lengths of the strings and arrays, not their contents:
+    it is computed once per shape."""
+    if sampling.seed is not None and sampling.seed < _WIDE_INT:
+        sampling = sampling.model_copy(update={"seed": _WIDE_INT})
+    return _reserved_nbytes(len(group_id.encode()), len(prompt_id.encode()), prompt_tokens, n, sampling, spans)
+
+
+@functools.lru_cache(maxsize=256)
+def _reserved_nbytes(
+    group_id_len: int, prompt_id_len: int, prompt_tokens: int, n: int, sampling: SamplingParams, spans: int
+) -> int:
+    width = sampling.max_tokens
+    group_id = "g" * group_id_len
+    # built without validation (every value is valid by construction), the arrays as zero-filled machine arrays
+    fields: dict[str, Any] = {
+        "trajectory_id": f"{group_id}/{n - 1}",
+        "group_id": group_id,
+        "prompt_id": "p" * prompt_id_len,
+        "index": n - 1,
+        "prompt_token_ids": array.array("i", bytes(4 * prompt_tokens)),
+        "token_ids": array.array("i", bytes(4 * width)),
+        "loss_mask": array.array("b", bytes(width)),
+        "positions": array.array("i", bytes(4 * width)),
+        "logprobs": array.array("f", bytes(4 * width)),
+        "logprob_mode": "processed",
+        "finish_reason": "length",
+        "sampling": sampling,
+        "policy_version": _WIDE_INT,
+        "weights_digest": _DIGEST,
+        "rank": _WIDE_INT,
+        "engine": _ENGINE,
+        "cache_generation": _WIDE_INT,
+        "graph_generation": _WIDE_INT,
+        "spans": tuple(
+            VersionSpan(start=_WIDE_INT, end=_WIDE_INT, policy_version=_WIDE_INT, weights_digest=_DIGEST)
+            for _ in range(spans)
+        ),
+    }
+    worst = Trajectory.model_construct(**fields)
+    return encoded_size(worst)
 
 
 class VersionSpan(Model):
@@ -62,6 +120,6 @@ class Trajectory(Model):
         return {s.policy_version for s in self.spans} or {self.policy_version}
 
     @property
-    def nbytes(self) -> int:
-        """Approximate bytes this trajectory holds while queued (token ids, masks, positions, logprobs)."""
+    def legacy_nbytes(self) -> int:
+        """What a log written before `SampleFinished.nbytes` counted for this trajectory (`trajectory_nbytes`)."""
         return trajectory_nbytes(len(self.prompt_token_ids), len(self.token_ids))

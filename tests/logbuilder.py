@@ -102,6 +102,7 @@ class LogBuilder:
         self.cache_gen: dict[int, int] = {r: 0 for r in range(self.config.ranks)}
         self.queued_bytes = 0
         self._group_bytes: dict[str, int] = {}
+        self._sample_bytes: dict[str, int] = {}  # what each finished sample holds, as the reducer counts it
         self._group_n: dict[str, int] = {}
         self._started: dict[str, SampleStarted] = {}
         self._trajectories: dict[str, Trajectory] = {}
@@ -184,9 +185,10 @@ class LogBuilder:
         byte_cap: int | None = None,
         partial_policy: PartialPolicy | None = None,
         prompt_index: int | None = -1,
+        est_bytes: int | None = None,
     ) -> LogBuilder:
         """GroupAdmitted of the next group; `prompt_index` -1: the admission count (as rolledger admits in FIFO
-        order), None: a log from before GroupAdmitted v2."""
+        order), None: a log from before GroupAdmitted v2; `est_bytes`: what it reserves (default 300 per sample)."""
         if prompt_index == -1:
             prompt_index = self._admitted
         self._admitted += 1
@@ -206,7 +208,7 @@ class LogBuilder:
                 partial_policy=partial_policy or self.config.partial_policy,
                 answer="5",
                 est_remaining_tokens=8 * n,
-                est_bytes=300 * n,
+                est_bytes=300 * n if est_bytes is None else est_bytes,
                 queued_bytes=self.queued_bytes if queued_bytes is None else queued_bytes,
                 byte_cap=self.config.admission.max_queued_bytes if byte_cap is None else byte_cap,
             ),
@@ -229,8 +231,9 @@ class LogBuilder:
         self._started[sample_id] = p
         return self.emit(p, producer=f"rollout-{rank}")
 
-    def finish(self, sample_id: str, **trajectory: Any) -> LogBuilder:
-        """SampleFinished with a 2-token trajectory stamped from its SampleStarted; keyword args override fields."""
+    def finish(self, sample_id: str, *, nbytes: int | None = None, **trajectory: Any) -> LogBuilder:
+        """SampleFinished with a 2-token trajectory stamped from its SampleStarted; keyword args override fields.
+        `nbytes`: the size it declares (None: none, as a log from before samples declared their size)."""
         s = self._started[sample_id]
         fields: dict[str, Any] = {
             "trajectory_id": sample_id,
@@ -255,7 +258,8 @@ class LogBuilder:
         fields.update(trajectory)
         t = Trajectory(**fields)
         self._trajectories[sample_id] = t
-        return self.emit(SampleFinished(trajectory=t, gen_ms=1.0), producer=f"rollout-{s.rank}")
+        self._sample_bytes[sample_id] = t.legacy_nbytes if nbytes is None else nbytes
+        return self.emit(SampleFinished(trajectory=t, gen_ms=1.0, nbytes=nbytes), producer=f"rollout-{s.rank}")
 
     def fail(self, sample_id: str, error: str = "engine error") -> LogBuilder:
         s = self._started[sample_id]
@@ -280,7 +284,7 @@ class LogBuilder:
         """GroupCompleted accepting `accepted` (default: every finished sample of the group)."""
         if accepted is None:
             accepted = tuple(t for t in self._trajectories if t.rsplit("/", 1)[0] == group_id)
-        nbytes = sum(self._trajectories[a].nbytes for a in accepted if a in self._trajectories)
+        nbytes = sum(self._sample_bytes[a] for a in accepted if a in self._sample_bytes)
         n = self._group_n.get(group_id, len(accepted))
         self._group_bytes[group_id] = nbytes
         self.queued_bytes += nbytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,9 +13,10 @@ from hypothesis import strategies as st
 from logbuilder import LogBuilder, weights_digest_for
 
 from rolledger.schemas.config import PartialPolicy
-from rolledger.schemas.events import EnginePaused, Event, GroupCompleted, RankCommitted
+from rolledger.schemas.events import EnginePaused, Event, GroupCompleted, RankCommitted, SampleFinished
 from rolledger.schemas.statuses import AdmissionReason
 from rolledger.schemas.trajectory import VersionSpan
+from rolledger.schemas.wire import encoded_size
 from rolledger.workflows.audit import audit
 from rolledger.workflows.audit_report import AuditReport
 
@@ -94,7 +96,8 @@ def test_inv1_trajectory_version_differs_from_its_sample_start() -> None:
         b.admit()
         g = b.last_group
         b.start(f"{g}/0").start(f"{g}/1")
-        b.finish(f"{g}/0", **({"policy_version": 3, "weights_digest": "w0003"} if bad else {}))
+        stamp: dict[str, Any] = {"policy_version": 3, "weights_digest": "w0003"} if bad else {}
+        b.finish(f"{g}/0", **stamp)
         return b.finish(f"{g}/1").complete(g).finish_run()
 
     bad = log(True)
@@ -494,6 +497,47 @@ def test_inv6_queued_bytes_over_the_cap(field: str) -> None:
     bad = log(True)
     assert only(audit(bad.build()), 6) == [(bad.find("GroupAdmitted").event_id,)]
     assert_clean(audit(log(False).build()))
+
+
+def _one_sample_size() -> tuple[str, int]:
+    """The group id and the encoded size of the trajectory the builder finishes the first group's sample with."""
+    b = LogBuilder(group_size=1).start_run().admit(est_bytes=10_000)
+    g = b.last_group
+    p = b.start(f"{g}/0").finish(f"{g}/0").find("SampleFinished").payload
+    assert isinstance(p, SampleFinished)
+    return g, encoded_size(p.trajectory)
+
+
+@pytest.mark.parametrize("wrong", [0, 1, -1])
+def test_inv6_a_sample_declares_its_trajectorys_encoded_size(wrong: int) -> None:
+    """A finished sample counts its trajectory's encoded size, which the audit recomputes: a declared size off by
+    even one byte is a violation at that SampleFinished (and at the completion whose bytes it summed)."""
+    g, size = _one_sample_size()
+    b = LogBuilder(group_size=1).start_run().admit(est_bytes=10_000)
+    b.start(f"{g}/0")
+    b.finish(f"{g}/0", nbytes=size + wrong)
+    b.complete(g).cancel_group(g)
+    report = audit(b.finish_run().build())
+    if wrong == 0:
+        assert_clean(report)
+    else:
+        assert (b.find("SampleFinished").event_id,) in only(report, 6)
+
+
+@pytest.mark.parametrize("reserved", ["enough", "short"])
+def test_inv6_a_sample_holds_no_more_than_its_group_reserved(reserved: str) -> None:
+    """Admission reserves bytes per sample (GroupAdmitted.est_bytes / n); a sample that holds more overruns what the
+    byte cap was checked against: a violation, however small the queue."""
+    g, size = _one_sample_size()
+    b = LogBuilder(group_size=1).start_run().admit(est_bytes=size if reserved == "enough" else size - 1)
+    b.start(f"{g}/0")
+    b.finish(f"{g}/0", nbytes=size)
+    b.complete(g).cancel_group(g)
+    report = audit(b.finish_run().build())
+    if reserved == "enough":
+        assert_clean(report)
+    else:
+        assert only(report, 6) == [(b.find("SampleFinished").event_id,)]
 
 
 # ---------------------------------------------------------------- 7: nothing silently lost

@@ -8,9 +8,9 @@ from pydantic import ValidationError
 
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
-from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, SamplingParams, TrainerConfig
+from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
 from rolledger.schemas.statuses import AdmissionReason, GroupStatus, PolicyKind, SampleStatus
-from rolledger.workflows.admission import AdmissionInputs, bytes_estimate, decide_admission, gates
+from rolledger.workflows.admission import AdmissionInputs, decide_admission, gates, group_bytes
 from rolledger.workflows.groups import decide_group, decide_groups
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.scheduler import PromptItem, remaining_tokens
@@ -63,7 +63,8 @@ def test_srgf_admits_the_shortest_estimated_groups_first() -> None:
 
 
 def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() -> None:
-    one = bytes_estimate(4, SamplingParams().max_tokens, 2)  # a group of 2 samples at sampling.max_tokens
+    one = group_bytes(config(), PROMPTS[0], 0)  # a group of 2 samples, each reserved at sampling.max_tokens
+    assert {group_bytes(config(), PROMPTS[i], i) for i in range(3)} == {one}  # the same for each of the first three
     cfg = config(
         admission=AdmissionConfig(
             max_queued_bytes=2 * one + one // 2, max_inflight_groups=8, throttle_to_drain_rate=False

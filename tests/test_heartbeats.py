@@ -28,8 +28,10 @@ from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state, save_policy
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.weights import state_digest
+from rolledger.workflows.admission import sample_reserve
 from rolledger.workflows.audit import audit
 from rolledger.workflows.reducer import replay
+from rolledger.workflows.scheduler import PromptItem
 
 pytestmark = pytest.mark.slow
 N = 2
@@ -57,8 +59,16 @@ class Run:
     """A run log with RunStarted and `groups` admitted groups, no coordinator: the rank workers take them."""
 
     def __init__(
-        self, redis_url: str, run_id: str, tmp_path: Path, groups: int, max_tokens: int = 8, **config: object
+        self,
+        redis_url: str,
+        run_id: str,
+        tmp_path: Path,
+        groups: int,
+        max_tokens: int = 8,
+        reserve: int | None = None,
+        **config: object,
     ) -> None:
+        """`reserve`: the bytes each sample's admission reserves (None: what rolledger's admission reserves)."""
         torch.manual_seed(0)
         self.n = N
         self.cfg = RunConfig.model_validate(
@@ -85,6 +95,7 @@ class Run:
             )
         )
         prompt = list(self.tok("12+34=")["input_ids"])
+        sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=())
         for g in range(groups):
             self.emit(
                 ev.GroupAdmitted(
@@ -92,11 +103,16 @@ class Run:
                     prompt_id=f"p{g}",
                     prompt_token_ids=prompt,
                     n=N,
-                    sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=()),
+                    sampling=sampling,
                     partial_policy=self.cfg.partial_policy,
                     answer="46",
                     est_remaining_tokens=max_tokens * N,
-                    est_bytes=1000,
+                    est_bytes=N
+                    * (
+                        sample_reserve(f"g{g:06d}", PromptItem(g, f"p{g}", tuple(prompt), "46"), N, sampling, False)
+                        if reserve is None
+                        else reserve
+                    ),
                     queued_bytes=0,
                     byte_cap=self.cfg.admission.max_queued_bytes,
                 )

@@ -23,6 +23,8 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state, save_policy
 from rolledger.workers.weights import state_digest
+from rolledger.workflows.admission import sample_reserve
+from rolledger.workflows.scheduler import PromptItem
 
 pytestmark = pytest.mark.slow
 GROUPS = 6
@@ -84,6 +86,7 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(
 
     emit(ev.RunStarted(config=cfg, initial_weights_digest=state_digest(policy_state(model)), model_dir=str(model_dir)))
     prompt = list(tok("12+34=")["input_ids"])
+    sampling = SamplingParams(max_tokens=24, stop_token_ids=())
     for g in range(GROUPS):
         emit(
             ev.GroupAdmitted(
@@ -91,11 +94,12 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(
                 prompt_id=f"p{g}",
                 prompt_token_ids=prompt,
                 n=N,
-                sampling=SamplingParams(max_tokens=24, stop_token_ids=()),
+                sampling=sampling,
                 partial_policy=cfg.partial_policy,
                 answer="46",
                 est_remaining_tokens=8 * N,
-                est_bytes=1000,
+                est_bytes=N
+                * sample_reserve(f"g{g:06d}", PromptItem(g, f"p{g}", tuple(prompt), "46"), N, sampling, False),
                 queued_bytes=0,
                 byte_cap=10**9,
             )
@@ -104,7 +108,11 @@ def test_sigkilled_rollout_worker_loses_nothing_and_counts_nothing_twice(
     def events() -> list[ev.Event]:
         return [s.event for s in log.read()]
 
-    a = _worker(redis_url, run_id, 0, "A", tmp_path / "a.log")
+    # A takes 60 s longer per group, so it surely holds a group in flight when it is killed: a quick A could finish
+    # every group between two polls of a loaded test process, and leave B nothing to reclaim
+    env = {**os.environ, "ROLLEDGER_TEST_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    slow_a = [sys.executable, str(Path(__file__).parent / "_slow_rank_proc.py"), redis_url, run_id, "0", "A", "60"]
+    a = subprocess.Popen(slow_a, stdout=(tmp_path / "a.log").open("wb"), stderr=subprocess.STDOUT, env=env)
     try:
         # kill A as soon as it has started a group (its samples are in flight, its entry pending)
         _wait_for(

@@ -53,6 +53,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
+from rolledger.schemas.wire import encoded_size
 from rolledger.workers.engine import EngineCapabilities, GroupOutput, SampleOutput
 from rolledger.workers.runtime import WorkerKilled
 from rolledger.workers.shared_tail import order
@@ -385,8 +386,7 @@ class Rollout:
         def on_sample(i: int, s: SampleOutput) -> None:
             # one sample ended: log it now, so a first-k group can complete while the others still run
             so_far = GroupOutput([], version, digest, engine.cache_generation, engine.graph_generation)
-            t = self._trajectory(p, i, s, so_far)
-            emit(ev.SampleFinished(trajectory=t, answer=p.answer, gen_ms=(time.perf_counter() - started) * 1e3))
+            emit(self._finished(p, self._trajectory(p, i, s, so_far), (time.perf_counter() - started) * 1e3))
             streamed.add(i)
 
         try:
@@ -430,8 +430,21 @@ class Rollout:
                     )
                 )
                 continue
-            results.append(ev.SampleFinished(trajectory=self._trajectory(p, i, s, out), answer=p.answer, gen_ms=gen_ms))
+            results.append(self._finished(p, self._trajectory(p, i, s, out), gen_ms))
         return results
+
+    def _finished(self, p: ev.GroupAdmitted, t: Trajectory, gen_ms: float) -> ev.Payload:
+        """A finished sample's event, with its encoded size; a sample that encodes larger than its group reserved
+        per sample at admission (`GroupAdmitted.est_bytes`, workflows/admission.sample_reserve) fails instead, so the
+        completed groups never hold more bytes than admission counted."""
+        nbytes = encoded_size(t)
+        reserve = p.est_bytes // p.n
+        if nbytes > reserve:
+            error = f"its trajectory encodes to {nbytes} B, over the {reserve} B reserved per sample at admission"
+            return ev.SampleFailed(
+                sample_id=t.trajectory_id, group_id=p.group_id, index=t.index, rank=t.rank, error=error
+            )
+        return ev.SampleFinished(trajectory=t, answer=p.answer, gen_ms=gen_ms, nbytes=nbytes)
 
     def _trajectory(self, p: ev.GroupAdmitted, i: int, s: SampleOutput, out: GroupOutput) -> Trajectory:
         start = len(p.prompt_token_ids)

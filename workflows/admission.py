@@ -1,9 +1,11 @@
 """The admission controller: `decide_admission(state, inputs) -> [payloads]`, pure.
 
 Three gates, each a pause reason the controller owns (the update and handoff coordinators own theirs):
-- bytes: completed-but-untrained bytes plus the bytes the groups in flight and the new group may hold (every sample
-  at `sampling.max_tokens`: an upper bound, not an estimate) must stay within `admission.max_queued_bytes`: admission
-  stops *before* the queue could outgrow its cap, however long the generations run.
+- bytes: completed-but-untrained bytes (each finished sample's encoded trajectory, `SampleFinished.nbytes`) plus the
+  bytes the groups in flight and the new group may hold (each sample reserved the encoded size of the largest
+  trajectory it may finish with, `sample_reserve`: an upper bound, not an estimate, which the rank enforces) must stay
+  within `admission.max_queued_bytes`: admission stops *before* the queue could outgrow its cap, however long the
+  generations run.
 - lag: a group admitted now is consumed around trainer step floor(C / groups_per_step) + 1, C the groups admitted
   before it and not cancelled or dropped. Admission stops when that step lies more than `admission.max_lag` steps
   beyond the trainer's *settled progress* (`settled_version`): the newest version whose update transaction has
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
 from rolledger.schemas.statuses import AdmissionReason, RunStatus
-from rolledger.schemas.trajectory import trajectory_nbytes
+from rolledger.schemas.trajectory import SPANS_RESERVED, reserved_nbytes
 from rolledger.workflows.scheduler import PromptItem, candidates, est_completion_tokens, pick_next
 from rolledger.workflows.state import RunState
 
@@ -58,9 +60,12 @@ class AdmissionInputs:
     window: int = 16  # how many not-yet-admitted prompts the scheduler chooses among
 
 
-def bytes_estimate(prompt_tokens: int, completion_tokens: int, n: int) -> int:
-    """Bytes a group will hold once completed: what Trajectory.nbytes counts, for n samples."""
-    return n * trajectory_nbytes(prompt_tokens, completion_tokens)
+def sample_reserve(group_id: str, item: PromptItem, n: int, sampling: SamplingParams, interruptible: bool) -> int:
+    """The bytes reserved for each sample of a group: the encoded size of the largest trajectory it may finish with
+    (`reserved_nbytes`: every array at `max_tokens`; version spans only in an interruptible run). The rank fails a
+    sample that encodes larger (workers/rollout.py), so completed groups never hold more than was reserved."""
+    spans = SPANS_RESERVED if interruptible else 0
+    return reserved_nbytes(group_id, item.prompt_id, len(item.token_ids), n, sampling, spans)
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,7 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     paused = list(state.admission.paused)
     # Pause/resume on the owned gates as they stand for the next group.
     first = pick_next(state, cfg, pool, admitted_now)
-    first_bytes = group_bytes(cfg, first) if first else 0
+    first_bytes = group_bytes(cfg, first, state.admission.admitted) if first else 0
     for reason, ok, detail in gates(state, cfg, 1, first_bytes).verdicts(cfg):
         if not ok and reason not in paused:
             out.append(
@@ -174,13 +179,13 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     while (item := pick_next(state, cfg, pool, admitted_now)) is not None:
         if state.admission.inflight + len(admitted_now) >= cfg.admission.max_inflight_groups:
             break
-        nbytes = group_bytes(cfg, item)
+        nbytes = group_bytes(cfg, item, seq + len(admitted_now))
         g = gates(state, cfg, len(admitted_now) + 1, admitted_bytes + nbytes)
         if not (g.bytes_ok and g.lag_ok and g.rate_ok):
             break  # the next tick pauses on the gate that closed
         out.append(
             ev.GroupAdmitted(
-                group_id=f"g{seq + len(admitted_now):06d}",
+                group_id=group_name(seq + len(admitted_now)),
                 prompt_id=item.prompt_id,
                 prompt_index=item.index,
                 prompt_token_ids=list(item.token_ids),
@@ -201,10 +206,16 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
     return out
 
 
-def group_bytes(cfg: RunConfig, item: PromptItem) -> int:
-    """What a group of `item` may hold once completed: every sample at `sampling.max_tokens`, so the groups in flight
-    can never complete over the byte cap, whatever they generate."""
-    return bytes_estimate(len(item.token_ids), cfg.sampling.max_tokens, cfg.group_size)
+def group_bytes(cfg: RunConfig, item: PromptItem, seq: int) -> int:
+    """What the group admitted `seq`-th, of `item`, may hold once completed: `sample_reserve` for each of its samples,
+    so the groups in flight can never complete over the byte cap, whatever they generate."""
+    n = cfg.group_size
+    return n * sample_reserve(group_name(seq), item, n, group_sampling(cfg, seq), cfg.interruptible)
+
+
+def group_name(seq: int) -> str:
+    """The id of the group admitted `seq`-th (group ids number the admissions)."""
+    return f"g{seq:06d}"
 
 
 def group_sampling(cfg: RunConfig, group_index: int) -> SamplingParams:

@@ -50,6 +50,8 @@ The precise definitions checked (v is a policy version, r a rank):
    partial_policy.required(n) accepted samples that really finished (the stricter of the run's and the group's
    policy); every consumed trajectory was accepted.
 6. Bytes under the cap. Every GroupAdmitted has queued_bytes <= byte_cap <= config.admission.max_queued_bytes; every
+   SampleFinished declares its trajectory's encoded size, recomputed here, within what its group reserved per sample
+   (est_bytes / n; a log from before samples declared a size counts the formula it was written with); every
    GroupCompleted records the bytes its accepted trajectories hold; and the bytes of the completed untrained groups,
    recomputed from their trajectories, never exceed the cap at any admission or completion. (A log written before
    admission counted groups in flight at their `max_tokens` - GroupAdmitted v1 - could be outrun by a long

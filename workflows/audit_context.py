@@ -90,6 +90,7 @@ class Auditor:
         self.groups: dict[str, GroupUnit] = {}
         self.samples: dict[str, Unit] = {}
         self.finished: dict[str, Event] = {}  # trajectory id -> SampleFinished
+        self.sample_bytes: dict[str, int] = {}  # trajectory id -> bytes it holds while queued, recomputed
         self.consumed: dict[str, Event] = {}  # trajectory id -> BatchConsumed
         self.queued: dict[str, int] = {}  # completed, untrained group -> bytes, recomputed from its trajectories
         self.bounded_admission = False  # the run admits at max_tokens bounds: the queue never exceeds the cap

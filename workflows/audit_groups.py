@@ -94,8 +94,8 @@ def _group_completed(ctx: Auditor, e: Event, p: GroupCompleted) -> None:
     if g.completed is None:
         g.completed = e
         nbytes = p.bytes
-        if all(tid in ctx.finished for tid in p.accepted):  # recomputed from what it holds
-            nbytes = sum(ctx.trajectory(tid).nbytes for tid in p.accepted)
+        if all(tid in ctx.sample_bytes for tid in p.accepted):  # recomputed from what it holds
+            nbytes = sum(ctx.sample_bytes[tid] for tid in p.accepted)
             if nbytes != p.bytes:
                 ctx.violate(6, f"GroupCompleted {p.group_id} records {p.bytes} bytes; its samples hold {nbytes}", e)
         ctx.queued[p.group_id] = nbytes

@@ -6,6 +6,7 @@ from __future__ import annotations
 from rolledger.schemas.events import (
     CacheInvalidated,
     Event,
+    GroupAdmitted,
     RankQuarantined,
     SampleCancelled,
     SampleFailed,
@@ -14,6 +15,7 @@ from rolledger.schemas.events import (
 )
 from rolledger.schemas.statuses import CacheKind
 from rolledger.schemas.trajectory import Trajectory
+from rolledger.schemas.wire import encoded_size
 from rolledger.workflows.audit_context import Auditor, RankFacts, Unit, span_versions
 from rolledger.workflows.audit_report import WarningKind
 from rolledger.workflows.dispatch import Handlers
@@ -120,6 +122,27 @@ def _sample_finished(ctx: Auditor, e: Event, p: SampleFinished) -> None:
         ctx.terminal(unit, e, sid)
     _check_versions(ctx, e, t, start)
     _check_published_state(ctx, e, t, start)
+    _check_bytes(ctx, e, p)
+
+
+def _check_bytes(ctx: Auditor, e: Event, p: SampleFinished) -> None:
+    """Invariant 6, per sample: the bytes a finished sample declares are its trajectory's encoded size, recomputed
+    here, and within what its group reserved per sample at admission. A log from before samples declared their
+    size counts the formula it was written with (`Trajectory.legacy_nbytes`)."""
+    t = p.trajectory
+    if p.nbytes is None:
+        ctx.sample_bytes[t.trajectory_id] = t.legacy_nbytes
+        return
+    ctx.checked[6] += 1
+    nbytes = ctx.sample_bytes[t.trajectory_id] = encoded_size(t)
+    if nbytes != p.nbytes:
+        ctx.violate(
+            6, f"SampleFinished {t.trajectory_id} declares {p.nbytes} bytes; its trajectory encodes to {nbytes}", e
+        )
+    group = ctx.groups.get(t.group_id)
+    admitted = group.admitted.payload if group is not None else None
+    if isinstance(admitted, GroupAdmitted) and nbytes > (reserve := admitted.est_bytes // admitted.n):
+        ctx.violate(6, f"SampleFinished {t.trajectory_id} holds {nbytes} bytes, over the {reserve} reserved for it", e)
 
 
 def _check_versions(ctx: Auditor, e: Event, t: Trajectory, start: Event | None) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import GroupOutcome, GroupStatus, PolicyKind, SampleStatus
-from rolledger.schemas.trajectory import trajectory_nbytes
 from rolledger.workflows.admission import throttle_cap
 from rolledger.workflows.reducer_common import sample_index
 from rolledger.workflows.state import GroupState, RunState, SampleState
@@ -115,7 +114,7 @@ def decide_group(g: GroupState, now: float, deadline: float | None) -> ev.Payloa
 
 
 def _complete(g: GroupState, accepted: list[SampleState], status: GroupOutcome) -> ev.GroupCompleted:
-    nbytes = sum(trajectory_nbytes(g.prompt_tokens, s.tokens) for s in accepted)
+    nbytes = sum(s.nbytes for s in accepted)
     return ev.GroupCompleted(
         group_id=g.group_id, accepted=tuple(s.sample_id for s in accepted), status=status, bytes=nbytes
     )

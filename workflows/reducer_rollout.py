@@ -100,6 +100,7 @@ def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
         return
     g, smp = found
     smp.status, smp.tokens = SampleStatus.FINISHED, len(t.token_ids)
+    smp.nbytes = t.legacy_nbytes if p.nbytes is None else p.nbytes
     observe_completion(s.scheduler, g, smp.tokens)
     if t.policy_version != smp.policy_version and smp.rank >= 0 and not t.spans:  # spans: interruptible, stamped
         anomaly(s, e, f"sample {t.trajectory_id} started on v{smp.policy_version}, finished on v{t.policy_version}")

@@ -35,6 +35,7 @@ from rolledger.schemas.statuses import (
     UpdateStatus,
     WakeTag,
 )
+from rolledger.schemas.trajectory import trajectory_nbytes
 
 RETIRED_KEPT: Final = 1024  # tombstones of retired groups kept (the oldest is dropped first)
 PROMPT_STATS_KEPT: Final = 4096  # prompts whose observed completion lengths the scheduler keeps (newest observed)
@@ -49,6 +50,7 @@ class SampleState:
     policy_version: int
     weights_digest: str = ""
     tokens: int = 0
+    nbytes: int = 0  # a finished sample's bytes while queued (SampleFinished.nbytes)
     reward: float | None = None
     correct: bool | None = None
 
@@ -271,6 +273,7 @@ class RunState:
             _observe_groups(state)
         if "retired_groups" not in data:  # a snapshot taken before the live state was bounded (issue 12)
             _bound(state)
+        _legacy_sample_bytes(state)
         return state
 
     def frozen(self) -> FrozenState:
@@ -346,6 +349,7 @@ def group_record(g: GroupState) -> list[Any]:
                 s.policy_version,
                 s.weights_digest,
                 s.tokens,
+                s.nbytes,
                 s.reward,
                 s.correct,
             ]
@@ -357,6 +361,15 @@ def group_record(g: GroupState) -> list[Any]:
         g.versions,
         g.consumed_step,
     ]
+
+
+def _legacy_sample_bytes(state: RunState) -> None:
+    """A snapshot taken before samples counted their encoded size holds no `nbytes` for its finished samples (a real
+    one is never 0): they count what that log counted (`trajectory_nbytes`), so their groups complete as recorded."""
+    for g in state.groups.values():
+        for smp in g.samples.values():
+            if smp.status is SampleStatus.FINISHED and smp.nbytes == 0:
+                smp.nbytes = trajectory_nbytes(g.prompt_tokens, smp.tokens)
 
 
 def _observe_groups(state: RunState) -> None:
