@@ -8,7 +8,8 @@ batch: which groups share a step is then fixed, not a race. What the tests hold 
   leave the batch while the other groups run on unchanged;
 - a caller whose on_sample raises gets that exception; the other groups finish;
 - pause("abort") ends every group of the batch; pause("keep") parks them all (pause returns) and resume continues
-  them to the same tokens as an uninterrupted run.
+  them to the same tokens as an uninterrupted run;
+- a group is stamped with the weights that generated it, even when a commit lands before its caller takes it back.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 from rolledger.schemas.config import ModelConfig, SamplingParams
 from rolledger.workers.engine import GroupOutput, PauseMode, SampleOutput
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer
+from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
 
 DEADLINE_S = 30.0
 TEXTS = ("1+2=", "23+19=", "12+30=42 7+8=15 23+5=")  # three prompt lengths: the batch pads the shorter ones
@@ -262,3 +263,38 @@ def test_pause_keep_parks_the_whole_batch_and_resume_continues_it(tok: PreTraine
     finally:
         alone.close()
         batched.close()
+
+
+def test_a_group_is_stamped_with_the_weights_that_generated_it_when_a_commit_follows_at_once(
+    tok: PreTrainedTokenizerFast,
+) -> None:
+    """The batch stamps a group (weights digest, cache and graph generations) when it ends, under the model lock: a
+    commit that lands before the caller has taken the group back does not stamp it with weights it never saw."""
+    engine = make_engine(tok, batch_groups=True)
+    before = engine.weights_digest()
+    entered, committed = threading.Event(), threading.Event()
+
+    def on_sample(i: int, s: SampleOutput) -> None:
+        entered.set()
+        assert committed.wait(DEADLINE_S)  # the caller holds the group back until the commit is in
+
+    got: list[GroupOutput | BaseException] = []
+
+    def call() -> None:
+        try:
+            got.append(engine.generate(ids(tok, TEXTS[0]), 1, sampling(1, max_tokens=4), on_sample=on_sample))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            got.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    assert entered.wait(DEADLINE_S)
+    new = {k: v + 0.01 for k, v in policy_state(engine._model).items()}
+    engine.stage_weights(1, new)
+    report = engine.commit_weights(1)  # takes the model lock: after the decode thread has let go of the group
+    committed.set()
+    caller.join(DEADLINE_S)
+    assert got and isinstance(got[0], GroupOutput), got
+    assert report.weights_digest != before
+    assert (got[0].policy_version, got[0].weights_digest) == (0, before)
+    engine.close()

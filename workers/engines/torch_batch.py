@@ -32,11 +32,11 @@ import torch
 from transformers import DynamicCache
 
 from rolledger.schemas.config import SamplingParams
-from rolledger.workers.engine import EngineError, SampleOutput
+from rolledger.workers.engine import EngineError, GroupOutput, SampleOutput
 from rolledger.workers.engines.torch_decode import Decoded, FinishReason, KVDecoder, sample
 
 Ended = tuple[Literal["ended"], int, SampleOutput]
-Done = tuple[Literal["done"], Decoded | BaseException]
+Done = tuple[Literal["done"], GroupOutput | BaseException]
 
 
 @dataclass(eq=False)
@@ -80,10 +80,12 @@ class BatchRequest:
             spans=spans,
         )
 
-    def end(self) -> None:
-        """Every sample has ended: hand the caller the whole group."""
+    def end(self, stamp: Callable[[Decoded], GroupOutput]) -> None:
+        """Every sample has ended: hand the caller the whole group, stamped (`stamp`: the engine's weights digest and
+        cache and graph generations) while the decode thread still holds the model lock, so no commit between the
+        group's last step and the caller's return can stamp it."""
         samples = [self.output(i) for i in range(self.n)]
-        self.outbox.put(("done", Decoded(samples, self.version, self.computed, self.saved)))
+        self.outbox.put(("done", stamp(Decoded(samples, self.version, self.computed, self.saved))))
 
     def fail(self, exc: BaseException) -> None:
         self.outbox.put(("done", exc))
@@ -190,7 +192,7 @@ class GroupBatcher:
     `take()` returns the requests submitted since the last call and `pending()` counts them without taking them;
     `poll(version, held)` is the engine's pause check (False: end every unfinished sample "abort"; `held()` counts the
     requests a park holds, including those submitted while it is parked); `serving()` is the (version, digest)
-    serving now.
+    serving now; `stamp(decoded)` makes an ended group the engine's output (called with the model lock held).
     """
 
     def __init__(
@@ -204,6 +206,7 @@ class GroupBatcher:
         pending: Callable[[], int],
         poll: Callable[[int, Callable[[], int]], bool],
         serving: Callable[[], tuple[int, str]],
+        stamp: Callable[[Decoded], GroupOutput],
     ) -> None:
         self._decoder = decoder
         self._config = config
@@ -213,6 +216,7 @@ class GroupBatcher:
         self._pending = pending
         self._poll = poll
         self._serving = serving
+        self._stamp = stamp
         self.counters = BatchCounters()
 
     @torch.inference_mode()
@@ -236,7 +240,7 @@ class GroupBatcher:
                         if not req.finish:
                             req.start(version, digest, self._device)
                         req.abort_unfinished()
-                        req.end()
+                        req.end(self._stamp)
                     batch.keep([])
                     waiting = []
                     continue
@@ -295,7 +299,7 @@ class GroupBatcher:
                     req.outbox.put(("ended", i, req.output(i)))
         for req in order:
             if all(f is not None for f in req.finish):
-                req.end()
+                req.end(self._stamp)
         keep = [r for r, (q, i) in enumerate(batch.rows) if q.finish[i] is None]
         ids_kept = next_ids[torch.tensor(keep, dtype=torch.long, device=next_ids.device)] if keep else next_ids[:0]
         batch.keep(keep)
@@ -323,7 +327,7 @@ def _unique(reqs: Any) -> list[BatchRequest]:
 
 def wait_for(
     req: BatchRequest, on_sample: Callable[[int, SampleOutput], None] | None, alive: Callable[[], bool]
-) -> Decoded:
+) -> GroupOutput:
     """In the calling thread: run `on_sample` for each sample as it ends, then return the group (or raise).
 
     If `on_sample` raises, the group's remaining rows are cancelled and the exception is raised once they have left

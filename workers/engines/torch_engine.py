@@ -152,6 +152,7 @@ class TorchEngine:
             pending=lambda: len(self._pending),
             poll=self._poll_control,
             serving=lambda: (self._policy_version, self._digest),
+            stamp=self._output,
         )
 
         self._policy_version = policy_version
@@ -223,7 +224,7 @@ class TorchEngine:
         started = time.perf_counter()
         try:
             if self._batch_groups:
-                out = self._output(wait_for(req, on_sample, thread.is_alive))
+                out = wait_for(req, on_sample, thread.is_alive)  # stamped by the decode thread, under the lock
             else:
                 self._model_lock.acquire()
                 try:
@@ -311,6 +312,7 @@ class TorchEngine:
             return taken
 
     def _output(self, out: Decoded) -> GroupOutput:
+        """A decoded group stamped with what serves now; called with the model lock held (no commit in between)."""
         return GroupOutput(
             samples=out.samples,
             policy_version=out.policy_version,
