@@ -424,6 +424,12 @@ class RunConfig(ConfigModel):
         "admission.throttle_to_drain_rate)",
     )
     interruptible: bool = False
+    recycle_aborted: bool = Field(
+        False,
+        description="a sample cut short by an `abort` drain (an update's or a colocated handoff's) keeps its tokens: "
+        "its rank continues it from them once it serves again, and its spans say which version produced which "
+        "tokens (as an interruptible run's do); off: the cut samples are cancelled and their group replaced",
+    )
     sleep_level: Literal[1, 2] = 1
     sampling: SamplingParams = SamplingParams()
     admission: AdmissionConfig = AdmissionConfig()

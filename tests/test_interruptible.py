@@ -77,3 +77,36 @@ def test_an_interruptible_run_stamps_spans_and_audits_clean(redis_url: str, run_
             assert [s.policy_version for s in t.spans] == sorted({s.policy_version for s in t.spans})
             assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids)
             assert t.policy_version == t.spans[0].policy_version and len(t.versions) == len(t.spans)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recycle", [True, False])
+def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_the_run_recycles_them(
+    redis_url: str, run_id: str, tmp_path: Path, recycle: bool
+) -> None:
+    """drain_mode "abort" cuts the samples in flight at every update. With `recycle_aborted` each one is continued
+    from its own tokens once its rank serves the new version: it finishes with a span per version, none is cancelled
+    mid-generation (but as the run ends), and the run audits clean. Without it the same cuts are cancelled samples (the baseline)."""
+    cfg = small(
+        recycle_aborted=recycle,
+        steps=4,
+        sampling={"max_tokens": 40, "stop_token_ids": []},
+        trainer={"warm_start_steps": 0, "groups_per_step": 2},
+        update={"drain_mode": "abort", "prepare_deadline_s": 20, "drain_deadline_s": 20, "commit_deadline_s": 20},
+    )
+    events, summary = execute(redis_url, run_id, tmp_path, cfg)
+    assert summary.status == "completed"
+    report = audit(events)
+    assert report.ok, report.render()
+    cut = [p for p in of(events, ev.SampleCancelled) if p.reason == "cancelled while generating"]
+    recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
+    if recycle:  # a sample cut as the run ends is cancelled with its group: there is no version to continue under
+        ended = {p.group_id for p in of(events, ev.GroupCancelled) if p.reason == "run finished"}
+        assert all(p.group_id in ended for p in cut), cut
+        assert recycled, "no sample was cut by an update: the test did not exercise recycling"
+        for t in recycled:
+            versions = [s.policy_version for s in t.spans]
+            assert versions == sorted(set(versions)) and len(versions) >= 2
+            assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= 40 and t.finish_reason != "abort"
+    else:
+        assert cut and not recycled

@@ -54,7 +54,7 @@ from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.schemas.wire import encoded_size
-from rolledger.workers.engine import EngineCapabilities, GroupOutput, SampleOutput
+from rolledger.workers.engine import EngineCapabilities, GroupOutput, IllegalEngineOrder, SampleOutput
 from rolledger.workers.runtime import WorkerKilled
 from rolledger.workers.shared_tail import order
 from rolledger.workflows.rank import may_serve
@@ -407,11 +407,97 @@ class Rollout:
                 ]
             )
             return
-        gen_ms = (time.perf_counter() - started) * 1e3
         # a sample without spans ran on one version: the one the group started on (its SampleStarted stamp), not the
         # one serving when the group ended (an interruptible group spans a commit; its early samples ended before it)
         started_on = GroupOutput(out.samples, version, digest, out.cache_generation, out.graph_generation)
+        with self.w.lock:
+            cfg = self.w.state.config
+        if cfg is not None and cfg.recycle_aborted:
+            try:
+                started_on = self._recycle(p, started_on, claim, should_cancel, skip=streamed)
+            except (WorkerKilled, ClaimLost):
+                raise
+            except Exception as exc:  # noqa: BLE001 - as above: the samples still open fail, the rank fails closed
+                emit(
+                    *[
+                        ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=rank, error=str(exc))
+                        for i in range(p.n)
+                        if i not in streamed
+                    ]
+                )
+                return
+        gen_ms = (time.perf_counter() - started) * 1e3
         emit(*self._results(p, started_on, gen_ms, skip=streamed))
+
+    # ------------------------------------------------------------------ recycling aborted samples
+
+    def _recycle(
+        self,
+        p: ev.GroupAdmitted,
+        out: GroupOutput,
+        claim: Claim,
+        should_cancel: Callable[[int], bool],
+        skip: set[int],
+    ) -> GroupOutput:
+        """`recycle_aborted`: every sample an abort drain cut short is continued from its own tokens once this rank
+        serves again (the update committed or aborted, the handoff woke it), until none is cut or the group may not
+        go on (closed, reclaimed, the rank stopping): those end as they are (cancelled, `_results`). Each stretch of
+        tokens keeps the version that produced it (spans)."""
+        samples = list(out.samples)
+        while cut := [i for i, s in enumerate(samples) if s.finish_reason == "abort" and i not in skip]:
+            if not self._wait_to_continue(p, claim):
+                break
+            try:
+                for i in cut:
+                    samples[i] = self._continued(p, i, samples[i], out, should_cancel)
+            except IllegalEngineOrder:  # paused again (the next drain) between the wait and the call: wait again
+                continue
+        return GroupOutput(samples, out.policy_version, out.weights_digest, out.cache_generation, out.graph_generation)
+
+    def _wait_to_continue(self, p: ev.GroupAdmitted, claim: Claim) -> bool:
+        """Wait until this rank may generate again (as a group's start does, `_admit`); False when the group may not
+        go on. The slot does not count as running meanwhile: the drain or handoff it waits out needs none running."""
+        with self.w.lock:
+            self.w.running -= 1
+            self.w.lock.notify_all()
+            try:
+                while not (self.w.stop_event.is_set() or claim.lost.is_set() or not self._open(p.group_id)):
+                    serves = may_serve(
+                        self.w.state,
+                        self.w.rank,
+                        live_version=self.w.engine.policy_version,
+                        incarnation=self.w.incarnation,
+                    )
+                    doomed = about_to_be_quarantined(self.w.state, self.w.rank, time.time())
+                    if serves and not doomed and not self.w.engine.is_paused:
+                        return True
+                    self.w.lock.wait(timeout=0.2)  # woken by every fold of the control thread
+                return False
+            finally:
+                self.w.running += 1
+
+    def _continued(
+        self, p: ev.GroupAdmitted, i: int, s: SampleOutput, out: GroupOutput, should_cancel: Callable[[int], bool]
+    ) -> SampleOutput:
+        """Sample `i`, cut after its k tokens, continued from them by the engine as it serves now: the tokens and
+        logprobs of both stretches, the continuation's finish reason, and a span per version (none: one version)."""
+        k = len(s.token_ids)
+        seed = None if p.sampling.seed is None else (p.sampling.seed * 1_000_003 + i * 65_537 + k) % 2**31
+        sampling = p.sampling.model_copy(update={"max_tokens": p.sampling.max_tokens - k, "seed": seed})
+        more = self.w.engine.generate([*p.prompt_token_ids, *s.token_ids], 1, sampling, should_cancel=should_cancel)
+        c = more.samples[0]
+        before = s.spans or ((0, out.policy_version, out.weights_digest),)
+        after = c.spans or ((0, more.policy_version, more.weights_digest),)
+        spans: list[tuple[int, int, str]] = []
+        for start, version, digest in [*before, *((k + b, v, d) for b, v, d in after)]:
+            if not spans or spans[-1][1:] != (version, digest):  # the same weights on both sides: one stretch
+                spans.append((start, version, digest))
+        return SampleOutput(
+            token_ids=[*s.token_ids, *c.token_ids],
+            logprobs=[*s.logprobs, *c.logprobs],
+            finish_reason=c.finish_reason,
+            spans=tuple(spans) if len(spans) > 1 else (),
+        )
 
     def _results(self, p: ev.GroupAdmitted, out: GroupOutput, gen_ms: float, skip: set[int]) -> list[ev.Payload]:
         results: list[ev.Payload] = []

@@ -60,12 +60,13 @@ class AdmissionInputs:
     window: int = 16  # how many not-yet-admitted prompts the scheduler chooses among
 
 
-def sample_reserve(group_id: str, item: PromptItem, n: int, sampling: SamplingParams, interruptible: bool) -> int:
+def sample_reserve(group_id: str, item: PromptItem, n: int, sampling: SamplingParams, spans: bool) -> int:
     """The bytes reserved for each sample of a group: the encoded size of the largest trajectory it may finish with
-    (`reserved_nbytes`: every array at `max_tokens`; version spans only in an interruptible run). The rank fails a
-    sample that encodes larger (workers/rollout.py), so completed groups never hold more than was reserved."""
-    spans = SPANS_RESERVED if interruptible else 0
-    return reserved_nbytes(group_id, item.prompt_id, len(item.token_ids), n, sampling, spans)
+    (`reserved_nbytes`: every array at `max_tokens`; version spans only where a sample may carry them: an
+    interruptible run, or one that recycles aborted samples). The rank fails a sample that encodes larger
+    (workers/rollout.py), so completed groups never hold more than was reserved."""
+    spans_reserved = SPANS_RESERVED if spans else 0
+    return reserved_nbytes(group_id, item.prompt_id, len(item.token_ids), n, sampling, spans_reserved)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,8 @@ def group_bytes(cfg: RunConfig, item: PromptItem, seq: int) -> int:
     """What the group admitted `seq`-th, of `item`, may hold once completed: `sample_reserve` for each of its samples,
     so the groups in flight can never complete over the byte cap, whatever they generate."""
     n = cfg.group_size
-    return n * sample_reserve(group_name(seq), item, n, group_sampling(cfg, seq), cfg.interruptible)
+    spans = cfg.interruptible or cfg.recycle_aborted  # a sample may carry version spans
+    return n * sample_reserve(group_name(seq), item, n, group_sampling(cfg, seq), spans)
 
 
 def group_name(seq: int) -> str:

@@ -21,10 +21,10 @@ The precise definitions checked (v is a policy version, r a rank):
    A log without RunFinished makes the report UNFINISHED, not OK (`AuditReport.verdict`).
 
 1. One version per sample. A SampleFinished's trajectory holds one policy version (its `policy_version` and the
-   version of every span) and one weights digest, unless the run's config says `interruptible`; then the spans must
-   stamp every generated token: contiguous from 0 to len(token_ids), versions non-decreasing, the first span on the
-   trajectory's `policy_version`. In every run the trajectory's `policy_version` (and first digest) must equal its
-   SampleStarted's.
+   version of every span) and one weights digest, unless the run's config says `interruptible` or
+   `recycle_aborted`; then the spans must stamp every generated token: contiguous from 0 to len(token_ids), versions
+   non-decreasing, the first span on the trajectory's `policy_version`. In every run the trajectory's
+   `policy_version` (and first digest) must equal its SampleStarted's.
 2. No admission and no generation during an update. The window of update v opens at AdmissionPaused(reason="update")
    (attributed to the newest unresolved update attempt), or at UpdateCommitted(v) when no such pause was seen, and
    closes at PolicyPublished(v) or UpdateAborted(v). Any GroupAdmitted inside it is a violation. Generation stops per

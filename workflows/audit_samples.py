@@ -151,7 +151,7 @@ def _check_versions(ctx: Auditor, e: Event, t: Trajectory, start: Event | None) 
     sid = t.trajectory_id
     spans = span_versions(t)
     versions = sorted({v for v, _ in spans} | {t.policy_version})
-    if not ctx.cfg.interruptible:
+    if not (ctx.cfg.interruptible or ctx.cfg.recycle_aborted):
         if len(versions) > 1:
             ctx.violate(1, f"trajectory {sid} holds tokens from versions {versions} in a non-interruptible run", e)
         digests = sorted({d for _, d in spans} | {t.weights_digest})
