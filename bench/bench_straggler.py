@@ -41,6 +41,10 @@ staleness):
                   admission.max_wait_rounds), partial_policy first_k k=6 of 8 (the stragglers are cancelled), and
                   interruptible generation (update.drain_mode "keep": in-flight samples park during the update and
                   continue under the new version, each token stamped with its version), with the overlap above.
+  async+srgf+a    as async+srgf+i, but each update cuts the samples in flight short (update.drain_mode "abort"):
+                  they are cancelled, their groups replaced (the tokens they had are wasted).
+  async+srgf+a+r  as async+srgf+a, with recycle_aborted: each cut sample is continued from its own tokens under the
+                  new version, each stretch stamped with its version (nothing is wasted but what the run's end cuts).
 
 Measured from each run's log (window: first GroupAdmitted to last BatchConsumed): trained samples per second
 (BatchConsumed) and its ratio to synchronous, trainer-idle fraction (1 - simulated train time / window), rollout-idle
@@ -143,38 +147,35 @@ def base_config(args: argparse.Namespace, **over: Any) -> dict[str, Any]:
     return cfg
 
 
+# interruptible generation: in-flight samples park through each update and continue under the new version, and the
+# trainer trains its next step beside the open update
+INTERRUPTIBLE: dict[str, Any] = {
+    "interruptible": True,
+    "update": {"drain_mode": "keep"},
+    "trainer": {"overlap_update": True},
+}
+# an update cuts the samples in flight short (drain "abort"), with the trainer overlapping it as above
+ABORTING: dict[str, Any] = {"update": {"drain_mode": "abort"}, "trainer": {"overlap_update": True}}
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "synchronous": {"admission": {"max_lag": 0}},
     "one-step-off": {"admission": {"max_lag": 1}},
     "async": {"admission": {"max_lag": "CAP"}},
-    "async+srgf+i": {
-        "admission": {"max_lag": "CAP"},
-        "scheduler": "srgf",
-        "interruptible": True,
-        "update": {"drain_mode": "keep"},
-        "trainer": {"overlap_update": True},
-    },
-    "async+t+i": {
-        "admission": {"max_lag": "CAP", "throttle_to_drain_rate": True},
-        "interruptible": True,
-        "update": {"drain_mode": "keep"},
-        "trainer": {"overlap_update": True},
-    },
+    "async+srgf+i": {**INTERRUPTIBLE, "admission": {"max_lag": "CAP"}, "scheduler": "srgf"},
+    "async+t+i": {**INTERRUPTIBLE, "admission": {"max_lag": "CAP", "throttle_to_drain_rate": True}},
     "async+yc+i": {
+        **INTERRUPTIBLE,
         "admission": {"max_lag": "CAP", "throttle_to_drain_rate": True},
         "scheduler": "youngest-cancel",
-        "interruptible": True,
-        "update": {"drain_mode": "keep"},
-        "trainer": {"overlap_update": True},
     },
     "async+srgf+kN+i": {
+        **INTERRUPTIBLE,
         "admission": {"max_lag": "CAP"},
         "scheduler": "srgf",
         "partial_policy": {"kind": "first_k", "k": 6},
-        "interruptible": True,
-        "update": {"drain_mode": "keep"},
-        "trainer": {"overlap_update": True},
     },
+    "async+srgf+a": {**ABORTING, "admission": {"max_lag": "CAP"}, "scheduler": "srgf"},
+    "async+srgf+a+r": {**ABORTING, "admission": {"max_lag": "CAP"}, "scheduler": "srgf", "recycle_aborted": True},
 }
 
 
