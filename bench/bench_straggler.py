@@ -50,7 +50,8 @@ Measured from each run's log (window: first GroupAdmitted to last BatchConsumed)
 (BatchConsumed) and its ratio to synchronous, trainer-idle fraction (1 - simulated train time / window), rollout-idle
 fraction (per rank, the part of the window with no group of it generating: SampleStarted to its last sample's end,
 averaged over ranks), mean and max lag of the trained groups (BatchConsumed.lags) against the cap, and tokens wasted
-by cancellation (the engines' own counters: tokens of samples cut short), with the tokens generated.
+by cancellation (from the log: the tokens of every sample cancelled mid-generation, SampleCancelled.tokens; a
+recycled sample's tokens are kept, not wasted), with the tokens the engines generated.
 
 Then the straggler scenario: one group of 8 with lengths given per sample, 7 x 200 + 1 x 4,000 tokens, run twice:
 all 8 required, and first 7 of 8. Printed: when the seven short samples finished, when the group ended (the rank's
@@ -290,7 +291,7 @@ def measure(name: str, events: list[ev.Event], engines: list[Any], ranks: int) -
         rollout_idle=1 - statistics.fmean(busy),
         lag_mean=statistics.fmean(lags) if lags else 0.0,
         lag_max=max(lags, default=0),
-        wasted=sum(e.tokens_wasted for e in sims),
+        wasted=sum(e.payload.tokens for e in events if isinstance(e.payload, ev.SampleCancelled)),
         generated=sum(e.stats.generated_tokens for e in sims),
         dropped=sum(1 for e in events if isinstance(e.payload, ev.TrajectoryDropped)),
         first_batch_s=min(e.wall_time for e in consumed) - lo,
