@@ -426,7 +426,7 @@ class RunConfig(ConfigModel):
     interruptible: bool = False
     recycle_aborted: bool = Field(
         False,
-        description="a sample cut short by an `abort` drain (an update's or a colocated handoff's) keeps its tokens: "
+        description="a sample an update's `abort` drain cuts short keeps its tokens: "
         "its rank continues it from them once it serves again, and its spans say which version produced which "
         "tokens (as an interruptible run's do); off: the cut samples are cancelled and their group replaced",
     )

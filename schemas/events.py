@@ -115,7 +115,7 @@ class SampleFinished(Payload):
     nbytes: int | None = Field(
         None,
         ge=0,
-        description="the trajectory's encoded size, what its group holds while queued (events/codec.encoded_size); "
+        description="the trajectory's encoded size, what its group holds while queued (schemas/wire.encoded_size); "
         "None in a log written before it was recorded (then schemas/trajectory.trajectory_nbytes counts)",
     )
 

@@ -389,6 +389,16 @@ class Rollout:
             emit(self._finished(p, self._trajectory(p, i, s, so_far), (time.perf_counter() - started) * 1e3))
             streamed.add(i)
 
+        def fail_open(exc: Exception) -> None:
+            """The engine failed: every sample not yet logged as finished fails (the rank fails closed)."""
+            emit(
+                *[
+                    ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=rank, error=str(exc))
+                    for i in range(p.n)
+                    if i not in streamed  # a sample already logged as finished has its terminal event
+                ]
+            )
+
         try:
             if engine.capabilities.streams_samples and may_close_early(p):
                 out = engine.generate(
@@ -399,13 +409,7 @@ class Rollout:
         except (WorkerKilled, ClaimLost):
             raise
         except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
-            emit(
-                *[
-                    ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=rank, error=str(exc))
-                    for i in range(p.n)
-                    if i not in streamed  # a sample already logged as finished has its terminal event
-                ]
-            )
+            fail_open(exc)
             return
         # a sample without spans ran on one version: the one the group started on (its SampleStarted stamp), not the
         # one serving when the group ended (an interruptible group spans a commit; its early samples ended before it)
@@ -417,14 +421,8 @@ class Rollout:
                 started_on = self._recycle(p, started_on, claim, should_cancel, skip=streamed)
             except (WorkerKilled, ClaimLost):
                 raise
-            except Exception as exc:  # noqa: BLE001 - as above: the samples still open fail, the rank fails closed
-                emit(
-                    *[
-                        ev.SampleFailed(sample_id=ids[i], group_id=p.group_id, index=i, rank=rank, error=str(exc))
-                        for i in range(p.n)
-                        if i not in streamed
-                    ]
-                )
+            except Exception as exc:  # noqa: BLE001 - as above
+                fail_open(exc)
                 return
         gen_ms = (time.perf_counter() - started) * 1e3
         emit(*self._results(p, started_on, gen_ms, skip=streamed))
@@ -440,7 +438,7 @@ class Rollout:
         skip: set[int],
     ) -> GroupOutput:
         """`recycle_aborted`: every sample an abort drain cut short is continued from its own tokens once this rank
-        serves again (the update committed or aborted, the handoff woke it), until none is cut or the group may not
+        serves again (the update committed or aborted), until none is cut or the group may not
         go on (closed, reclaimed, the rank stopping): those end as they are (cancelled, `_results`). Each stretch of
         tokens keeps the version that produced it (spans)."""
         samples = list(out.samples)
@@ -456,7 +454,7 @@ class Rollout:
 
     def _wait_to_continue(self, p: ev.GroupAdmitted, claim: Claim) -> bool:
         """Wait until this rank may generate again (as a group's start does, `_admit`); False when the group may not
-        go on. The slot does not count as running meanwhile: the drain or handoff it waits out needs none running."""
+        go on. The slot does not count as running meanwhile: the drain it waits out needs none running."""
         with self.w.lock:
             self.w.running -= 1
             self.w.lock.notify_all()
