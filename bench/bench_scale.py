@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import resource
 import statistics
 import sys
@@ -291,6 +292,54 @@ class RoundTrips:
             setattr(cls, name, original)
 
 
+class RoleCpu:
+    """CPU per role: each thread's own CPU time (time.thread_time) when it ends, summed by its name with the numbers
+    taken out (`rank-3-rollout` and `rank-12-rollout` are one role, `rank-N-rollout`). Every thread the run starts
+    ends before the bench reads the totals (the workers are joined); the main thread's share is the process's CPU
+    less the threads'."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._original: Any = None
+
+    @staticmethod
+    def role(name: str) -> str:
+        return re.sub(r"\d+", "N", name.partition("#")[0])
+
+    def install(self) -> None:
+        original = self._original = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+        def counted(thread: threading.Thread) -> None:
+            try:
+                original(thread)
+            finally:
+                spent = time.thread_time()
+                with self._lock:
+                    role = self.role(thread.name)
+                    self.cpu[role] = self.cpu.get(role, 0.0) + spent
+
+        threading.Thread._bootstrap_inner = counted  # type: ignore[attr-defined]
+
+    def uninstall(self) -> None:
+        threading.Thread._bootstrap_inner = self._original  # type: ignore[attr-defined]
+
+    def totals(self) -> dict[str, float]:
+        """Ended threads as counted, plus the threads still alive (daemons) read from /proc."""
+        out = dict(self.cpu)
+        tick = os.sysconf("SC_CLK_TCK")
+        for thread in threading.enumerate():
+            if thread is threading.main_thread() or thread.native_id is None:
+                continue
+            try:
+                fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            role = self.role(thread.name)
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+
 def command_calls(client: redis.Redis) -> dict[str, int]:
     stats: Any = client.info("commandstats")
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
@@ -374,6 +423,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     coordinator_module.decide = timed_decide  # type: ignore[assignment]
     trips = RoundTrips()
+    roles = RoleCpu()
+    roles.install()  # before any worker exists: some start threads as they are made
     with redis_server(aof=True) as (url, _), tempfile.TemporaryDirectory(prefix="rl-scale-") as tmp:
         client = connect(url)
         log = EventLog(client, RUN_ID)
@@ -405,6 +456,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for w in workers:
             w.join(timeout=30)
         trips.uninstall()
+        roles.uninstall()
         cpu, rcpu, calls = own_cpu() - cpu0, redis_cpu(client) - rcpu0, command_calls(client)
         events = log.length()
         delta = {k: v - calls0.get(k, 0) for k, v in calls.items() if v - calls0.get(k, 0) > 0}
@@ -424,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "top_commands": sorted(delta.items(), key=lambda kv: -kv[1])[:8],
         "round_trips": trips.count,
         "decide_ms": decide_ms,
+        "roles": roles.totals(),
         **post,
     }
 
@@ -461,6 +514,9 @@ def main() -> None:
         f"  redis commands         {r['commands'] / events:8.2f} /event (commandstats, script-inner included); "
         f"round trips {r['round_trips'] / events:.2f} /event"
     )
+    threads = sum(r["roles"].values())
+    by_role = sorted({**r["roles"], "main and setup": r["cpu_s"] - threads}.items(), key=lambda kv: -kv[1])
+    print("    by role (us/event): " + ", ".join(f"{k} {v / events * 1e6:.1f}" for k, v in by_role[:10]))
     print("    top: " + ", ".join(f"{k} {v / events:.2f}" for k, v in r["top_commands"]))
     print(
         f"  log bytes per step     {r['log_bytes_per_step'] / 1e6:8.2f} MB (fields); stream memory "
