@@ -15,6 +15,14 @@ state (a SnapshotSource holding a copy, e.g. `RunState.frozen()`: a plain dict t
 state)); the digest, the msgpack and the XADD happen on the writer's thread. One snapshot is in flight at a time and
 a newer one replaces one still waiting (only the newest matters). `due` says when one is due: every `every_events`
 events or `every_s` seconds (with at least one new event), whichever comes first.
+
+What a snapshot costs per event stays bounded: a snapshot's cost follows the live state (a digest of every open group
+and sample), so a fixed count would make each event dearer as the live state grows (at 512 groups x 16 samples in
+flight, a snapshot every 500 events cost more CPU than every other role of the run together). The count rule is
+therefore stretched to at least `cost / budget_per_event_s` events, where `cost` is the CPU the previous snapshot took
+(the caller's copy plus the writer's digest and encoding): with the default 2 us per event, a 1 ms snapshot keeps the
+500-event cadence and a 100 ms one is taken every 50,000 events. The time rule is not stretched, so a restart never
+replays more than `every_s` seconds of log past its snapshot.
 """
 
 from __future__ import annotations
@@ -128,19 +136,24 @@ class SnapshotWriter:
         *,
         every_events: int = 500,
         every_s: float = 30.0,
+        budget_per_event_s: float = 2e-6,
         keep_latest: int = KEEP_LATEST,
         events_at_start: int = 0,
     ) -> None:
-        if every_events < 1 or every_s <= 0:
-            raise ValueError(f"every_events must be >= 1 and every_s > 0, got {every_events} and {every_s}")
+        if every_events < 1 or every_s <= 0 or budget_per_event_s <= 0:
+            raise ValueError(
+                f"every_events must be >= 1, every_s and budget_per_event_s > 0, got {every_events}, {every_s} and "
+                f"{budget_per_event_s}"
+            )
         self.client, self.run_id, self.keep_latest = client, run_id, keep_latest
-        self.every_events, self.every_s = every_events, every_s
+        self.every_events, self.every_s, self.budget_per_event_s = every_events, every_s, budget_per_event_s
+        self.last_cost_s = 0.0  # CPU of the newest snapshot taken: the caller's copy plus the writer's part
         self.taken = 0
         self.failed = 0
         self.last: Snapshot | None = None
         self._at_events = events_at_start
         self._at_time = time.monotonic()
-        self._pending: tuple[SnapshotSource, str] | None = None
+        self._pending: tuple[SnapshotSource, str, float] | None = None
         self._busy = False
         self._cond = threading.Condition()
         self._closed = False
@@ -149,15 +162,18 @@ class SnapshotWriter:
         self._thread.start()
 
     def due(self, events_applied: int, now: float | None = None) -> bool:
-        """Whether a snapshot is due at `events_applied` events: by count, or by time with new events."""
+        """Whether a snapshot is due at `events_applied` events: by count (stretched by the last snapshot's cost,
+        module docstring), or by time with new events."""
         new = events_applied - self._at_events
         t = time.monotonic() if now is None else now
-        return new >= self.every_events or (new > 0 and t - self._at_time >= self.every_s)
+        by_count = max(self.every_events, self.last_cost_s / self.budget_per_event_s)
+        return new >= by_count or (new > 0 and t - self._at_time >= self.every_s)
 
-    def submit(self, frozen: SnapshotSource, stream_id: str, events_applied: int) -> None:
-        """Queue a snapshot of `frozen` (a copy the caller no longer changes) at `stream_id`; returns at once."""
+    def submit(self, frozen: SnapshotSource, stream_id: str, events_applied: int, *, copy_cost_s: float = 0.0) -> None:
+        """Queue a snapshot of `frozen` (a copy the caller no longer changes, which cost the caller `copy_cost_s` of
+        CPU to make) at `stream_id`; returns at once."""
         with self._cond:
-            self._pending = (frozen, stream_id)
+            self._pending = (frozen, stream_id, copy_cost_s)
             self._at_events, self._at_time = events_applied, time.monotonic()
             self._cond.notify_all()
 
@@ -168,10 +184,12 @@ class SnapshotWriter:
                     self._cond.wait()
                 if self._pending is None:
                     return
-                frozen, stream_id = self._pending
+                frozen, stream_id, copy_cost_s = self._pending
                 self._pending, self._busy = None, True
             try:
+                started = time.thread_time()
                 self.last = take_snapshot(self.client, self.run_id, frozen, stream_id, keep_latest=self.keep_latest)
+                self.last_cost_s = copy_cost_s + time.thread_time() - started
                 self.taken += 1
             except Exception as exc:  # noqa: BLE001 - a lost snapshot costs a longer replay, never the run
                 self.failed += 1
