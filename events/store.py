@@ -109,27 +109,42 @@ return id
 # back); the XADD of a RunFinished sets the marker in the same call; a batch with any event not yet recorded is
 # refused while the marker is set ({-1, marker}). An event whose type events.work.ROUTES names is also added to that
 # group's work stream (e = bytes, t = type, s = its log stream id) in the same call, so it is there exactly once.
+# The dedupe hash costs two commands per call, not two per event: one HMGET of the batch's ids, one HSET of the new.
 _ROUTE_TABLE_LUA = (
     "local route = {" + ", ".join(f"[{t!r}] = {4 + GROUPS.index(g)}" for t, g in sorted(ROUTES.items())) + "}\n"
 )
 _APPEND_COMMON_LUA = (
     _ROUTE_TABLE_LUA
     + """
+local CHUNK = 1000  -- arguments per unpack (Lua's C stack bounds it)
 local function recorded(n, first)
   local ids = {}
   local fresh = 0
-  for i = 1, n do
-    local existing = redis.call('HGET', KEYS[2], ARGV[first + 3 * (i - 1)])
-    if existing then ids[i] = existing else ids[i] = false; fresh = fresh + 1 end
+  for lo = 1, n, CHUNK do
+    local hi = math.min(n, lo + CHUNK - 1)
+    local fields = {}
+    for i = lo, hi do fields[#fields + 1] = ARGV[first + 3 * (i - 1)] end
+    local got = redis.call('HMGET', KEYS[2], unpack(fields))
+    for i = lo, hi do
+      local existing = got[i - lo + 1]
+      if existing then ids[i] = existing else ids[i] = false; fresh = fresh + 1 end
+    end
   end
   return ids, fresh
 end
+local function remember(pairs)
+  for lo = 1, #pairs, 2 * CHUNK do
+    redis.call('HSET', KEYS[2], unpack(pairs, lo, math.min(#pairs, lo + 2 * CHUNK - 1)))
+  end
+end
 local function write(n, first, ids)
+  local pairs = {}
   for i = 1, n do
     if not ids[i] then
       local j = first + 3 * (i - 1)
       local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2])
-      redis.call('HSET', KEYS[2], ARGV[j], id)
+      pairs[#pairs + 1] = ARGV[j]
+      pairs[#pairs + 1] = id
       local work = route[ARGV[j + 2]]
       if work then redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id) end
       if ARGV[j + 2] == 'RunFinished' and redis.call('EXISTS', KEYS[3]) == 0 then
@@ -138,6 +153,7 @@ local function write(n, first, ids)
       ids[i] = id
     end
   end
+  remember(pairs)
   table.insert(ids, 1, 1)
   return ids
 end

@@ -204,6 +204,30 @@ def test_append_many_retried_after_a_lost_reply_writes_nothing_twice(redis_clien
     assert log.length() == 4  # 1, 2, 3, 4: no copy of 1 or 2
 
 
+def test_a_batch_of_any_size_costs_the_dedupe_hash_two_commands(redis_client: redis.Redis, run_id: str) -> None:
+    """One HMGET of the batch's event ids and one HSET of the new ones per call, however many events (issue 12: the
+    hash was two commands per event, most of what an event cost Redis). Above 1,000 events the script works in chunks
+    of 1,000 (Lua's stack), and a retry of that large batch still writes nothing twice."""
+
+    def calls() -> dict[str, int]:
+        stats: dict[str, dict[str, int]] = redis_client.info("commandstats")  # type: ignore[assignment]
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+    log = EventLog(redis_client, run_id)
+    batch = [scored(i) for i in range(50)]
+    before = calls()
+    ids = log.append_many(batch)
+    after = calls()
+    spent = {k: after.get(k, 0) - before.get(k, 0) for k in ("hget", "hmget", "hset", "xadd")}
+    assert spent == {"hget": 0, "hmget": 1, "hset": 1, "xadd": 50}
+    assert log.append_many(batch) == ids and log.length() == 50
+
+    large = [scored(i) for i in range(100, 2600)]
+    large_ids = log.append_many(large)
+    assert log.append_many(large) == large_ids and log.length() == 2550
+    assert [s.event.event_id for s in log.read()][50:] == [e.event_id for e in large]
+
+
 def test_append_once_retried_after_success_returns_the_original_ids(redis_client: redis.Redis, run_id: str) -> None:
     log = EventLog(redis_client, run_id)
     batch = [scored(1), scored(2)]
