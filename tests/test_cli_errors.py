@@ -205,6 +205,22 @@ def test_an_engine_this_interpreter_cannot_import_is_refused_before_the_warm_sta
     assert not (tmp_path / "runs").exists()  # refused before anything was created
 
 
+def test_max_tokens_that_do_not_fit_the_model_beside_the_prompts_are_refused_before_the_warm_start(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, clean_env: None
+) -> None:
+    """Every group of such a run would fail at the engine, and the run used to spin at ~1,000 events/s without
+    training: now it is one line naming both fields, exit 2, before the policy is built or warm-started."""
+    cfg = tmp_path / "long.toml"
+    cfg.write_text("[sampling]\nmax_tokens = 60\n\n[trainer]\nwarm_start_steps = 100000\n")
+    assert main(["run", "--config", str(cfg), "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (
+        "sampling.max_tokens=60 with the longest prompt (7 tokens) does not fit model.max_position_embeddings=64" in err
+    )
+    assert not list((tmp_path / "runs").glob("*/model"))  # no policy was built or saved
+
+
 @pytest.mark.parametrize(("argv", "code", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_each_error_is_one_line_with_its_exit_code(
     argv: Case, code: int, needles: tuple[str, ...], tmp_path: Path, clean_env: None, capsys: pytest.CaptureFixture[str]

@@ -10,7 +10,8 @@ live display until RunFinished; write summary.json.
 Inputs are refused before anything starts (`RunRefused`, workers/run_inputs.py): a run id outside `RUN_ID_PATTERN` (no path separators,
 no `..`, no braces), a task whose prompts cannot be loaded or whose reward functions cannot be imported, a run id that already has a run (directory with a Redis URL, AOF or summary) or a log (unless `resume`: then the run's log is
 reopened and fresh workers continue it from the log; a finished run just gets its summary again), a busy metrics
-port. `runs/<id>/redis_url` holds the URL with its password redacted, mode 0600.
+port; and, once the policy's tokenizer and size are known (before its warm start), a `sampling.max_tokens` that does
+not fit the model's positions beside the longest prompt (`check_fits`). `runs/<id>/redis_url` holds the URL with its password redacted, mode 0600.
 
 SIGTERM/SIGINT of the driver (when it runs in the main thread) cancel the run: the coordinator thread is stopped,
 the driver appends the decision RunFinished (cancelled, reason "signal SIGTERM") through the coordinator's fenced path
@@ -122,15 +123,31 @@ def prompt_items(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[Pro
     ]
 
 
+def check_fits(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, max_positions: int, limit_name: str) -> None:
+    """RunRefused (one line naming both fields) when the longest prompt plus `sampling.max_tokens` does not fit the
+    model's positions: every group would fail at the engine and the run would spin without ever training."""
+    longest = max((len(p.token_ids) for p in prompt_items(cfg, tokenizer)), default=0)
+    if longest + cfg.sampling.max_tokens > max_positions:
+        raise RunRefused(
+            f"sampling.max_tokens={cfg.sampling.max_tokens} with the longest prompt ({longest} tokens) does not fit "
+            f"{limit_name}={max_positions}: lower sampling.max_tokens to at most {max_positions - longest}"
+        )
+
+
 def prepare_policy(
     cfg: RunConfig, model_dir: Path, on_step: Callable[[int, float], None] | None = None
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """Build the tiny policy of `cfg.model`, warm-start it and save it to model_dir; when model_dir already holds a
     checkpoint (a saved policy, or a Hugging Face checkpoint of a supported architecture) load it as is."""
     if (model_dir / "config.json").is_file():
-        return load_policy(model_dir)
-    torch.manual_seed(cfg.seed)
+        loaded, tokenizer = load_policy(model_dir)
+        limit = getattr(loaded.config, "max_position_embeddings", None)
+        if limit is not None:
+            check_fits(cfg, tokenizer, int(limit), f"{model_dir / 'config.json'}: max_position_embeddings")
+        return loaded, tokenizer
     tokenizer = build_tokenizer()
+    check_fits(cfg, tokenizer, cfg.model.max_position_embeddings, "model.max_position_embeddings")
+    torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, len(tokenizer), cfg.seed)
     if cfg.trainer.warm_start_steps:
         if on_step is not None:
