@@ -412,3 +412,21 @@ def test_the_nccl_transport_without_cuda_is_one_line_before_anything_starts(
     assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert "needs a CUDA device" in err and "transport_backend = 'gloo'" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_simulated_engine_may_declare_lengths_past_the_models_positions() -> None:
+    """It generates declared lengths without the model (bench_straggler's 4,000-token samples on the tiny policy)."""
+    from rolledger.schemas.config import RunConfig, SamplingParams
+    from rolledger.workers.local_run import check_fits
+    from rolledger.workers.policy_model import build_tokenizer
+    from rolledger.workers.run_inputs import RunRefused
+
+    tok = build_tokenizer()
+    check_fits(
+        RunConfig(engine="simulated", sampling=SamplingParams(max_tokens=4000)),
+        tok,
+        64,
+        "model.max_position_embeddings",
+    )
+    with pytest.raises(RunRefused, match="sampling.max_tokens=4000"):
+        check_fits(RunConfig(sampling=SamplingParams(max_tokens=4000)), tok, 64, "model.max_position_embeddings")

@@ -126,6 +126,8 @@ def prompt_items(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[Pro
 def check_fits(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, max_positions: int, limit_name: str) -> None:
     """RunRefused (one line naming both fields) when the longest prompt plus `sampling.max_tokens` does not fit the
     model's positions: every group would fail at the engine and the run would spin without ever training."""
+    if cfg.engine == "simulated":
+        return  # it generates declared lengths, not through the model: its max_tokens may pass the model's size
     longest = max((len(p.token_ids) for p in prompt_items(cfg, tokenizer)), default=0)
     if longest + cfg.sampling.max_tokens > max_positions:
         raise RunRefused(
