@@ -209,7 +209,8 @@ def test_max_tokens_that_do_not_fit_the_model_beside_the_prompts_are_refused_bef
     capsys: pytest.CaptureFixture[str], tmp_path: Path, clean_env: None
 ) -> None:
     """Every group of such a run would fail at the engine, and the run used to spin at ~1,000 events/s without
-    training: now it is one line naming both fields, exit 2, before the policy is built or warm-started."""
+    training: now it is one line naming both fields, exit 2, before the run creates anything (its directory, Redis, the
+    policy)."""
     cfg = tmp_path / "long.toml"
     cfg.write_text("[sampling]\nmax_tokens = 60\n\n[trainer]\nwarm_start_steps = 100000\n")
     assert main(["run", "--config", str(cfg), "--runs-dir", str(tmp_path / "runs")]) == 2
@@ -218,7 +219,7 @@ def test_max_tokens_that_do_not_fit_the_model_beside_the_prompts_are_refused_bef
     assert (
         "sampling.max_tokens=60 with the longest prompt (7 tokens) does not fit model.max_position_embeddings=64" in err
     )
-    assert not list((tmp_path / "runs").glob("*/model"))  # no policy was built or saved
+    assert not (tmp_path / "runs").exists()  # refused before anything was created
 
 
 @pytest.mark.parametrize(("argv", "code", "needles"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -430,3 +431,19 @@ def test_the_simulated_engine_may_declare_lengths_past_the_models_positions() ->
     )
     with pytest.raises(RunRefused, match="sampling.max_tokens=4000"):
         check_fits(RunConfig(sampling=SamplingParams(max_tokens=4000)), tok, 64, "model.max_position_embeddings")
+
+
+def test_a_checkpoint_too_short_for_max_tokens_is_refused_naming_its_config(tmp_path: Path) -> None:
+    """A checkpoint the user brings (`--model-dir`) has its own size: its config.json's max_position_embeddings."""
+    from rolledger.schemas.config import ModelConfig, RunConfig, SamplingParams
+    from rolledger.workers.local_run import prepare_policy
+    from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
+    from rolledger.workers.run_inputs import RunRefused
+
+    tok = build_tokenizer()
+    save_policy(tmp_path, build_model(ModelConfig(max_position_embeddings=16), len(tok), 0), tok)
+    prepare_policy(RunConfig(sampling=SamplingParams(max_tokens=9)), tmp_path)  # 7 + 9 = 16 fits
+    with pytest.raises(
+        RunRefused, match=r"config\.json: max_position_embeddings=16: lower sampling\.max_tokens to at most 9"
+    ):
+        prepare_policy(RunConfig(sampling=SamplingParams(max_tokens=10)), tmp_path)

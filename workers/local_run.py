@@ -147,8 +147,7 @@ def prepare_policy(
         if limit is not None:
             check_fits(cfg, tokenizer, int(limit), f"{model_dir / 'config.json'}: max_position_embeddings")
         return loaded, tokenizer
-    tokenizer = build_tokenizer()
-    check_fits(cfg, tokenizer, cfg.model.max_position_embeddings, "model.max_position_embeddings")
+    tokenizer = build_tokenizer()  # its fit with cfg.model was checked before the run created anything (LocalRun)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, len(tokenizer), cfg.seed)
     if cfg.trainer.warm_start_steps:
@@ -185,6 +184,10 @@ class LocalRun:
         if opts.metrics_port is not None:
             check_port_free(opts.metrics_port)
         self.run_dir = check_reuse(self.run_id, opts.runs_dir, opts.resume)
+        if not ((opts.model_dir or self.run_dir / "model") / "config.json").is_file():  # the tiny policy, to be built
+            check_fits(
+                self.cfg, build_tokenizer(), self.cfg.model.max_position_embeddings, "model.max_position_embeddings"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.embedded: EmbeddedRedis | None = None
         self.client: redis.Redis | None = None
