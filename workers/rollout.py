@@ -257,6 +257,13 @@ class Rollout:
         g = self.w.state.groups.get(group_id)
         return g is not None and GroupStatus(g.status).is_open
 
+    def _may_generate(self) -> bool:
+        """Under the lock: the rank may generate on the state it has folded (`may_serve`), and the open update's abort
+        is not about to quarantine it (then it starts nothing)."""
+        return may_serve(
+            self.w.state, self.w.rank, live_version=self.w.engine.policy_version, incarnation=self.w.incarnation
+        ) and not about_to_be_quarantined(self.w.state, self.w.rank, time.time())
+
     def _admit(self, p: ev.GroupAdmitted) -> tuple[str, list[ev.Payload]]:
         """Under the lock: 'wait' (not in the folded state yet, or the rank may not serve), 'skip' (closed or
         reclaimed: the payloads close its orphans), or 'start' (the running count is raised)."""
@@ -277,17 +284,13 @@ class Rollout:
             ]
         if not GroupStatus(g.status).is_open:  # closed before any sample started: nothing was dispatched
             return "skip", []
-        if not may_serve(
-            self.w.state, self.w.rank, live_version=self.w.engine.policy_version, incarnation=self.w.incarnation
-        ):
+        if not self._may_generate():
             return "wait", []
         held = self.w.starts_held_through
         if held is not None:
             if held == "" or order(self.w.follower.last_id) < order(held):
                 return "wait", []  # this rank reported a failed prepare that its follower has not folded yet
             self.w.starts_held_through = None
-        if about_to_be_quarantined(self.w.state, self.w.rank, time.time()):
-            return "wait", []  # the open update's abort will quarantine this rank: start nothing now
         need = kv_worst_case(p)
         if self.w.running and self.kv_reserved + need > self.kv_budget():
             return "wait", []  # its worst case would not fit beside the groups running: wait for one to end
@@ -460,14 +463,7 @@ class Rollout:
             self.w.lock.notify_all()
             try:
                 while not (self.w.stop_event.is_set() or claim.lost.is_set() or not self._open(p.group_id)):
-                    serves = may_serve(
-                        self.w.state,
-                        self.w.rank,
-                        live_version=self.w.engine.policy_version,
-                        incarnation=self.w.incarnation,
-                    )
-                    doomed = about_to_be_quarantined(self.w.state, self.w.rank, time.time())
-                    if serves and not doomed and not self.w.engine.is_paused:
+                    if self._may_generate() and not self.w.engine.is_paused:
                         return True
                     self.w.lock.wait(timeout=0.2)  # woken by every fold of the control thread
                 return False
