@@ -52,6 +52,7 @@ POLL_S = 0.05
 def config_toml(s: Schedule, staging: Path, run_deadline_s: float) -> str:
     """The tiny run of a schedule. Deadlines are short so that a fault resolves (abort, quarantine, terminal) well
     inside the schedule; the run deadline is the coordinator's last word, the harness's hang deadline comes after."""
+    recycle = s.rollout == "recycle"  # samples long enough for an update's abort drain to cut, continued after it
     return f"""
 steps = {s.steps}
 group_size = {s.group_size}
@@ -59,6 +60,11 @@ ranks = 2
 seed = {s.seed % 1000}
 run_deadline_s = {run_deadline_s}
 join_deadline_s = {run_deadline_s}
+recycle_aborted = {str(recycle).lower()}
+[sampling]
+max_tokens = {24 if recycle else 4}
+[admission]
+max_lag = {2 if recycle else 1}
 [trainer]
 warm_start_steps = 0
 groups_per_step = {s.groups_per_step}
@@ -68,6 +74,7 @@ num_prompts = 32
 prepare_deadline_s = 10.0
 drain_deadline_s = 10.0
 commit_deadline_s = 10.0
+drain_mode = "{"abort" if recycle else "wait"}"
 staging_dir = "{staging}"
 transport = "{s.transport}"
 """

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .checks import Ending, summary_line
 from .harness import Result, prepare_model, run_schedule
-from .schedule import FaultKind, Schedule, draw, parse_kinds, parse_transports
+from .schedule import ROLLOUTS, FaultKind, Schedule, draw, parse_choices, parse_kinds, parse_transports
 
 
 @dataclass
@@ -116,7 +116,9 @@ def run_many(
     deadline_is_violation: bool = True,
 ) -> tuple[Totals, list[Result]]:
     """Run `schedules` (at most `parallel` at once); print one line per schedule, and the findings of failing ones."""
-    model_dir = prepare_model(workdir / "model")
+    models = {"plain": prepare_model(workdir / "model")}
+    if any(s.rollout == "recycle" for s in schedules):  # a policy never warm-started: samples run tens of tokens
+        models["recycle"] = prepare_model(workdir / "model-unwarmed", warm_start_steps=0)
     totals = Totals()
     results: list[Result] = []
 
@@ -124,7 +126,7 @@ def run_many(
         return run_schedule(
             s,
             workdir / f"s{s.seed}",
-            model_dir,
+            models[s.rollout],
             keep=keep,
             run_deadline_s=run_deadline_s,
             deadline_is_violation=deadline_is_violation,
@@ -170,6 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="directory",
         help="weight transports the schedules draw from: directory (default), dist, or directory,dist",
     )
+    ap.add_argument(
+        "--rollouts",
+        default="plain,recycle",
+        help="rollouts the schedules draw from: plain (short samples, wait drains), recycle (abort drains, samples "
+        "long enough to be cut, recycle_aborted), or plain,recycle (default)",
+    )
     ap.add_argument("--schedule", help="run this one printed schedule (its JSON) instead of drawing")
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--workdir", help="where schedules run (default: a fresh temporary directory)")
@@ -185,13 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kinds: tuple[FaultKind, ...] = parse_kinds(args.faults)
         transports = parse_transports(args.transports)
+        rollouts = parse_choices("--rollouts", args.rollouts, ROLLOUTS)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     if args.schedule:
         schedules = [Schedule.from_json(args.schedule)]
     else:
-        schedules = [draw(args.seed + i, kinds, args.max_faults, transports) for i in range(args.schedules)]
+        schedules = [draw(args.seed + i, kinds, args.max_faults, transports, rollouts) for i in range(args.schedules)]
     for s in schedules:
         print(s.render())
     if args.print_only:

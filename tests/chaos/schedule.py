@@ -117,6 +117,7 @@ class Schedule:
     coordinators: int = 1
     faults: tuple[Step, ...] = field(default=())
     transport: str = "directory"  # update.transport: how the weights reach the ranks
+    rollout: str = "plain"  # plain, or recycle: abort drains, longer samples, recycle_aborted (harness.config_toml)
 
     @property
     def processes(self) -> tuple[str, ...]:
@@ -140,7 +141,8 @@ class Schedule:
     def render(self) -> str:
         head = (
             f"seed {self.seed}: steps {self.steps}, group_size {self.group_size}, groups_per_step "
-            f"{self.groups_per_step}, coordinators {self.coordinators}, transport {self.transport}"
+            f"{self.groups_per_step}, coordinators {self.coordinators}, transport {self.transport}, rollout "
+            f"{self.rollout}"
         )
         return "\n".join([head, *(f"  {s.render()}" for s in self.faults)] if self.faults else [head + ", no faults"])
 
@@ -157,6 +159,7 @@ def _inject_spec(rng: random.Random) -> tuple[str, str]:
 
 
 TRANSPORTS = ("directory", "dist")
+ROLLOUTS = ("plain", "recycle")
 
 
 def draw(
@@ -164,6 +167,7 @@ def draw(
     kinds: tuple[FaultKind, ...] = FAULT_KINDS,
     max_faults: int = 3,
     transports: tuple[str, ...] = ("directory",),
+    rollouts: tuple[str, ...] = ROLLOUTS,
 ) -> Schedule:
     """The schedule of `seed`: every random choice comes from `random.Random(seed)`, in a fixed order."""
     rng = random.Random(seed)
@@ -193,16 +197,22 @@ def draw(
         out.append(Step(trigger, fault))
     # drawn from its own generator, so a seed's shape and faults are what they were before transports were drawn
     transport = random.Random(f"transport:{seed}").choice(sorted(transports))
-    return Schedule(seed, steps, group_size, groups_per_step, coordinators, tuple(out), transport)
+    rollout = sorted(rollouts)[seed % len(rollouts)]  # not drawn: seeds alternate, so a batch holds both halves
+    return Schedule(seed, steps, group_size, groups_per_step, coordinators, tuple(out), transport, rollout)
+
+
+def parse_choices(option: str, text: str, choices: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma list of some of `choices` (`option` names it in the error)."""
+    chosen = tuple(t.strip() for t in text.split(","))
+    bad = [t for t in chosen if t not in choices]
+    if bad or not chosen:
+        raise ValueError(f"{option}: unknown {bad}; choose from {', '.join(choices)}")
+    return chosen
 
 
 def parse_transports(text: str) -> tuple[str, ...]:
     """`--transports`: a comma list of update.transport values."""
-    chosen = tuple(t.strip() for t in text.split(","))
-    bad = [t for t in chosen if t not in TRANSPORTS]
-    if bad or not chosen:
-        raise ValueError(f"--transports: unknown {bad}; choose from {', '.join(TRANSPORTS)}")
-    return chosen
+    return parse_choices("--transports", text, TRANSPORTS)
 
 
 def parse_kinds(text: str) -> tuple[FaultKind, ...]:

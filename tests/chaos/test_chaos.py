@@ -151,6 +151,8 @@ def test_a_schedule_is_a_function_of_its_seed_and_replays_from_its_json() -> Non
         assert 1 <= len(s.faults) <= 3 and 2 <= s.steps <= 3 and 2 <= s.group_size <= 4
         assert all(step.fault.proc in ("", *s.processes) for step in s.faults)
     assert {step.fault.kind for seed in range(200) for step in draw(seed).faults} == set(FAULT_KINDS)
+    assert [draw(seed).rollout for seed in range(4)] == ["plain", "recycle"] * 2  # every batch holds both
+    assert draw(7, rollouts=("plain",)).rollout == "plain"
     assert draw(7, parse_kinds("none")).faults == ()
     assert {st.fault.kind for seed in range(30) for st in draw(seed, parse_kinds("stop")).faults} == {"stop"}
     with pytest.raises(ValueError, match="unknown kind"):
