@@ -213,38 +213,3 @@ def test_the_loop_trains_and_publishes_every_version_on_both_vllm_servers(
         f"(p99 {[f'{s.logprob_gap_p99:.2e}' for s in measured]}, tokens {[s.agreement_tokens for s in measured]}); "
         f"median of medians {statistics.median(s.logprob_gap_median for s in measured):.2e}"
     )
-
-
-def test_samples_an_abort_drain_cuts_are_recycled_under_the_new_version_on_vllm(
-    unwarmed_loop_servers: LoopServers, redis_url: str, run_id: str, tmp_path: Path
-) -> None:
-    """`recycle_aborted` on real vLLM servers: every update drains with "abort" (vLLM aborts the requests, and the cut
-    samples come back with the tokens they had); each cut sample is continued from them on the new version, so it
-    finishes with a span per version, none is cancelled mid-generation but with its group, and the run audits clean
-    (the main suite's twin runs the torch engine: tests/test_interruptible.py)."""
-    cfg = unwarmed_loop_servers.config(
-        recycle_aborted=True,
-        steps=4,
-        admission={"max_lag": 2},  # groups a version ahead keep generating while each update drains
-        sampling={"max_tokens": 40, "temperature": 1.0},
-        update={"drain_mode": "abort", "prepare_deadline_s": 60, "drain_deadline_s": 60, "commit_deadline_s": 60},
-    )
-    events, summary, wall_s = execute(redis_url, run_id, tmp_path, cfg, unwarmed_loop_servers)
-    assert summary.status == "completed" and summary.steps == 4
-    report = audit(events)
-    assert report.ok, report.render()
-    cut = [p for p in of(events, ev.SampleCancelled) if p.reason == "cancelled while generating"]
-    # a cut sample is continued unless its group closed first: the run's end, or too stale to train (a sample that
-    # waits out two updates holds tokens older than the lag cap allows); never in a group that goes on to complete
-    closed = {p.group_id for p in of(events, ev.GroupCancelled)}
-    assert all(p.group_id in closed for p in cut), cut
-    recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
-    assert recycled, "no sample was cut by an update: the test did not exercise recycling"
-    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
-    for t in recycled:
-        assert t.engine == "vllm" and t.finish_reason != "abort"
-        versions = [s.policy_version for s in t.spans]
-        assert versions == sorted(set(versions)) and len(versions) >= 2
-        assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= 40
-        assert all(s.weights_digest == published[s.policy_version] for s in t.spans if s.policy_version)
-    print(f"\nvLLM recycling: {wall_s:.1f} s, {len(recycled)} samples continued across an update")
