@@ -223,6 +223,62 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
         e.close()
 
 
+def test_a_request_that_reaches_the_server_after_its_pause_is_aborted_by_that_pause(endless_server: Server) -> None:
+    """The race of a rollout slot that passed generate's paused check just before a drain paused the engine: its
+    request reaches the server after the pause. vLLM queues a request that arrives while paused and would run it at
+    resume, on whatever weights serve then, under the version generate stamped before the pause (and the drain would
+    wait for it until its deadline). The engine's pause returns only once that request came back aborted, before its
+    first token."""
+    import threading
+
+    from rolledger.workers.engines.vllm_engine import VllmEngine
+
+    e = VllmEngine(endless_server.url, rank=0, model_name=endless_server.model, timeout_s=120.0)
+    try:
+        sampling = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=5, logprob_mode="raw")
+        sending, server_paused = threading.Event(), threading.Event()
+        real_post, real_pause = e.http.post, e._server_pause
+
+        def post(route: str, **kw: object) -> dict[str, object]:
+            if route == "/v1/completions" and not server_paused.is_set():
+                sending.set()  # past generate's check, about to send: hold it until the server has paused
+                assert server_paused.wait(timeout=60.0)
+            return real_post(route, **kw)
+
+        def server_pause(mode: str) -> None:
+            real_pause(mode)
+            server_paused.set()
+
+        e.http.post = post  # type: ignore[method-assign]
+        e._server_pause = server_pause  # type: ignore[method-assign]
+        result: list[object] = []
+
+        def run() -> None:
+            try:
+                result.append(e.generate(PROMPT, 2, sampling))
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+                result.append(exc)
+
+        slot = threading.Thread(target=run, daemon=True)
+        slot.start()
+        assert sending.wait(timeout=60.0), result
+        e.pause("abort")
+        # the pause returned: the request has come back (aborted), not left queued in the paused server
+        slot.join(timeout=10.0)
+        assert not slot.is_alive(), "the request is still waiting in the paused server"
+        assert len(result) == 1 and not isinstance(result[0], BaseException), result
+        out = result[0]
+        assert [s.finish_reason for s in out.samples] == ["abort", "abort"]  # type: ignore[attr-defined]
+        assert [len(s.token_ids) for s in out.samples] == [0, 0]  # type: ignore[attr-defined]
+        e.resume()
+        nothing_left = _metric(e.http.request("GET", "/metrics").text, "vllm:num_requests_waiting")
+        assert nothing_left == 0
+        short = e.generate(PROMPT, 1, sampling.model_copy(update={"max_tokens": 4}))
+        assert [len(s.token_ids) for s in short.samples] == [4]  # the server serves again
+    finally:
+        e.close()
+
+
 def _first_difference(a: list[int], b: list[int]) -> str:
     """Where two token lists part (for an assertion's message)."""
     at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

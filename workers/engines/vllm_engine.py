@@ -69,6 +69,7 @@ class _RankState:
     graph_generation: int = 0
     paused: bool = False
     pause_mode: PauseMode | None = None  # how the engine was paused (None while it generates)
+    in_flight: int = 0  # completion requests counted before they were sent, whose answer has not come back yet
     asleep_level: int = 0
     staged_version: int | None = None
     weights_digest: str = ""
@@ -84,6 +85,9 @@ def kv_cache_tokens(metrics: str) -> int | None:
             if blocks.isdigit() and size.isdigit():
                 return int(blocks) * int(size)
     return None
+
+
+_STRAGGLER_POLL_S = 0.1  # how often a pause asks the server again while a request of ours is unanswered
 
 
 @dataclass
@@ -182,10 +186,6 @@ class VllmEngine:
         under whatever weights serve then, with a span recording where each version begins. Parked past the
         engine's timeout, the samples are returned cut short.
         """
-        if self._st.asleep_level:
-            raise IllegalEngineOrder(f"rank {self.rank}: generate while asleep (level {self._st.asleep_level})")
-        if self._st.paused:
-            raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if sampling.logprob_mode != self.facts.logprob_mode:
@@ -194,18 +194,28 @@ class VllmEngine:
                 f"{self.facts.logprobs_mode_raw} (restart it with --logprobs-mode to change)"
             )
         cancel = should_cancel or (lambda _i: False)
-        run = _GroupRun(
-            prompt=list(prompt_token_ids),
-            sampling=sampling,
-            streams=[StreamedChoice(sampling.max_tokens) for _ in range(n)],
-            spans=[[(0, self._st.policy_version, self._st.weights_digest)] for _ in range(n)],
-        )
         pending = [i for i in range(n) if not cancel(i)]
+        with self._resumed:  # checked and counted at once: a pause from here on waits for the request to come back
+            if self._st.asleep_level:
+                raise IllegalEngineOrder(f"rank {self.rank}: generate while asleep (level {self._st.asleep_level})")
+            if self._st.paused:
+                raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
+            self._st.in_flight += bool(pending)
+            run = _GroupRun(
+                prompt=list(prompt_token_ids),
+                sampling=sampling,
+                streams=[StreamedChoice(sampling.max_tokens) for _ in range(n)],
+                spans=[[(0, self._st.policy_version, self._st.weights_digest)] for _ in range(n)],
+            )
         while pending:
-            if self._stream(run, pending, cancel, on_sample):
+            try:
+                closed = self._stream(run, pending, cancel, on_sample)
+            finally:
+                self._came_back()
+            if closed:
                 break  # every sample still running was cancelled: the request is aborted
             cut = [i for i in pending if run.streams[i].finish == "abort"]
-            if not cut or not self._wait_resumed():
+            if not cut or not self._wait_resumed():  # True: resumed, the continuation's request already counted
                 break  # all done; or cut by a plain abort (or parked too long): returned cut short
             version, digest = self._st.policy_version, self._st.weights_digest
             for i in cut:
@@ -299,8 +309,9 @@ class VllmEngine:
         return False
 
     def _wait_resumed(self) -> bool:
-        """Samples were cut by the server. Parked by pause("keep"): wait for resume() (True: continue them), unless
-        the engine is paused another way meanwhile or its timeout passes (False). Not parked (a plain abort): False."""
+        """Samples were cut by the server. Parked by pause("keep"): wait for resume() (True: continue them, the
+        continuation's request counted in flight under the same lock, as generate's first one is), unless the engine
+        is paused another way meanwhile or its timeout passes (False). Not parked (a plain abort): False."""
         deadline = time.monotonic() + self.timeout_s
         with self._resumed:
             if not (self._st.paused and self._st.pause_mode == "keep"):
@@ -310,7 +321,35 @@ class VllmEngine:
                 if self._st.pause_mode != "keep" or left <= 0:
                     return False
                 self._resumed.wait(timeout=left)
+            self._st.in_flight += 1
             return True
+
+    def _came_back(self) -> None:
+        """A completion request's answer came back (or the request failed): one fewer the server may hold."""
+        with self._resumed:
+            self._st.in_flight -= 1
+            self._resumed.notify_all()
+
+    def _abort_stragglers(self) -> None:
+        """After the server's pause aborted what it ran: wait until every request of ours has come back. A request
+        that passed generate's check just before this pause can reach the server after it; vLLM queues such a
+        request while paused (PAUSED_NEW) and would run it at resume, on the new weights under the old version's
+        stamp, and until then the drain waits for it. Each round asks the server to pause with "abort" again, which
+        aborts whatever it holds, queued or running; a request still on its way is caught by a later round. With a
+        deadline: the engine's timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self._resumed:
+                if self._st.in_flight:
+                    self._resumed.wait(timeout=_STRAGGLER_POLL_S)  # woken as each answer comes back
+                if not self._st.in_flight:
+                    return
+                if time.monotonic() > deadline:
+                    raise EngineError(
+                        f"rank {self.rank}: {self._st.in_flight} request(s) still unanswered {self.timeout_s:.0f} s "
+                        "after pausing the vLLM server"
+                    )
+            self._server_pause("abort")
 
     # -- pause / sleep ------------------------------------------------------------------------------------------
 
@@ -329,6 +368,8 @@ class VllmEngine:
             with self._resumed:
                 self._st.paused, self._st.pause_mode = was
             raise
+        if mode != "wait":  # "wait" lets what runs finish; a rank asks for it once none of its groups runs
+            self._abort_stragglers()
 
     def resume(self) -> None:
         self._server_resume()
