@@ -110,3 +110,56 @@ def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_th
             assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= 40 and t.finish_reason != "abort"
     else:
         assert cut and not recycled
+
+
+class PausedBeforeItsFirstRequest:
+    """A test double around a real engine: its first `generate` finds the engine paused, as when a drain's pause lands
+    between a group's start (its SampleStarted) and its request to the engine. The rank, which did not ask for that
+    pause, resumes the engine as it would after any pause it holds no reason for."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.paused_group: list[bool] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def generate(self, *args: object, **kwargs: object) -> GroupOutput:
+        if not self.paused_group:
+            self.paused_group.append(True)
+            self.inner.pause("abort")  # type: ignore[attr-defined]
+        return self.inner.generate(*args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recycle", [True, False])
+def test_a_group_whose_request_finds_the_engine_paused_is_cut_not_failed(
+    redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recycle: bool
+) -> None:
+    """The rollout slot started the group, then the engine refused its request (paused): its samples are cut before
+    their first token, as the pause would have cut them a moment later. Recycled, they are continued once the rank
+    serves again and the group completes; otherwise they are cancelled. None fails as if the engine had broken."""
+    from rolledger.workers import local_run
+
+    real_wrap = local_run.wrap_engine
+
+    def wrap(engine: object, rank: int, injector: object) -> object:
+        inner = real_wrap(engine, rank, injector)  # type: ignore[arg-type]
+        return PausedBeforeItsFirstRequest(inner) if rank == 0 else inner
+
+    monkeypatch.setattr(local_run, "wrap_engine", wrap)
+    cfg = small(recycle_aborted=recycle, steps=2, update={"drain_mode": "abort"})
+    events, summary = execute(redis_url, run_id, tmp_path, cfg)
+    assert summary.status == "completed"
+    report = audit(events)
+    assert report.ok, report.render()
+    assert of(events, ev.SampleFailed) == []
+    first = next(p.group_id for p in of(events, ev.SampleStarted) if p.rank == 0)
+    finished = [p for p in of(events, ev.SampleFinished) if p.trajectory.group_id == first]
+    cancelled = [p for p in of(events, ev.SampleCancelled) if p.group_id == first]
+    if recycle:
+        assert len(finished) == cfg.group_size and cancelled == []
+        assert first in {g for p in of(events, ev.GroupCompleted) for g in [p.group_id]}
+    else:
+        assert finished == [] and len(cancelled) == cfg.group_size
+        assert all(p.reason == "cancelled while generating" for p in cancelled)

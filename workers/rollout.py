@@ -411,6 +411,19 @@ class Rollout:
                 out = engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
         except (WorkerKilled, ClaimLost):
             raise
+        except IllegalEngineOrder as exc:
+            if not engine.is_paused:
+                fail_open(exc)
+                return
+            # a drain paused the engine between this group's start and its request: every sample is cut before its
+            # first token, as that pause would have cut it a moment later (recycled or cancelled below, not failed)
+            out = GroupOutput(
+                [SampleOutput([], [], "abort") for _ in range(p.n)],
+                version,
+                digest,
+                engine.cache_generation,
+                engine.graph_generation,
+            )
         except Exception as exc:  # noqa: BLE001 - any failure is reported as an event; the rank fails closed
             fail_open(exc)
             return
