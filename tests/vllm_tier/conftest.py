@@ -253,6 +253,28 @@ def vllm_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop
 
 
 @pytest.fixture
+def unwarmed_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopServers]:
+    """Two servers like `vllm_loop_servers` on a policy that was never warm-started: its <eos> is about as likely as
+    any other token, so samples run tens of tokens (the warm-started policy answers in three), long enough for an
+    update's drain to find some still generating. Started for one test and stopped after it."""
+    if vllm_import_error():
+        pytest.skip(skip_reason())
+    from rolledger.schemas.config import RunConfig
+    from rolledger.workers.engines.factory import start_rank_servers
+    from rolledger.workers.local_run import prepare_policy
+
+    root = tmp_path_factory.mktemp("vllm_unwarmed")
+    cfg = RunConfig.model_validate({**LOOP_CONFIG, "trainer": {"warm_start_steps": 0, "groups_per_step": 2}})
+    prepare_policy(cfg, root / "model")
+    servers = LoopServers(root / "model", root, start_rank_servers(cfg, root / "model", root))
+    try:
+        yield servers
+    finally:
+        for s in servers.servers:
+            s.close()
+
+
+@pytest.fixture
 def fresh_loop_servers(vllm_loop_servers: LoopServers) -> LoopServers:
     """The loop servers, on policy version 0 with the initial policy (restarted if an earlier run moved them)."""
     vllm_loop_servers.ensure_fresh()

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from test_interruptible import assert_cut_samples_cancelled_only_in_groups_closed_first
 from test_run_loop import execute as run_and_check
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.config import RunConfig
+from rolledger.schemas.config import RunConfig, SamplingParams
 from rolledger.workers.engine import EngineError
 from rolledger.workers.engines.factory import build_engines
 from rolledger.workflows.audit import audit
@@ -213,3 +214,81 @@ def test_the_loop_trains_and_publishes_every_version_on_both_vllm_servers(
         f"(p99 {[f'{s.logprob_gap_p99:.2e}' for s in measured]}, tokens {[s.agreement_tokens for s in measured]}); "
         f"median of medians {statistics.median(s.logprob_gap_median for s in measured):.2e}"
     )
+
+
+def test_after_an_update_the_server_computes_the_logprobs_of_the_new_weights(
+    vllm_loop_servers: LoopServers, tmp_path: Path
+) -> None:
+    """A whole update (pause, prepare, commit, health, resume) to weights unrelated to what the server served, every
+    tensor moved (the tied embedding too): the logprobs the server reports for its samples are what the new weights
+    give in torch, as exactly as the float32 policy's were before any update (the trainer's agreement gate relies
+    on it). vLLM's in-place reload left a tied lm_head's CPU kernel packed from the start-up weights: the samples'
+    logprobs then came from the new body and the old head (median gap 1.7e-3 on the unwarmed policy), while every
+    digest named the new version."""
+    import torch
+
+    from rolledger.workers.engines.vllm_engine import VllmEngine
+    from rolledger.workers.grpo import sequence_logprobs
+    from rolledger.workers.policy_model import build_model, load_policy, policy_state
+    from rolledger.workers.staging_store import DirectoryStagingStore
+
+    from .conftest import LOOP_CONFIG
+
+    _, tok = load_policy(vllm_loop_servers.model_dir)
+    cfg = RunConfig.model_validate(LOOP_CONFIG)
+    new_model = build_model(cfg.model, len(tok), seed=7)  # never warm-started: its samples run tens of tokens
+    new = {k: v.detach().clone() for k, v in policy_state(new_model).items()}
+    assert "model.embed_tokens.weight" in new and getattr(new_model.config, "tie_word_embeddings", False)
+    e = VllmEngine(vllm_loop_servers.urls[0], rank=0, model_name=str(vllm_loop_servers.model_dir))
+    try:
+        version = e.policy_version + 1
+        staged = DirectoryStagingStore(tmp_path / "staging").stage(version, e.policy_version, new)
+        e.pause("abort")
+        e.prepare(version, staged.uri, staged.manifest)
+        e.commit_weights(version)
+        assert e.health().ok
+        e.resume()
+        sampling = SamplingParams(temperature=1.0, max_tokens=24, seed=11, logprob_mode="raw")
+        out = e.generate(list(PROMPT), 8, sampling)
+    finally:
+        e.close()
+    with torch.no_grad():  # the trainer's raw logprobs of each sample's tokens under the new weights
+        mine, _ = sequence_logprobs(new_model, [PROMPT] * len(out.samples), [s.token_ids for s in out.samples])
+    gaps = sorted(abs(float(mine[row, j]) - lp) for row, s in enumerate(out.samples) for j, lp in enumerate(s.logprobs))
+    print(f"\n{len(gaps)} tokens under v{version}: median gap {statistics.median(gaps):.2e}, max {gaps[-1]:.2e}")
+    assert len(gaps) >= 16
+    assert statistics.median(gaps) < 1e-5 and gaps[-1] < 1e-4, (statistics.median(gaps), gaps[-1])
+
+
+def test_samples_an_abort_drain_cuts_are_recycled_under_the_new_version_on_vllm(
+    unwarmed_loop_servers: LoopServers, redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """`recycle_aborted` on real vLLM servers: every update drains with "abort" (vLLM aborts the requests, and the cut
+    samples come back with the tokens they had); each cut sample is continued from them on the new version, so it
+    finishes with a span per version; a cut sample is cancelled only in a group closed before it (the run's end, or
+    too stale to train), and the run audits clean (the main suite's twin runs the torch engine:
+    tests/test_interruptible.py). Its policy was never warm-started, so its samples run tens of tokens, long enough
+    for each update's drain to cut some."""
+    cfg = unwarmed_loop_servers.config(
+        recycle_aborted=True,
+        steps=4,
+        admission={"max_lag": 2},  # groups a version ahead keep generating while each update drains
+        sampling={"max_tokens": 40, "temperature": 1.0},
+        update={"drain_mode": "abort", "prepare_deadline_s": 60, "drain_deadline_s": 60, "commit_deadline_s": 60},
+    )
+    events, summary, wall_s = execute(redis_url, run_id, tmp_path, cfg, unwarmed_loop_servers)
+    terminal = [e.payload for e in events if e.type in ("RunFinished", "TrainStepRefused", "UpdateAborted")]
+    assert summary.status == "completed" and summary.steps == 4, terminal
+    report = audit(events)
+    assert report.ok, report.render()
+    assert_cut_samples_cancelled_only_in_groups_closed_first(events)
+    recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
+    assert recycled, "no sample was cut by an update: the test did not exercise recycling"
+    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
+    for t in recycled:
+        assert t.engine == "vllm" and t.finish_reason != "abort"
+        versions = [s.policy_version for s in t.spans]
+        assert versions == sorted(set(versions)) and len(versions) >= 2
+        assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= 40
+        assert all(s.weights_digest == published[s.policy_version] for s in t.spans if s.policy_version)
+    print(f"\nvLLM recycling: {wall_s:.1f} s, {len(recycled)} samples continued across an update")
