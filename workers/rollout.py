@@ -43,6 +43,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal
 
@@ -457,16 +458,40 @@ class Rollout:
         serves again (the update committed or aborted), until none is cut or the group may not
         go on (closed, reclaimed, the rank stopping): those end as they are (cancelled, `_results`). Each stretch of
         tokens keeps the version that produced it (spans)."""
-        samples = list(out.samples)
-        while cut := [i for i, s in enumerate(samples) if s.finish_reason == "abort" and i not in skip]:
+        samples = dict(enumerate(out.samples))
+        while cut := [i for i, s in samples.items() if s.finish_reason == "abort" and i not in skip]:
             if not self._wait_to_continue(p, claim):
                 break
+            samples.update(self._continue_all(p, {i: samples[i] for i in cut}, out, should_cancel))
+        return GroupOutput(
+            [samples[i] for i in range(len(out.samples))],
+            out.policy_version,
+            out.weights_digest,
+            out.cache_generation,
+            out.graph_generation,
+        )
+
+    def _continue_all(
+        self,
+        p: ev.GroupAdmitted,
+        cut: dict[int, SampleOutput],
+        out: GroupOutput,
+        should_cancel: Callable[[int], bool],
+    ) -> dict[int, SampleOutput]:
+        """The cut samples continued at once, each its own engine request (the engine batches them as it batches
+        the slots' groups): one after the other they would take the sum of their times, and the next drain could cut
+        them again before the last one started. A sample whose request the engine refused because it was paused again
+        (the next drain, between the wait and the call) is left out: it stays cut and waits for the next turn."""
+        name = threading.current_thread().name
+        with ThreadPoolExecutor(max_workers=len(cut), thread_name_prefix=f"{name}-recycle") as pool:
+            futures = {i: pool.submit(self._continued, p, i, s, out, should_cancel) for i, s in cut.items()}
+        continued: dict[int, SampleOutput] = {}
+        for i, f in futures.items():
             try:
-                for i in cut:
-                    samples[i] = self._continued(p, i, samples[i], out, should_cancel)
-            except IllegalEngineOrder:  # paused again (the next drain) between the wait and the call: wait again
-                continue
-        return GroupOutput(samples, out.policy_version, out.weights_digest, out.cache_generation, out.graph_generation)
+                continued[i] = f.result()
+            except IllegalEngineOrder:
+                pass
+        return continued
 
     def _wait_to_continue(self, p: ev.GroupAdmitted, claim: Claim) -> bool:
         """Wait until this rank may generate again (as a group's start does, `_admit`); False when the group may not
