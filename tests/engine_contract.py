@@ -14,7 +14,8 @@ engines are shared by a whole session; an update moves the engine to a version n
 What the contract checks, always from what the engine serves (greedy tokens and logprobs, the digest it measures),
 not from what it says: prepare stages into an inactive buffer while the live weights keep serving; a corrupt file
 or a shape mismatch is refused naming the tensor; commit swaps the staged version in (its digest is the manifest's)
-and invalidates the prefix cache; a discarded prepare commits nothing; the health probe is deterministic; illegal
+and invalidates the prefix cache; the logprobs it reports after a commit are what the committed weights give (checked
+against torch on the staged tensors); a discarded prepare commits nothing; the health probe is deterministic; illegal
 orders are refused; every pause mode stops generation until resume; sleep either works in the legal order or is
 refused saying so (GPU-only for the server engines: vLLM and SGLang cannot sleep on CPU).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,8 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolledger.schemas.config import SamplingParams
-from rolledger.workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
+from rolledger.schemas.config import ModelConfig, SamplingParams
+from rolledger.workers.engine import Engine, EngineError, GroupOutput, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.staging_format import StagingError
 from rolledger.workers.staging_store import StagedUpdate
 
@@ -51,6 +53,9 @@ class ContractSubject:
     stage: Callable[[int, Mapping[str, torch.Tensor]], StagedUpdate]  # into a store the engine can read
     prompt: tuple[int, ...] = (1, 4, 5, 14, 6, 15)
     versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    # the architecture of base_state and other_state: the contract rebuilds the policy in torch from staged tensors to
+    # check what the engine computes with them
+    model_config: ModelConfig = field(default_factory=lambda: ModelConfig(dtype="bfloat16"))
 
     def next_version(self) -> int:
         """A policy version newer than any this session used (server engines are shared across tests)."""
@@ -58,6 +63,19 @@ class ContractSubject:
         while v <= self.engine.policy_version:
             v = next(self.versions)
         return v
+
+    def torch_logprobs(self, state: Mapping[str, torch.Tensor], out: GroupOutput) -> list[list[float]]:
+        """The logprobs of each sample's tokens under `state`, computed in torch (float32 from the staged tensors)."""
+        from rolledger.workers.grpo import sequence_logprobs
+        from rolledger.workers.policy_model import build_model
+
+        vocab = int(state["model.embed_tokens.weight"].shape[0])
+        model = build_model(self.model_config, vocab, seed=0)
+        model.load_state_dict(dict(state), strict=False)
+        model.float()
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(model, [self.prompt] * len(out.samples), [s.token_ids for s in out.samples])
+        return [lp[row, : len(s.token_ids)].tolist() for row, s in enumerate(out.samples)]
 
     def served(self) -> tuple[list[int], list[float]]:
         """What the engine serves: its greedy tokens and logprobs on the prompt."""
@@ -175,6 +193,37 @@ class EngineContract:
         out = e.generate(subject.prompt, 1, GREEDY)
         assert (out.policy_version, out.weights_digest) == (v, staged.manifest.weights_digest)
         assert subject.served() != before
+
+    def test_the_logprobs_it_reports_after_a_commit_are_those_of_the_committed_weights(
+        self, subject: ContractSubject
+    ) -> None:
+        """What a sample's logprobs say is what the committed weights give (the trainer's agreement gate relies on
+        it): computed again in torch from the staged tensors, they are far closer to the reported ones than what the
+        weights served before give. An engine that kept part of the old model (vLLM on CPU kept a tied lm_head's
+        kernel packed from its start-up weights) reports a mixture, far from both."""
+        e = subject.engine
+        states = []
+        for _ in range(2):  # two commits: the weights served before this sample are known
+            v = subject.next_version()
+            state = subject.other_state(v)
+            staged = subject.stage(v, state)
+            e.prepare(v, staged.uri, staged.manifest)
+            e.pause("wait")
+            try:
+                e.commit_weights(v)
+            finally:
+                e.resume()
+            states.append(state)
+        out = e.generate(subject.prompt, 4, SAMPLED)
+        reported = [x for s in out.samples for x in s.logprobs]
+
+        def median_gap(state: Mapping[str, torch.Tensor]) -> float:
+            mine = [x for row in subject.torch_logprobs(state, out) for x in row]
+            return statistics.median(abs(a - b) for a, b in zip(mine, reported, strict=True))
+
+        before, committed = median_gap(states[0]), median_gap(states[1])
+        print(f"\nmedian logprob gap: to the committed weights {committed:.2e}, to the weights before {before:.2e}")
+        assert committed * 10 < before, (committed, before)
 
     def test_a_discarded_prepare_commits_nothing(self, subject: ContractSubject) -> None:
         e = subject.engine
