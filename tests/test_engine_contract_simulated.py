@@ -1,6 +1,7 @@
 """The engine contract (tests/engine_contract.py) run against the SIMULATED engine: generation is declared time
-(workers/engines/simulated_engine.py), everything else is a real TorchEngine's. Nothing is adapted: the simulated
-tokens depend on the weights digest a sample started on, so "commit changes what is served" holds too."""
+(workers/engines/simulated_engine.py), everything else is a real TorchEngine's. The simulated tokens depend on the
+weights digest a sample started on, so "commit changes what is served" holds too. One test does not apply: its
+logprobs are declared, not computed from the weights (`computes_logprobs=False` skips the check against torch)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def subject(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContractSubjec
     def stage(version: int, tensors: Mapping[str, torch.Tensor]) -> StagedUpdate:
         return store.stage(version, min(engine.policy_version, version - 1), tensors)
 
-    yield ContractSubject(engine, lambda: {k: v.clone() for k, v in base.items()}, other, stage)
+    yield ContractSubject(
+        engine, lambda: {k: v.clone() for k, v in base.items()}, other, stage, computes_logprobs=False
+    )
     engine.close()
 
 
