@@ -66,6 +66,18 @@ class ContractSubject:
             v = next(self.versions)
         return v
 
+    def commit(self, state: Mapping[str, torch.Tensor]) -> int:
+        """A whole update to `state` at a fresh version (stage, prepare, pause, commit, resume); the version."""
+        v = self.next_version()
+        staged = self.stage(v, state)
+        self.engine.prepare(v, staged.uri, staged.manifest)
+        self.engine.pause("wait")
+        try:
+            self.engine.commit_weights(v)
+        finally:
+            self.engine.resume()
+        return v
+
     def torch_logprobs(self, state: Mapping[str, torch.Tensor], out: GroupOutput) -> list[list[float]]:
         """The logprobs of each sample's tokens under `state`, computed in torch (float32 from the staged tensors)."""
         from rolledger.workers.grpo import sequence_logprobs
@@ -205,20 +217,10 @@ class EngineContract:
         kernel packed from its start-up weights) reports a mixture, far from both."""
         if not subject.computes_logprobs:
             pytest.skip("this engine declares its logprobs instead of computing them from its weights")
-        e = subject.engine
-        states = []
-        for _ in range(2):  # two commits: the weights served before this sample are known
-            v = subject.next_version()
-            state = subject.other_state(v)
-            staged = subject.stage(v, state)
-            e.prepare(v, staged.uri, staged.manifest)
-            e.pause("wait")
-            try:
-                e.commit_weights(v)
-            finally:
-                e.resume()
-            states.append(state)
-        out = e.generate(subject.prompt, 4, SAMPLED)
+        states = [subject.other_state(1000), subject.other_state(1001)]
+        for state in states:  # two commits: the weights served before this sample are known
+            subject.commit(state)
+        out = subject.engine.generate(subject.prompt, 4, SAMPLED)
         reported = [x for s in out.samples for x in s.logprobs]
 
         def median_gap(state: Mapping[str, torch.Tensor]) -> float:

@@ -18,17 +18,11 @@ pytestmark = pytest.mark.vllm
 def subject(vllm_cluster: VllmCluster) -> Iterator[ContractSubject]:
     c = vllm_cluster
     engine = c.engines[0]
-    yield ContractSubject(
+    subject = ContractSubject(
         engine, c.base_state, lambda seed: c.other_state(seed=500 + seed), c.stage, versions=c._versions
     )
-    version = c.next_version()
-    staged = c.stage(version, c.base_state())
-    engine.prepare(version, staged.uri, staged.manifest)
-    engine.pause("wait")
-    try:
-        engine.commit_weights(version)
-    finally:
-        engine.resume()
+    yield subject
+    subject.commit(c.base_state())
 
 
 class TestVllmEngine(EngineContract):
