@@ -78,6 +78,12 @@ class ContractSubject:
             self.engine.resume()
         return v
 
+    def median_gap(self, state: Mapping[str, torch.Tensor], out: GroupOutput) -> float:
+        """The median |logprob under `state` in torch - the logprob the engine reported| over every token of `out`."""
+        mine = [x for row in self.torch_logprobs(state, out) for x in row]
+        reported = [x for s in out.samples for x in s.logprobs]
+        return statistics.median(abs(a - b) for a, b in zip(mine, reported, strict=True))
+
     def torch_logprobs(self, state: Mapping[str, torch.Tensor], out: GroupOutput) -> list[list[float]]:
         """The logprobs of each sample's tokens under `state`, computed in torch (float32 from the staged tensors)."""
         from rolledger.workers.grpo import sequence_logprobs
@@ -221,13 +227,7 @@ class EngineContract:
         for state in states:  # two commits: the weights served before this sample are known
             subject.commit(state)
         out = subject.engine.generate(subject.prompt, 4, SAMPLED)
-        reported = [x for s in out.samples for x in s.logprobs]
-
-        def median_gap(state: Mapping[str, torch.Tensor]) -> float:
-            mine = [x for row in subject.torch_logprobs(state, out) for x in row]
-            return statistics.median(abs(a - b) for a, b in zip(mine, reported, strict=True))
-
-        before, committed = median_gap(states[0]), median_gap(states[1])
+        before, committed = subject.median_gap(states[0], out), subject.median_gap(states[1], out)
         print(f"\nmedian logprob gap: to the committed weights {committed:.2e}, to the weights before {before:.2e}")
         assert committed * 10 < before, (committed, before)
 

@@ -91,6 +91,24 @@ def _is_embedding_method(quant_method: object) -> bool:
     return type(quant_method).__name__ == "UnquantizedEmbeddingMethod"
 
 
+def reprocess_embeddings(model: torch.nn.Module) -> None:
+    """Call after every in-place reload of a vLLM model (`reload_weights`, by this extension's commit or by vLLM's
+    own update routes through workers.vllm_transfer_engine).
+
+    vLLM's in-place reload processes a layer's weights again (on CPU: repacks its GEMM kernel) only when it loaded
+    weights into that layer. A tied lm_head loads none (its weight is the input embedding's), so on CPU it kept the
+    kernel packed from the start-up weights and computed every logit with them, while each digest named the new
+    version (measured on vLLM CPU 0.32, the loop tier's tied float32 Llama updated to unrelated weights: served
+    logprobs off the new weights' by a median 0.23; the trainer's agreement gate refused a run's v2 at 0.0026). Every
+    embedding layer is processed again from the weight it holds now (a no-op off CPU, where the lm_head multiplies by
+    its weight directly)."""
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        weight = getattr(module, "weight", None)
+        if qm is not None and _is_embedding_method(qm) and isinstance(weight, torch.Tensor) and weight.numel() > 0:
+            qm.process_weights_after_loading(module)
+
+
 def ties_embeddings(hf_config: Any) -> bool:
     """Does the model (its text part, for a multimodal config) tie lm_head to the input embedding?"""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -198,20 +216,7 @@ class RolledgerWorkerExtension:
             yield from tensors.items()
 
         self.model_runner.reload_weights(weights_iterator=items())
-        self._rolledger_reprocess_embeddings()
-
-    def _rolledger_reprocess_embeddings(self) -> None:
-        """vLLM's in-place reload processes a layer's weights again (on CPU: repacks its GEMM kernel) only when it
-        loaded weights into that layer. A tied lm_head loads none (its weight is the input embedding's), so it kept
-        the kernel packed from the start-up weights and computed every logit with them, while each digest named the
-        new version: after an update that moved the embedding, the served logprobs were not the trainer's (measured
-        on vLLM CPU 0.32, tiny tied Llama, float32: median gap 1.7e-3, 0 before the update; the trainer's agreement
-        gate refused v2). Every embedding layer is processed again from the weight it holds now."""
-        for module in self._rolledger_model().modules():
-            qm = getattr(module, "quant_method", None)
-            weight = getattr(module, "weight", None)
-            if qm is not None and _is_embedding_method(qm) and isinstance(weight, torch.Tensor) and weight.numel() > 0:
-                qm.process_weights_after_loading(module)
+        reprocess_embeddings(self._rolledger_model())
 
     # -- digests ------------------------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ The session, per worker, is a prepare-then-commit:
   the manifest's checksums into host memory. Nothing is loaded: the live weights keep serving. A tensor that does
   not match is refused naming it (vLLM answers 500 with the message and ends the session).
 - `/finish_weight_update` loads the verified version in place (vLLM's `reload_weights`, checkpoint format, as
-  `workers/vllm_extension.py` commits). A session with nothing received loads nothing.
+  `workers/vllm_extension.py` commits, then `reprocess_embeddings`: the reload leaves a tied lm_head's CPU kernel
+  packed from the old weights). A session with nothing received loads nothing.
 - `{"update_info": {"discard": true}}` drops what was received (the abort of an update another rank failed), so the
   next `/finish_weight_update` loads nothing.
 
@@ -114,6 +115,8 @@ class RolledgerTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         received, self._received = self._received, None
         if received is None:
             return
+        from rolledger.workers.vllm_extension import reprocess_embeddings
+
         reload_weights(
             self.vllm_config,
             self.model,
@@ -121,6 +124,7 @@ class RolledgerTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             weights_path=None,
             is_checkpoint_format=True,
         )
+        reprocess_embeddings(self.model)  # a tied lm_head's CPU kernel is not repacked by the reload
         log.info("loaded", version=self._received_version)
 
     def shutdown(self) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_contract import SAMPLED, ContractSubject
 
 from rolledger.schemas.config import SamplingParams
 from rolledger.workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
@@ -310,6 +311,11 @@ def test_vllms_own_update_routes_move_a_version_over_the_registered_rolledger_en
         e.http.post("/finish_weight_update", json={"weight_version": None})
         new_live = e.live_digest()
         assert new_live != start_live
+        # and what serves computes with the new weights, the tied lm_head's CPU kernel included
+        subject = ContractSubject(e, c.base_state, c.other_state, c.stage)
+        out = e.generate(subject.prompt, 4, SAMPLED)
+        gaps = subject.median_gap(new, out), subject.median_gap(base, out)
+        assert gaps[0] * 10 < gaps[1], gaps
 
         # bytes that are not the manifest's (a transport that delivered the wrong version) load nothing
         wrong_version = c.next_version()
