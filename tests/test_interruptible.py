@@ -134,14 +134,14 @@ class PausedBeforeItsFirstRequest:
 
     def __init__(self, inner: object) -> None:
         self.inner = inner
-        self.paused_group: list[bool] = []
+        self.fired = False
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
     def generate(self, *args: object, **kwargs: object) -> GroupOutput:
-        if not self.paused_group:
-            self.paused_group.append(True)
+        if not self.fired:
+            self.fired = True
             self.inner.pause("abort")  # type: ignore[attr-defined]
         return self.inner.generate(*args, **kwargs)  # type: ignore[attr-defined,no-any-return]
 
