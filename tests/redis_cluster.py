@@ -160,12 +160,13 @@ class RedisClusterProcesses:
                 raise TimeoutError(f"timed out waiting for {what}")
             time.sleep(0.05)  # polling a readiness condition with a deadline, not synchronising a test
 
-    def primary_of(self, key: str) -> int:
-        """The port of the primary serving `key`'s slot, as the cluster itself says (CLUSTER KEYSLOT, CLUSTER SHARDS)."""
-        for port in self.ports:
-            if self.procs[port].poll() is None:
-                break
-        node = self.node(port)
+    def primary_of(self, key: str, asking: int | None = None) -> int:
+        """The port of the primary serving `key`'s slot, as the cluster itself says (CLUSTER KEYSLOT, CLUSTER SLOTS),
+        in the view of the node on `asking` (default: the first live node). Just after a failover only the promoted
+        node is sure to know it; the others learn it by gossip."""
+        if asking is None:
+            asking = next(p for p in self.ports if self.procs[p].poll() is None)
+        node = self.node(asking)
         try:
             slot = int(node.execute_command("CLUSTER", "KEYSLOT", key))
             for start, end, primary, *_replicas in node.execute_command("CLUSTER", "SLOTS"):
