@@ -77,6 +77,7 @@ from rolledger.workers.engine import (
     SleepReport,
     TensorSpec,
     WakeReport,
+    refuse_unless_serving,
 )
 from rolledger.workers.local_run import prompt_items
 from rolledger.workers.policy_model import build_tokenizer
@@ -134,10 +135,12 @@ class SimulatedEngine:
         *,
         should_cancel: Callable[[int], bool] | None = None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
+        expect_version: int | None = None,
     ) -> GroupOutput:
         with self._lock:
             if self._paused is not None:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
+            refuse_unless_serving(expect_version, self._version, self.rank)
             self._inflight += 1
         try:
             samples: list[SampleOutput] = []

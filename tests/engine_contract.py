@@ -35,7 +35,14 @@ import pytest
 import torch
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import Engine, EngineError, GroupOutput, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.engine import (
+    Engine,
+    EngineError,
+    GroupOutput,
+    IllegalEngineOrder,
+    StaleRequest,
+    WeightValidationError,
+)
 from rolledger.workers.staging_format import StagingError
 from rolledger.workers.staging_store import StagedUpdate
 
@@ -230,6 +237,20 @@ class EngineContract:
         before, committed = subject.median_gap(states[0], out), subject.median_gap(states[1], out)
         print(f"\nmedian logprob gap: to the committed weights {committed:.2e}, to the weights before {before:.2e}")
         assert committed * 10 < before, (committed, before)
+
+    def test_a_request_expecting_a_version_no_longer_served_is_refused(self, subject: ContractSubject) -> None:
+        """The rollout logs a group's samples as started on the version it read, then sends the request; a whole
+        update can commit in between. The engine refuses such a request (StaleRequest, an IllegalEngineOrder) rather
+        than run it on weights its stamp does not name; one expecting what serves runs as any other."""
+        e = subject.engine
+        old = e.policy_version
+        assert e.generate(subject.prompt, 1, GREEDY, expect_version=old).samples
+        subject.commit(subject.other_state(1002))
+        assert e.policy_version != old
+        with pytest.raises(StaleRequest, match=f"expects v{old}"):
+            e.generate(subject.prompt, 1, GREEDY, expect_version=old)
+        out = e.generate(subject.prompt, 1, GREEDY, expect_version=e.policy_version)
+        assert out.policy_version == e.policy_version and len(out.samples) == 1
 
     def test_a_discarded_prepare_commits_nothing(self, subject: ContractSubject) -> None:
         e = subject.engine

@@ -4,6 +4,7 @@ span of its tokens is stamped with the version that produced it."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,60 @@ def test_a_parked_sample_continues_on_the_new_weights_with_stamped_spans() -> No
     # weight updates do): they no longer match the old model's logprobs
     assert not torch.allclose(got[b1:], lp_old[0, b1 : len(sample.token_ids)], atol=1e-4)
     assert out.policy_version == 1
+
+
+def test_a_request_taken_before_a_commit_but_batched_after_it_says_the_version_it_was_taken_on_first() -> None:
+    """batch_groups: a request the engine took on v waits for the decode thread to take it into the batch. A keep
+    pause parks the batch with that request still waiting; a commit to v+1 follows. The request's samples then decode
+    entirely on v+1, and each says v in an empty first span: the version the rollout stamped its start with."""
+    tok = build_tokenizer()
+    cfg = ModelConfig()
+    engine = TorchEngine(build_model(cfg, len(tok), 0), tok, interruptible=True, batch_groups=True)
+    prompt = list(tok("12+34=")["input_ids"])
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=())
+    digest0 = engine.weights_digest()
+    results: dict[str, GroupOutput] = {}
+    pausing: list[threading.Thread] = []
+
+    def submit_b_then_pause(_: int) -> bool:
+        """In A's decode step (the decode thread): B is taken by the engine, then the pause lands, before the
+        decode thread looks for new requests again."""
+        if pausing:
+            return False
+        b = threading.Thread(target=lambda: results.update(b=engine.generate(prompt, 2, sampling, expect_version=0)))
+        b.start()
+        deadline = time.monotonic() + 30
+        while engine._inflight < 2:  # B taken (counted in flight), not yet in the batch: this thread runs it
+            assert time.monotonic() < deadline
+            time.sleep(0.001)  # polling the engine's count, with a deadline
+        pausing.append(threading.Thread(target=engine.pause, args=("keep",)))
+        pausing[0].start()
+        while not engine.is_paused:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        pausing.append(b)
+        return False
+
+    a = threading.Thread(
+        target=lambda: results.update(a=engine.generate(prompt, 1, sampling, should_cancel=submit_b_then_pause))
+    )
+    a.start()
+    deadline = time.monotonic() + 60
+    while len(pausing) < 2:
+        assert time.monotonic() < deadline, "A's first decode step never ran"
+        time.sleep(0.01)
+    pausing[0].join(timeout=60)  # parked: A and the waiting B
+    engine.stage_weights(1, policy_state(build_model(cfg, len(tok), 1)))
+    engine.commit_weights(1)
+    digest1 = engine.weights_digest()
+    engine.resume()
+    a.join(timeout=60)
+    pausing[1].join(timeout=60)
+    for sample in results["b"].samples:
+        assert sample.spans == ((0, 0, digest0), (0, 1, digest1)), sample.spans
+        assert len(sample.token_ids) == sampling.max_tokens
+    (a_sample,) = results["a"].samples
+    assert [v for _, v, _ in a_sample.spans] == [0, 1] and a_sample.spans[1][0] > 0  # A ran on both
 
 
 @pytest.mark.slow
@@ -178,3 +233,81 @@ def test_a_group_whose_request_finds_the_engine_paused_is_cut_not_failed(
     else:
         assert finished == [] and len(cancelled) == cfg.group_size
         assert all(p.reason == "cancelled while generating" for p in cancelled)
+
+
+class UpdatedBeforeItsFirstRequest:
+    """A test double around a real engine: its first `generate` is held until the engine serves a newer version than
+    when it was called, as when a whole update commits between a group's start (its SampleStarted, stamped with the
+    version the rollout read) and its request to the engine: a keep drain needs only that SampleStarted be in the log,
+    so nothing else holds the update back. It records what it held and what served when it let the request through."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.held: tuple[list[int], int, int] | None = None  # (prompt, version when called, version let through on)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def generate(self, *args: object, **kwargs: object) -> GroupOutput:
+        if self.held is None:
+            before: int = self.inner.policy_version  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 120
+            # until the update committed and the rank serves again (while paused it would be refused as paused)
+            while self.inner.policy_version == before or self.inner.is_paused:  # type: ignore[attr-defined]
+                assert time.monotonic() < deadline, f"no update served within 120 s of v{before}"
+                time.sleep(0.05)  # polling the engine's version, with a deadline
+            self.held = (list(args[0]), before, self.inner.policy_version)  # type: ignore[call-overload,attr-defined]
+        return self.inner.generate(*args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.slow
+def test_a_group_whose_request_reaches_the_engine_after_a_whole_update_runs_on_the_version_its_spans_name(
+    redis_url: str, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interruptible run (keep drains). A group's samples are logged as started on v, then an update to v+1 commits
+    before its request reaches the engine. The engine refuses the request as stale (it expects v), and the rollout
+    continues the samples on v+1 from their first token: each says v in an empty first span and v+1 (or later, in
+    spans of their own) for every token.
+    Before, the request ran on v+1 and its trajectories said v with no span: tokens from weights their stamp does not
+    name, which the audit could not see."""
+    from rolledger.workers import local_run
+
+    real_wrap = local_run.wrap_engine
+    doubles: list[UpdatedBeforeItsFirstRequest] = []
+
+    def wrap(engine: object, rank: int, injector: object) -> object:
+        inner = real_wrap(engine, rank, injector)  # type: ignore[arg-type]
+        if rank != 0:
+            return inner
+        doubles.append(UpdatedBeforeItsFirstRequest(inner))
+        return doubles[-1]
+
+    monkeypatch.setattr(local_run, "wrap_engine", wrap)
+    cfg = small(
+        interruptible=True,
+        steps=3,
+        sampling={"max_tokens": 20, "stop_token_ids": []},
+        trainer={"warm_start_steps": 0, "groups_per_step": 2},
+        admission={"max_lag": 4},  # the held group is not closed as stale by the updates after the one it waited out
+    )
+    events, summary = execute(redis_url, run_id, tmp_path, cfg)
+    assert summary.status == "completed"
+    report = audit(events)
+    assert report.ok, report.render()
+    assert of(events, ev.SampleFailed) == []
+    (double,) = doubles
+    assert double.held is not None
+    prompt, before, after = double.held
+    started = {p.group_id: p.policy_version for p in of(events, ev.SampleStarted) if p.rank == 0}
+    (group,) = [
+        p.group_id
+        for p in of(events, ev.GroupAdmitted)
+        if p.prompt_token_ids == prompt and started.get(p.group_id) == before
+    ]
+    finished = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.group_id == group]
+    assert len(finished) == cfg.group_size
+    for t in finished:
+        produced = {s.policy_version for s in t.spans if s.end > s.start} if t.spans else {t.policy_version}
+        # from v+1 on (a later update may interrupt it again, in its own span); none from v
+        assert min(produced) >= after > before, (t.trajectory_id, t.policy_version, t.spans)
+        assert t.policy_version == before and t.spans[0].start == t.spans[0].end == 0

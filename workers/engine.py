@@ -32,6 +32,19 @@ class IllegalEngineOrder(EngineError):
     """An operation out of the legal order: weights sent while asleep, resume before the health probe, ..."""
 
 
+class StaleRequest(IllegalEngineOrder):
+    """generate(expect_version=v) reached an engine that serves another version: between the caller reading the
+    version (and logging its samples as started on it) and its request, a whole update committed. Refused, so that no
+    sample runs on weights other than those its start was stamped with; the caller cuts it before its first token."""
+
+
+def refuse_unless_serving(expect_version: int | None, serving: int, rank: int) -> None:
+    """Raise StaleRequest when a request expects a version other than the one serving (None: no expectation).
+    Called where the engine takes the request, under the lock a commit also takes."""
+    if expect_version is not None and expect_version != serving:
+        raise StaleRequest(f"rank {rank}: request expects v{expect_version} but v{serving} serves")
+
+
 class WeightValidationError(EngineError):
     """Staged weights do not fit the live model; names the tensor."""
 
@@ -130,13 +143,16 @@ class Engine(Protocol):
         sampling: SamplingParams,
         *,
         should_cancel: Callable[[int], bool] | None = None,
+        expect_version: int | None = None,
     ) -> GroupOutput:
         """N samples sharing the prompt; the prompt is prefilled once when the engine has a prefix cache.
 
         `should_cancel(i)` is polled between decode steps; a cancelled sample ends with finish_reason "abort".
         An engine that streams (capabilities.streams_samples) also takes `on_sample(i, SampleOutput)`, called as
         each sample ends, so a first-k group can complete and cancel the rest while they still run.
-        Raises IllegalEngineOrder while paused or asleep.
+        Raises IllegalEngineOrder while paused or asleep, and StaleRequest when `expect_version` is given and another
+        version serves as the engine takes the request. A request it takes starts on the version it was taken on
+        (or, where it waits for a batch meanwhile, says that version in an empty first span).
         """
         ...
 

@@ -151,6 +151,7 @@ class FaultyEngine:
         *,
         should_cancel: Callable[[int], bool] | None = None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
+        expect_version: int | None = None,
     ) -> GroupOutput:
         with self._groups_lock:
             kill = self.injector.peek("kill-worker", worker="rollout")
@@ -161,7 +162,11 @@ class FaultyEngine:
             ):
                 raise WorkerKilled(f"rollout on rank {self.rank} killed mid-group")  # the killed group is not counted
             self.groups += 1
-        kw: dict[str, object] = {"should_cancel": should_cancel}
+        # a claimed version is this fault's lie: the inner engine serves its own, so nothing is expected of it then
+        kw: dict[str, object] = {
+            "should_cancel": should_cancel,
+            "expect_version": expect_version if self._claim is None else None,
+        }
         if on_sample is not None:
             kw["on_sample"] = lambda i, s: on_sample(i, self._stamped(s))
         out = self.inner.generate(prompt_token_ids, n, sampling, **kw)  # type: ignore[arg-type]  # on_sample: streaming engines only

@@ -55,7 +55,7 @@ from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.schemas.wire import encoded_size
-from rolledger.workers.engine import EngineCapabilities, GroupOutput, IllegalEngineOrder, SampleOutput
+from rolledger.workers.engine import EngineCapabilities, GroupOutput, IllegalEngineOrder, SampleOutput, StaleRequest
 from rolledger.workers.runtime import WorkerKilled
 from rolledger.workers.shared_tail import order
 from rolledger.workflows.rank import may_serve
@@ -386,6 +386,7 @@ class Rollout:
                 return not self._open(p.group_id)
 
         streamed: set[int] = set()
+        refused = False  # by an engine paused or already serving a newer version: cut before the first token
 
         def on_sample(i: int, s: SampleOutput) -> None:
             # one sample ended: log it now, so a first-k group can complete while the others still run
@@ -404,20 +405,32 @@ class Rollout:
             )
 
         try:
+            # expect_version: the samples are logged as started on `version`; a whole update (a keep drain needs
+            # only that SampleStarted be in the log) may commit before the request reaches the engine, which then
+            # refuses it (StaleRequest) rather than run it on weights its stamp does not name
             if engine.capabilities.streams_samples and may_close_early(p):
                 out = engine.generate(
-                    p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel, on_sample=on_sample
-                )  # type: ignore[call-arg]  # streaming engines take on_sample (EngineCapabilities.streams_samples)
+                    p.prompt_token_ids,
+                    p.n,
+                    p.sampling,
+                    should_cancel=should_cancel,
+                    on_sample=on_sample,  # type: ignore[call-arg]  # streaming engines (capabilities.streams_samples)
+                    expect_version=version,
+                )
             else:  # the group completes only once every sample ended: one append for all of them
-                out = engine.generate(p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel)
+                out = engine.generate(
+                    p.prompt_token_ids, p.n, p.sampling, should_cancel=should_cancel, expect_version=version
+                )
         except (WorkerKilled, ClaimLost):
             raise
         except IllegalEngineOrder as exc:
-            if not engine.is_paused:
+            if not (engine.is_paused or isinstance(exc, StaleRequest)):
                 fail_open(exc)
                 return
-            # a drain paused the engine between this group's start and its request: every sample is cut before its
-            # first token, as that pause would have cut it a moment later (recycled or cancelled below, not failed)
+            refused = True
+            # a drain paused the engine, or a whole update committed, between this group's start and its request:
+            # every sample is cut before its first token, as that pause would have cut it (recycled or cancelled
+            # below, not failed); recycled, each says its start version in an empty first span
             out = GroupOutput(
                 [SampleOutput([], [], "abort") for _ in range(p.n)],
                 version,
@@ -433,7 +446,8 @@ class Rollout:
         started_on = GroupOutput(out.samples, version, digest, out.cache_generation, out.graph_generation)
         with self.w.lock:
             cfg = self.w.state.config
-        if cfg is not None and cfg.recycle_aborted:
+        # refused in an interruptible run: continued on what serves next, as a sample the drain parked would be
+        if cfg is not None and (cfg.recycle_aborted or (refused and cfg.interruptible)):
             try:
                 started_on = self._recycle(p, started_on, claim, should_cancel, skip=streamed)
             except (WorkerKilled, ClaimLost):

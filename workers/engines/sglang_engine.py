@@ -64,6 +64,7 @@ from rolledger.workers.engine import (
     WakeReport,
     WakeTag,
     WeightValidationError,
+    refuse_unless_serving,
 )
 from rolledger.workers.engines import torch_weights
 from rolledger.workers.engines.sglang_weights import differing, expected_checksums, write_checkpoint
@@ -236,6 +237,7 @@ class SglangEngine:
         sampling: SamplingParams,
         *,
         should_cancel: Callable[[int], bool] | None = None,
+        expect_version: int | None = None,
     ) -> GroupOutput:
         """N samples in one request (SGLang's radix cache prefills the shared prompt once).
 
@@ -254,6 +256,7 @@ class SglangEngine:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while asleep (level {self._st.asleep_level})")
             if self._st.paused:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
+            refuse_unless_serving(expect_version, self._st.live.version, self.rank)
             self._st.inflight += 1
             live = self._st.live
             cache_generation = self._st.cache_generation

@@ -69,6 +69,7 @@ from rolledger.workers.engine import (
     TensorSpec,
     WakeReport,
     WakeTag,
+    refuse_unless_serving,
 )
 from rolledger.workers.engines.torch_engine import TorchEngine
 
@@ -215,6 +216,7 @@ class SimulatedEngine:
         *,
         should_cancel: Callable[[int], bool] | None = None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
+        expect_version: int | None = None,
     ) -> GroupOutput:
         prompt = [int(t) for t in prompt_token_ids]
         if n < 1:
@@ -232,6 +234,7 @@ class SimulatedEngine:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused ({self._paused})")
             self._check_serving("generate")
             version, digest = self._inner.policy_version, self._digest
+            refuse_unless_serving(expect_version, version, self.rank)
             start = self._now() + self.prefill_s_per_token * len(prompt)
             samples = [_Sample(k, start + k * self.step_s, [(0, version, digest)]) for k in targets]
             self._inflight += 1

@@ -58,13 +58,18 @@ class BatchRequest:
     computed: int = 0
     saved: int = 0
     version: int = 0
+    taken_on: tuple[int, str] | None = None  # the (version, digest) serving when the engine took the request
 
     def start(self, version: int, digest: str, device: torch.device) -> None:
+        """Join the batch on `version`. A request taken before a commit that waited for the batch meanwhile (an
+        interruptible engine parks it with the batch) starts with an empty span of the version it was taken on, so
+        each sample says that version first and the new one for all its tokens."""
         self.version = version
         self.tokens = [[] for _ in range(self.n)]
         self.logprobs = [[] for _ in range(self.n)]
         self.finish = [None] * self.n
-        self.spans = [[(0, version, digest)] for _ in range(self.n)]
+        first = [(0, *self.taken_on)] if self.taken_on is not None and self.taken_on != (version, digest) else []
+        self.spans = [[*first, (0, version, digest)] for _ in range(self.n)]
         self.gen = torch.Generator(device=device)
         if self.sampling.seed is not None:
             self.gen.manual_seed(self.sampling.seed)

@@ -60,6 +60,7 @@ from rolledger.workers.engine import (
     TensorSpec,
     WakeReport,
     WakeTag,
+    refuse_unless_serving,
 )
 from rolledger.workers.engines import torch_memory, torch_weights
 from rolledger.workers.engines.torch_batch import BatchRequest, GroupBatcher, wait_for
@@ -207,6 +208,7 @@ class TorchEngine:
         *,
         should_cancel: Callable[[int], bool] | None = None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
+        expect_version: int | None = None,
     ) -> GroupOutput:
         prompt = [int(t) for t in prompt_token_ids]
         validate_request(prompt, n, sampling, self._vocab_size, self._max_positions)
@@ -215,9 +217,12 @@ class TorchEngine:
             if self._paused is not None:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused ({self._paused})")
             self._check_serving("generate")
+            # taken now: a commit waits for it to finish or park, so the one-group path decodes from this version
+            refuse_unless_serving(expect_version, self._policy_version, self.rank)
             self._inflight += 1
             if self._batch_groups:
                 req = BatchRequest(prompt, n, sampling, should_cancel, streams=on_sample is not None)
+                req.taken_on = (self._policy_version, self._digest)
                 self._pending.append(req)
                 thread = self._start_decode_thread()
                 self._state.notify_all()

@@ -55,6 +55,7 @@ from rolledger.workers.engine import (
     WakeReport,
     WakeTag,
     WeightValidationError,
+    refuse_unless_serving,
 )
 from rolledger.workers.engines.vllm_completions import StreamedChoice, completion_request, parse_choice, probe_request
 from rolledger.workers.engines.vllm_facts import parse_version, server_facts
@@ -170,6 +171,7 @@ class VllmEngine:
         *,
         should_cancel: Callable[[int], bool] | None = None,
         on_sample: Callable[[int, SampleOutput], None] | None = None,
+        expect_version: int | None = None,
     ) -> GroupOutput:
         """N samples in one request (vLLM prefills the shared prompt once with its prefix cache).
 
@@ -200,6 +202,7 @@ class VllmEngine:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while asleep (level {self._st.asleep_level})")
             if self._st.paused:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
+            refuse_unless_serving(expect_version, self._st.policy_version, self.rank)
             self._st.in_flight += bool(pending)
             run = _GroupRun(
                 prompt=list(prompt_token_ids),
