@@ -82,3 +82,64 @@ def test_a_failed_prepare_aborts_on_both_sglang_ranks_and_the_next_update_commit
         f"\nSGLang loop: {len(aborted)} aborted, published {[(p.version, p.ranks) for p in published]}; audit: "
         f"{audit.stdout.strip().splitlines()[0][:200]}"
     )
+
+
+RECYCLE_CONFIG = """
+group_size = 4
+recycle_aborted = true
+[trainer]
+warm_start_steps = 0
+groups_per_step = 2
+[task]
+num_prompts = 64
+[sampling]
+max_tokens = 40
+temperature = 1.0
+[admission]
+max_lag = 2
+[update]
+drain_mode = "abort"
+prepare_deadline_s = 120
+drain_deadline_s = 120
+commit_deadline_s = 120
+[model]
+architecture = "llama"
+"""
+
+
+def test_samples_an_abort_drain_cuts_are_recycled_under_the_new_version_on_sglang(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """`recycle_aborted` on real SGLang servers: every update drains with "abort" (`/pause_generation` mode abort;
+    SGLang answers each aborted request with the tokens it had, finish_reason abort); each cut sample is continued
+    from them on the new version, so it finishes with a span per version, and the run audits clean (the twins:
+    tests/test_interruptible.py on torch, tests/vllm_tier/test_vllm_loop.py on vLLM). The policy is not
+    warm-started, so its samples run tens of tokens, long enough for each update's drain to cut some."""
+    from test_interruptible import assert_cut_samples_cancelled_only_in_groups_closed_first
+
+    config = tmp_path / "run.toml"
+    config.write_text(RECYCLE_CONFIG)
+    runs = tmp_path / "runs"
+    common = ("--redis", redis_url, "--runs-dir", str(runs))
+    run = rolledger(
+        "run", "--config", str(config), "--engine", "sglang", "--ranks", "2", "--steps", "4", "--run-id", run_id,
+        *common, timeout=900,
+    )  # fmt: skip
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(runs.glob(f"{run_id}/sglang-rank*.log")))
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs}"
+    client = redis.Redis.from_url(redis_url)
+    events = [s.event for s in EventLog(client, run_id).read()]
+    client.close()
+    assert_cut_samples_cancelled_only_in_groups_closed_first(events)
+    recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
+    assert recycled, "no sample was cut by an update: the test did not exercise recycling"
+    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
+    for t in recycled:
+        assert t.engine == "sglang" and t.finish_reason != "abort"
+        versions = [s.policy_version for s in t.spans]
+        assert versions == sorted(set(versions)) and len(versions) >= 2
+        assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= 40
+        assert all(s.weights_digest == published[s.policy_version] for s in t.spans if s.policy_version)
+    audit = rolledger("audit", run_id, *common, timeout=300)
+    assert audit.returncode == 0, audit.stdout[-4000:] + audit.stderr[-2000:]
+    print(f"\nSGLang recycling: {len(recycled)} samples continued across an update")
