@@ -150,6 +150,22 @@ def assert_cut_samples_cancelled_only_in_groups_closed_first(events: list[ev.Eve
             assert why == "run finished" or why.startswith("stale:"), (p.sample_id, why)
 
 
+def assert_recycled_across_updates(events: list[ev.Event], engine: str, max_tokens: int) -> int:
+    """A recycling run on a real engine: some sample was cut by an update and continued (it has spans), and each
+    such sample ran to a natural end on `engine`, with one span per version in order, covering its tokens from the
+    first, each version's digest the one its publish named. Returns how many were continued."""
+    recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
+    assert recycled, "no sample was cut by an update: the test did not exercise recycling"
+    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
+    for t in recycled:
+        assert t.engine == engine and t.finish_reason != "abort"
+        versions = [s.policy_version for s in t.spans]
+        assert versions == sorted(set(versions)) and len(versions) >= 2
+        assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= max_tokens
+        assert all(s.weights_digest == published[s.policy_version] for s in t.spans if s.policy_version)
+    return len(recycled)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recycle", [True, False])
 def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_the_run_recycles_them(

@@ -44,22 +44,33 @@ def rolledger(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(exe), *argv], check=False, capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_failed_prepare_aborts_on_both_sglang_ranks_and_the_next_update_commits(
-    redis_url: str, run_id: str, tmp_path: Path
-) -> None:
+def run_on_sglang(
+    config_text: str, redis_url: str, run_id: str, tmp_path: Path, *argv: str
+) -> tuple[list[ev.Event], tuple[str, ...]]:
+    """`rolledger run --engine sglang --ranks 2` with this config and `argv`, as a user types it; it must exit 0
+    (else the servers' logs are shown). The run's events, and the arguments that name its Redis and runs dir."""
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG)
+    config.write_text(config_text)
     runs = tmp_path / "runs"
     common = ("--redis", redis_url, "--runs-dir", str(runs))
     run = rolledger(
-        "run", "--config", str(config), "--engine", "sglang", "--ranks", "2", "--steps", "2",
-        "--inject", "fail-rank=1@prepare", "--run-id", run_id, *common, timeout=900,
+        "run", "--config", str(config), "--engine", "sglang", "--ranks", "2", "--run-id", run_id, *argv, *common,
+        timeout=900,
     )  # fmt: skip
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(runs.glob(f"{run_id}/sglang-rank*.log")))
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs}"
     client = redis.Redis.from_url(redis_url)
     events = [s.event for s in EventLog(client, run_id).read()]
     client.close()
+    return events, common
+
+
+def test_a_failed_prepare_aborts_on_both_sglang_ranks_and_the_next_update_commits(
+    redis_url: str, run_id: str, tmp_path: Path
+) -> None:
+    events, common = run_on_sglang(
+        CONFIG, redis_url, run_id, tmp_path, "--steps", "2", "--inject", "fail-rank=1@prepare"
+    )
     joined = of(events, ev.RankJoined)  # rank 1 joins again after its quarantine
     assert {j.rank for j in joined} == {0, 1} and {j.engine for j in joined} == {"sglang"}
     failed = of(events, ev.RankPrepareFailed)
@@ -115,31 +126,14 @@ def test_samples_an_abort_drain_cuts_are_recycled_under_the_new_version_on_sglan
     from them on the new version, so it finishes with a span per version, and the run audits clean (the twins:
     tests/test_interruptible.py on torch, tests/vllm_tier/test_vllm_loop.py on vLLM). The policy is not
     warm-started, so its samples run tens of tokens, long enough for each update's drain to cut some."""
-    from test_interruptible import assert_cut_samples_cancelled_only_in_groups_closed_first
+    from test_interruptible import (
+        assert_cut_samples_cancelled_only_in_groups_closed_first,
+        assert_recycled_across_updates,
+    )
 
-    config = tmp_path / "run.toml"
-    config.write_text(RECYCLE_CONFIG)
-    runs = tmp_path / "runs"
-    common = ("--redis", redis_url, "--runs-dir", str(runs))
-    run = rolledger(
-        "run", "--config", str(config), "--engine", "sglang", "--ranks", "2", "--steps", "4", "--run-id", run_id,
-        *common, timeout=900,
-    )  # fmt: skip
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(runs.glob(f"{run_id}/sglang-rank*.log")))
-    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{logs}"
-    client = redis.Redis.from_url(redis_url)
-    events = [s.event for s in EventLog(client, run_id).read()]
-    client.close()
+    events, common = run_on_sglang(RECYCLE_CONFIG, redis_url, run_id, tmp_path, "--steps", "4")
     assert_cut_samples_cancelled_only_in_groups_closed_first(events)
-    recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
-    assert recycled, "no sample was cut by an update: the test did not exercise recycling"
-    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
-    for t in recycled:
-        assert t.engine == "sglang" and t.finish_reason != "abort"
-        versions = [s.policy_version for s in t.spans]
-        assert versions == sorted(set(versions)) and len(versions) >= 2
-        assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= 40
-        assert all(s.weights_digest == published[s.policy_version] for s in t.spans if s.policy_version)
+    recycled = assert_recycled_across_updates(events, "sglang", max_tokens=40)
     audit = rolledger("audit", run_id, *common, timeout=300)
     assert audit.returncode == 0, audit.stdout[-4000:] + audit.stderr[-2000:]
-    print(f"\nSGLang recycling: {len(recycled)} samples continued across an update")
+    print(f"\nSGLang recycling: {recycled} samples continued across an update")

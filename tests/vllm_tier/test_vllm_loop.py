@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from test_interruptible import assert_cut_samples_cancelled_only_in_groups_closed_first
+from test_interruptible import assert_cut_samples_cancelled_only_in_groups_closed_first, assert_recycled_across_updates
 from test_run_loop import execute as run_and_check
 
 from rolledger.schemas import events as ev
@@ -282,13 +282,5 @@ def test_samples_an_abort_drain_cuts_are_recycled_under_the_new_version_on_vllm(
     report = audit(events)
     assert report.ok, report.render()
     assert_cut_samples_cancelled_only_in_groups_closed_first(events)
-    recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
-    assert recycled, "no sample was cut by an update: the test did not exercise recycling"
-    published = {p.version: p.weights_digest for p in of(events, ev.PolicyPublished)}
-    for t in recycled:
-        assert t.engine == "vllm" and t.finish_reason != "abort"
-        versions = [s.policy_version for s in t.spans]
-        assert versions == sorted(set(versions)) and len(versions) >= 2
-        assert t.spans[0].start == 0 and t.spans[-1].end == len(t.token_ids) <= 40
-        assert all(s.weights_digest == published[s.policy_version] for s in t.spans if s.policy_version)
-    print(f"\nvLLM recycling: {wall_s:.1f} s, {len(recycled)} samples continued across an update")
+    recycled = assert_recycled_across_updates(events, "vllm", max_tokens=40)
+    print(f"\nvLLM recycling: {wall_s:.1f} s, {recycled} samples continued across an update")
