@@ -221,8 +221,14 @@ class TorchEngine:
             refuse_unless_serving(expect_version, self._policy_version, self.rank)
             self._inflight += 1
             if self._batch_groups:
-                req = BatchRequest(prompt, n, sampling, should_cancel, streams=on_sample is not None)
-                req.taken_on = (self._policy_version, self._digest)
+                req = BatchRequest(
+                    prompt,
+                    n,
+                    sampling,
+                    should_cancel,
+                    streams=on_sample is not None,
+                    taken_on=(self._policy_version, self._digest),
+                )
                 self._pending.append(req)
                 thread = self._start_decode_thread()
                 self._state.notify_all()
