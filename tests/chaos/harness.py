@@ -53,6 +53,8 @@ def config_toml(s: Schedule, staging: Path, run_deadline_s: float) -> str:
     """The tiny run of a schedule. Deadlines are short so that a fault resolves (abort, quarantine, terminal) well
     inside the schedule; the run deadline is the coordinator's last word, the harness's hang deadline comes after."""
     recycle = s.rollout == "recycle"  # samples long enough for an update's abort drain to cut, continued after it
+    keep = s.rollout == "interruptible"  # samples long enough for an update's keep drain to park, continued on it
+    long = recycle or keep
     return f"""
 steps = {s.steps}
 group_size = {s.group_size}
@@ -61,10 +63,11 @@ seed = {s.seed % 1000}
 run_deadline_s = {run_deadline_s}
 join_deadline_s = {run_deadline_s}
 recycle_aborted = {str(recycle).lower()}
+interruptible = {str(keep).lower()}
 [sampling]
-max_tokens = {24 if recycle else 4}
+max_tokens = {24 if long else 4}
 [admission]
-max_lag = {2 if recycle else 1}
+max_lag = {2 if long else 1}
 [trainer]
 warm_start_steps = 0
 groups_per_step = {s.groups_per_step}
@@ -74,7 +77,7 @@ num_prompts = 32
 prepare_deadline_s = 10.0
 drain_deadline_s = 10.0
 commit_deadline_s = 10.0
-drain_mode = "{"abort" if recycle else "wait"}"
+drain_mode = "{"abort" if recycle else "keep" if keep else "wait"}"
 staging_dir = "{staging}"
 transport = "{s.transport}"
 """

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .checks import Ending, summary_line
 from .harness import Result, prepare_model, run_schedule
-from .schedule import ROLLOUTS, FaultKind, Schedule, draw, parse_choices, parse_kinds, parse_transports
+from .schedule import ROLLOUT_CHOICES, FaultKind, Schedule, draw, parse_choices, parse_kinds, parse_transports
 
 
 @dataclass
@@ -117,8 +117,10 @@ def run_many(
 ) -> tuple[Totals, list[Result]]:
     """Run `schedules` (at most `parallel` at once); print one line per schedule, and the findings of failing ones."""
     models = {"plain": prepare_model(workdir / "model")}
-    if any(s.rollout == "recycle" for s in schedules):  # a policy never warm-started: samples run tens of tokens
-        models["recycle"] = prepare_model(workdir / "model-unwarmed", warm_start_steps=0)
+    long = {s.rollout for s in schedules} - {"plain"}
+    if long:  # a policy never warm-started: samples run tens of tokens
+        unwarmed = prepare_model(workdir / "model-unwarmed", warm_start_steps=0)
+        models.update(dict.fromkeys(long, unwarmed))
     totals = Totals()
     results: list[Result] = []
 
@@ -176,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rollouts",
         default="plain,recycle",
         help="rollouts the schedules draw from: plain (short samples, wait drains), recycle (abort drains, samples "
-        "long enough to be cut, recycle_aborted), or plain,recycle (default)",
+        "long enough to be cut, recycle_aborted), interruptible (keep drains: samples long enough to be parked, "
+        "continued on the new version), as a comma list; default plain,recycle",
     )
     ap.add_argument("--schedule", help="run this one printed schedule (its JSON) instead of drawing")
     ap.add_argument("--parallel", type=int, default=1)
@@ -193,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kinds: tuple[FaultKind, ...] = parse_kinds(args.faults)
         transports = parse_transports(args.transports)
-        rollouts = parse_choices("--rollouts", args.rollouts, ROLLOUTS)
+        rollouts = parse_choices("--rollouts", args.rollouts, ROLLOUT_CHOICES)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2

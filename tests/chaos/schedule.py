@@ -159,7 +159,8 @@ def _inject_spec(rng: random.Random) -> tuple[str, str]:
 
 
 TRANSPORTS = ("directory", "dist")
-ROLLOUTS = ("plain", "recycle")
+ROLLOUTS = ("plain", "recycle")  # what a batch draws from by default
+ROLLOUT_CHOICES = (*ROLLOUTS, "interruptible")  # and what --rollouts may name
 
 
 def draw(

@@ -24,7 +24,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus
 
 from .checks import Ack, Ending, judge, parse_ack_log, served_versions
-from .harness import HOOK_DIR
+from .harness import HOOK_DIR, config_toml
 from .run_chaos import run_many
 from .schedule import FAULT_KINDS, Schedule, draw, parse_kinds
 
@@ -153,6 +153,10 @@ def test_a_schedule_is_a_function_of_its_seed_and_replays_from_its_json() -> Non
     assert {step.fault.kind for seed in range(200) for step in draw(seed).faults} == set(FAULT_KINDS)
     assert [draw(seed).rollout for seed in range(4)] == ["plain", "recycle"] * 2  # every batch holds both
     assert draw(7, rollouts=("plain",)).rollout == "plain"
+    keep = config_toml(
+        draw(7, rollouts=("interruptible",)), Path("/staging"), 60.0
+    )  # by hand: --rollouts interruptible
+    assert "interruptible = true" in keep and 'drain_mode = "keep"' in keep and "recycle_aborted = false" in keep
     assert draw(7, parse_kinds("none")).faults == ()
     assert {st.fault.kind for seed in range(30) for st in draw(seed, parse_kinds("stop")).faults} == {"stop"}
     with pytest.raises(ValueError, match="unknown kind"):
