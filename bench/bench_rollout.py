@@ -28,8 +28,9 @@ per-round ratios is reported):
   direct, no cache  TorchEngine(prefix_cache=False), once, for the prefill comparison.
 
 Printed: generated tokens/s of each path per round and the median ratio rolledger/direct (1.00 = free), the overhead
-in ms per group, and the prompt tokens prefilled per group with the prefix cache vs without. The machine is shared:
-the load average is printed with them.
+in ms per group, where that overhead goes (CPU seconds of the rank worker's own threads, read from /proc, beside how
+much longer its engine's decode steps took than direct's), and the prompt tokens prefilled per group with the prefix
+cache vs without. The machine is shared: the load average is printed with them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -108,6 +110,20 @@ def direct(name: str, engine: TorchEngine, prompts: list[list[int]], n: int, max
 
 
 XReadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None
+
+
+def thread_cpu_s(prefix: str) -> float:
+    """CPU seconds (user + system, from /proc: Linux) of this process's live threads whose name starts with prefix."""
+    total = 0
+    for t in threading.enumerate():
+        if t.name.startswith(prefix) and t.native_id is not None:
+            try:
+                stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after the command name: field 3 (state) is fields[0]
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def ms_of(stream_id: str | bytes) -> int:
@@ -252,9 +268,13 @@ def main() -> None:
         e, model = engine()
         ours = ThroughRolledger(url, e, model, cfg, args.deadline_s)
         try:
+            steps_before = {name: dict(eng.stats.extra) for name, eng in (("direct", direct_engine), ("rolledger", e))}
+            cpu_before = thread_cpu_s("rank-")
             for _ in range(args.rounds):
                 base = direct("direct", direct_engine, prompts, args.n, args.max_tokens, args.slots)
                 pairs.append((base, ours.round(prompts)))
+            worker_cpu = thread_cpu_s("rank-") - cpu_before
+            steps_after = {name: dict(eng.stats.extra) for name, eng in (("direct", direct_engine), ("rolledger", e))}
         finally:
             ours.close()
     load_after = os.getloadavg()
@@ -286,6 +306,20 @@ def main() -> None:
                 f"{name} {x['batch_mean_groups']:.2f} ({x['batch_max_groups']:.0f}; {x['batch_step_ms']:.2f} ms)"
                 for name, x in both
             )
+        )
+        steps = {k: steps_after[k]["batch_steps"] - steps_before[k]["batch_steps"] for k in steps_after}
+        step_ms = {
+            k: 1e3 * (steps_after[k]["batch_step_s"] - steps_before[k]["batch_step_s"]) / steps[k] for k in steps
+        }
+        excess = (step_ms["rolledger"] - step_ms["direct"]) * steps["rolledger"] / 1e3
+        groups = args.rounds * args.groups
+        print(
+            f"where the overhead goes: the rank worker's own threads (control, rollout slots, heartbeats) used "
+            f"{worker_cpu:.2f} s of CPU over the rolledger rounds ({worker_cpu / groups * 1e3:.2f} ms per group); "
+            f"its engine's decode steps took {step_ms['rolledger'] - step_ms['direct']:+.2f} ms each beside direct's "
+            f"({step_ms['rolledger']:.2f} vs {step_ms['direct']:.2f} ms), {excess:.2f} s over its {steps['rolledger']:.0f} "
+            "steps: the engine runs in the worker's interpreter, so the time those threads hold the GIL is added to "
+            "the decode steps"
         )
     print(
         f"prefill per group (round 1): {cold.prefill_per_group:.1f} tokens with the prefix cache vs "

@@ -7,12 +7,14 @@ The server is started once for this module and stopped at its end, before the lo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 from engine_contract import GREEDY, ContractSubject, EngineContract
 
-from rolledger.workers.engine import EngineError, IllegalEngineOrder, WeightValidationError
+from rolledger.schemas.config import SamplingParams
+from rolledger.workers.engine import EngineError, GroupOutput, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.engines.sglang_weights import expected_checksums
 
 from .conftest import SglangRank
@@ -110,3 +112,42 @@ def test_the_engine_reports_the_servers_kv_cache_in_tokens(sglang_rank: SglangRa
     tokens = sglang_rank.engine.kv_cache_tokens()
     assert tokens is not None and tokens == int(sglang_rank.engine.http.get("/server_info")["max_total_num_tokens"])
     assert tokens > 0
+
+
+def test_a_request_reaching_the_server_after_an_abort_pause_is_cut_before_the_pause_returns(
+    sglang_rank: SglangRank,
+) -> None:
+    """A request that passed generate's check just before a pause can reach the server after it (a drain with
+    abort races the rank's rollout slots). SGLang holds such a request at its door while paused, out of an abort's
+    reach: before the engine let held requests in and cut them, pause('abort') returned with the request still held,
+    and the drain waited for it until its deadline. Here the server is paused first, behind the engine's back, so the
+    request is sure to arrive after the pause."""
+    e = sglang_rank.engine
+    assert e.http.post("/pause_generation", json={"mode": "abort"}).get("status") == "ok"
+    got: list[object] = []
+    sampling = SamplingParams(temperature=1.0, max_tokens=48, seed=11, logprob_mode="raw")  # the server holds 64
+
+    def send() -> None:
+        try:
+            got.append(e.generate(PROMPT, 2, sampling))
+        except Exception as exc:  # noqa: BLE001 - shown by the assertion below
+            got.append(exc)
+
+    request = threading.Thread(target=send, daemon=True)
+    request.start()
+    try:
+        with e._cond:
+            assert e._cond.wait_for(lambda: e._st.inflight == 1, timeout=30), "the request never left the engine"
+        e.pause("abort")
+        with e._cond:
+            assert e._st.inflight == 0, "pause('abort') returned with a request of this engine still held"
+        request.join(timeout=30)  # it has answered already: the deadline only bounds a broken run
+        assert not request.is_alive()
+        (out,) = got
+        assert isinstance(out, GroupOutput), out
+        assert len(out.samples) == 2
+        assert out.policy_version == e.policy_version  # generated (if at all) on the version still serving
+    finally:
+        e.resume()
+        request.join(timeout=120)
+    assert served(sglang_rank)[3] == e.policy_version  # and the server serves again after resume

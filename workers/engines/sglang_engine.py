@@ -9,7 +9,9 @@ starts one; on CPU it runs with a stand-in for the CUDA-only `sgl_kernel`, see t
   it too, or the trainer's logprob-agreement gate halts the run). A rank's rollout slots (`rank_slots`) call it at
   once, each its own request on the shared connection pool (workers.engines.vllm_http), counted in flight.
 - pause/resume: `/pause_generation` (`abort` -> abort, `keep` -> in_place) and `/continue_generation`; `wait` waits
-  (with a deadline) for this engine's own requests to end, then pauses in place. While paused `generate` is refused.
+  (with a deadline) for this engine's own requests to end, then pauses in place; `abort` returns once every request of
+  this engine has come back, cut (one that reached the server after the pause is let in and cut again: SGLang holds
+  it at its door, out of an abort's reach). While paused `generate` is refused.
 - weights, as a transaction. prepare: read the staged update through the verified path (every checksum; a corrupt
   file names the tensor), check names/shapes/dtypes against the serving model (workers.engines.torch_weights), and
   write it as a checkpoint directory SGLang can load (workers.engines.sglang_weights); the live weights keep serving.
@@ -75,6 +77,7 @@ from rolledger.workers.transport import DeltaBase, load_verified
 from rolledger.workers.vllm_extension import TiedHeadDiffers, drop_tied_head
 from rolledger.workers.weights import dtype_name, state_digest
 
+_HELD_POLL_S = 0.2  # how long a pause with abort waits for its requests before it lets held ones in to cut them
 _FINISH: dict[str, Literal["stop", "length", "abort"]] = {"stop": "stop", "length": "length", "abort": "abort"}
 _PAUSE_MODE = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 
@@ -313,9 +316,39 @@ class SglangEngine:
                             f"rank {self.rank}: pause('wait') timed out with {self._st.inflight} request(s) in flight"
                         )
                     self._cond.wait(left)
-        body = self.http.post("/pause_generation", json={"mode": _PAUSE_MODE[mode]})
+        self._server_pause(_PAUSE_MODE[mode])
+        if mode == "abort":
+            self._abort_held()
+
+    def _server_pause(self, mode: str) -> None:
+        body = self.http.post("/pause_generation", json={"mode": mode})
         if body.get("status") != "ok":
             raise EngineError(f"rank {self.rank}: SGLang /pause_generation answered {body!r}")
+
+    def _abort_held(self) -> None:
+        """After the server's abort pause: wait until every request of ours has come back. A request that passed
+        generate's check just before this pause can reach the server after it; SGLang holds such a request at its
+        door while paused, before it enters the table of requests an abort reaches, and would run it at the next
+        continue, so a drain waiting for it would wait until its deadline. Each round lets the held requests in
+        (`/continue_generation`; this engine already refuses new ones) and pauses with abort again, which cuts them
+        where they are (0 tokens, or the few generated in between, on the serving version); one still on its way
+        is caught by a later round. With a deadline: `pause_timeout_s`."""
+        deadline = time.monotonic() + self.pause_timeout_s
+        while True:
+            with self._cond:
+                if self._st.inflight:
+                    self._cond.wait(timeout=_HELD_POLL_S)  # woken as each answer comes back
+                if not self._st.inflight:
+                    return
+                if time.monotonic() > deadline:
+                    raise EngineError(
+                        f"rank {self.rank}: {self._st.inflight} request(s) still unanswered "
+                        f"{self.pause_timeout_s:.0f} s after pausing the SGLang server with abort"
+                    )
+            body = self.http.post("/continue_generation", json={})
+            if body.get("status") != "ok":
+                raise EngineError(f"rank {self.rank}: SGLang /continue_generation answered {body!r}")
+            self._server_pause("abort")
 
     def resume(self) -> None:
         body = self.http.post("/continue_generation", json={})

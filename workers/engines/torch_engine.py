@@ -255,6 +255,8 @@ class TorchEngine:
                 self.stats.extra["batch_max_groups"] = float(c.max_groups)
                 self.stats.extra["batch_mean_groups"] = c.group_steps / c.steps if c.steps else 0.0
                 self.stats.extra["batch_step_ms"] = 1e3 * c.step_s / c.steps if c.steps else 0.0
+                self.stats.extra["batch_steps"] = float(c.steps)
+                self.stats.extra["batch_step_s"] = c.step_s
             self.stats.groups += 1
             self.stats.generated_tokens += sum(len(s.token_ids) for s in out.samples)
             self.stats.prefill_tokens_computed += out.prefill_tokens_computed
