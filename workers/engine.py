@@ -11,6 +11,8 @@ reports is plain data the workers stamp into events.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -43,6 +45,32 @@ def refuse_unless_serving(expect_version: int | None, serving: int, rank: int) -
     Called where the engine takes the request, under the lock a commit also takes."""
     if expect_version is not None and expect_version != serving:
         raise StaleRequest(f"rank {rank}: request expects v{expect_version} but v{serving} serves")
+
+
+def cut_until_answered(
+    cond: threading.Condition,
+    in_flight: Callable[[], int],
+    cut_again: Callable[[], None],
+    *,
+    poll_s: float,
+    timeout_s: float,
+    what: str,
+) -> None:
+    """After a server's pause with abort: return once `in_flight()` (read under `cond`, which is notified as each
+    answer comes back) is 0. While a request is unanswered after `poll_s`, `cut_again()` asks the server to cut what
+    it holds (a request that passed the engine's check just before the pause can reach the server after it); a
+    request still on its way is caught by a later round. EngineError after `timeout_s`, naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with cond:
+            if in_flight():
+                cond.wait(timeout=poll_s)  # woken as each answer comes back
+            left = in_flight()
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(f"{left} request(s) still unanswered {timeout_s:.0f} s after pausing {what}")
+        cut_again()
 
 
 class WeightValidationError(EngineError):

@@ -66,6 +66,7 @@ from rolledger.workers.engine import (
     WakeReport,
     WakeTag,
     WeightValidationError,
+    cut_until_answered,
     refuse_unless_serving,
 )
 from rolledger.workers.engines import torch_weights
@@ -333,22 +334,21 @@ class SglangEngine:
         (`/continue_generation`; this engine already refuses new ones) and pauses with abort again, which cuts them
         where they are (0 tokens, or the few generated in between, on the serving version); one still on its way
         is caught by a later round. With a deadline: `pause_timeout_s`."""
-        deadline = time.monotonic() + self.pause_timeout_s
-        while True:
-            with self._cond:
-                if self._st.inflight:
-                    self._cond.wait(timeout=_HELD_POLL_S)  # woken as each answer comes back
-                if not self._st.inflight:
-                    return
-                if time.monotonic() > deadline:
-                    raise EngineError(
-                        f"rank {self.rank}: {self._st.inflight} request(s) still unanswered "
-                        f"{self.pause_timeout_s:.0f} s after pausing the SGLang server with abort"
-                    )
+
+        def let_in_and_cut() -> None:
             body = self.http.post("/continue_generation", json={})
             if body.get("status") != "ok":
                 raise EngineError(f"rank {self.rank}: SGLang /continue_generation answered {body!r}")
             self._server_pause("abort")
+
+        cut_until_answered(
+            self._cond,
+            lambda: self._st.inflight,
+            let_in_and_cut,
+            poll_s=_HELD_POLL_S,
+            timeout_s=self.pause_timeout_s,
+            what=f"the SGLang server of rank {self.rank} with abort",
+        )
 
     def resume(self) -> None:
         body = self.http.post("/continue_generation", json={})

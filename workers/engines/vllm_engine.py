@@ -55,6 +55,7 @@ from rolledger.workers.engine import (
     WakeReport,
     WakeTag,
     WeightValidationError,
+    cut_until_answered,
     refuse_unless_serving,
 )
 from rolledger.workers.engines.vllm_completions import StreamedChoice, completion_request, parse_choice, probe_request
@@ -340,19 +341,14 @@ class VllmEngine:
         stamp, and until then the drain waits for it. Each round asks the server to pause with "abort" again, which
         aborts whatever it holds, queued or running; a request still on its way is caught by a later round. With a
         deadline: the engine's timeout."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            with self._resumed:
-                if self._st.in_flight:
-                    self._resumed.wait(timeout=_STRAGGLER_POLL_S)  # woken as each answer comes back
-                if not self._st.in_flight:
-                    return
-                if time.monotonic() > deadline:
-                    raise EngineError(
-                        f"rank {self.rank}: {self._st.in_flight} request(s) still unanswered {self.timeout_s:.0f} s "
-                        "after pausing the vLLM server"
-                    )
-            self._server_pause("abort")
+        cut_until_answered(
+            self._resumed,
+            lambda: self._st.in_flight,
+            lambda: self._server_pause("abort"),
+            poll_s=_STRAGGLER_POLL_S,
+            timeout_s=self.timeout_s,
+            what=f"the vLLM server of rank {self.rank}",
+        )
 
     # -- pause / sleep ------------------------------------------------------------------------------------------
 
