@@ -27,6 +27,7 @@ import json
 import math
 import statistics
 import struct
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,23 @@ from rolledger.workers.engine import (
 )
 from rolledger.workers.staging_format import StagingError
 from rolledger.workers.staging_store import StagedUpdate
+
+
+def generate_in_thread(call: Callable[[], GroupOutput]) -> tuple[threading.Thread, list[GroupOutput | BaseException]]:
+    """Start `call` (an engine.generate, as a rollout slot makes it) on a daemon thread of its own. The list returned
+    receives the call's answer, or the exception it raised, for the test to assert on."""
+    result: list[GroupOutput | BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # noqa: BLE001 - the test asserts on it
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprob_mode="raw")
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=8, seed=3, logprob_mode="raw")

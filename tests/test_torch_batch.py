@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_contract import generate_in_thread
 from transformers import PreTrainedTokenizerFast
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
@@ -278,16 +279,9 @@ def test_a_group_is_stamped_with_the_weights_that_generated_it_when_a_commit_fol
         entered.set()
         assert committed.wait(DEADLINE_S)  # the caller holds the group back until the commit is in
 
-    got: list[GroupOutput | BaseException] = []
-
-    def call() -> None:
-        try:
-            got.append(engine.generate(ids(tok, TEXTS[0]), 1, sampling(1, max_tokens=4), on_sample=on_sample))
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            got.append(exc)
-
-    caller = threading.Thread(target=call, daemon=True)
-    caller.start()
+    caller, got = generate_in_thread(
+        lambda: engine.generate(ids(tok, TEXTS[0]), 1, sampling(1, max_tokens=4), on_sample=on_sample)
+    )
     assert entered.wait(DEADLINE_S)
     new = {k: v + 0.01 for k, v in policy_state(engine._model).items()}
     engine.stage_weights(1, new)

@@ -7,11 +7,10 @@ The server is started once for this module and stopped at its end, before the lo
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
-from engine_contract import GREEDY, ContractSubject, EngineContract
+from engine_contract import GREEDY, ContractSubject, EngineContract, generate_in_thread
 
 from rolledger.schemas.config import SamplingParams
 from rolledger.workers.engine import EngineError, GroupOutput, IllegalEngineOrder, WeightValidationError
@@ -124,17 +123,8 @@ def test_a_request_reaching_the_server_after_an_abort_pause_is_cut_before_the_pa
     request is sure to arrive after the pause."""
     e = sglang_rank.engine
     assert e.http.post("/pause_generation", json={"mode": "abort"}).get("status") == "ok"
-    got: list[object] = []
     sampling = SamplingParams(temperature=1.0, max_tokens=48, seed=11, logprob_mode="raw")  # the server holds 64
-
-    def send() -> None:
-        try:
-            got.append(e.generate(PROMPT, 2, sampling))
-        except Exception as exc:  # noqa: BLE001 - shown by the assertion below
-            got.append(exc)
-
-    request = threading.Thread(target=send, daemon=True)
-    request.start()
+    request, got = generate_in_thread(lambda: e.generate(PROMPT, 2, sampling))
     try:
         with e._cond:
             assert e._cond.wait_for(lambda: e._st.inflight == 1, timeout=30), "the request never left the engine"

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+from engine_contract import generate_in_thread
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import SampleOutput
+from rolledger.workers.engine import GroupOutput, SampleOutput
 
 from .conftest import PROMPT, free_port, skip_reason, vllm_import_error
 
@@ -165,7 +166,6 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
         assert before.finish_reason == "length"
         v0, d0 = e.policy_version, e.weights_digest()
 
-        result: list[object] = []
         streaming = threading.Event()
         polls = 0
 
@@ -176,15 +176,10 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
                 streaming.set()
             return False
 
-        def run() -> None:
-            try:
-                result.append(e.generate(PROMPT, 1, greedy, should_cancel=progress, on_sample=lambda i, s: None))
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                result.append(exc)
-
         e.reset_prefix_cache()
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
+        worker, result = generate_in_thread(
+            lambda: e.generate(PROMPT, 1, greedy, should_cancel=progress, on_sample=lambda i, s: None)
+        )
         assert streaming.wait(timeout=60.0), ("no token streamed", result)
         e.pause("keep")  # the server aborts the request; the sample parks in generate
         v1 = v0 + 1
@@ -200,7 +195,7 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
         worker.join(timeout=120.0)
         assert not worker.is_alive() and len(result) == 1
         out = result[0]
-        sample = out.samples[0]  # type: ignore[attr-defined]
+        sample = cast(GroupOutput, out).samples[0]  # an exception here fails the test as it did before
         d1 = e.weights_digest()
         assert len(sample.spans) == 2, sample.spans
         (start0, ver0, dig0), (k, ver1, dig1) = sample.spans
@@ -251,16 +246,7 @@ def test_a_request_that_reaches_the_server_after_its_pause_is_aborted_by_that_pa
 
         e.http.post = post  # type: ignore[method-assign]
         e._server_pause = server_pause  # type: ignore[method-assign]
-        result: list[object] = []
-
-        def run() -> None:
-            try:
-                result.append(e.generate(PROMPT, 2, sampling))
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                result.append(exc)
-
-        slot = threading.Thread(target=run, daemon=True)
-        slot.start()
+        slot, result = generate_in_thread(lambda: e.generate(PROMPT, 2, sampling))
         assert sending.wait(timeout=60.0), result
         e.pause("abort")
         # the pause returned: the request has come back (aborted), not left queued in the paused server
