@@ -301,7 +301,10 @@ def test_a_group_whose_request_reaches_the_engine_after_a_whole_update_runs_on_t
     monkeypatch.setattr(local_run, "wrap_engine", wrap)
     cfg = small(
         interruptible=True,
-        steps=3,
+        # steps: while the held group runs on after the update it waited out, rank 1 feeds the trainer; the run must
+        # not end (cancelling it) first. At 3 steps rank 1 needed only 4 groups in that time, and under the whole
+        # suite's load once had them (3 of 4 samples finished); at 5 it needs 8
+        steps=5,
         sampling={"max_tokens": 20, "stop_token_ids": []},
         trainer={"warm_start_steps": 0, "groups_per_step": 2},
         admission={"max_lag": 4},  # the held group is not closed as stale by the updates after the one it waited out
@@ -321,7 +324,8 @@ def test_a_group_whose_request_reaches_the_engine_after_a_whole_update_runs_on_t
         if p.prompt_token_ids == prompt and started.get(p.group_id) == before
     ]
     finished = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.group_id == group]
-    assert len(finished) == cfg.group_size
+    cancelled = [(p.sample_id, p.reason) for p in of(events, ev.SampleCancelled) if p.group_id == group]
+    assert len(finished) == cfg.group_size, cancelled
     for t in finished:
         produced = {s.policy_version for s in t.spans if s.end > s.start} if t.spans else {t.policy_version}
         # from v+1 on (a later update may interrupt it again, in its own span); none from v
