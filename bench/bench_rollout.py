@@ -1,7 +1,7 @@
 """Benchmark of rollout through rolledger (run by hand): a RankWorker on a real redis-server vs the engine called directly.
 
     python bench/bench_rollout.py [--groups 16] [--n 8] [--max-tokens 16] [--fewshot 6] [--threads 1] [--slots 4]
-                                  [--no-aof] [--rounds 15]
+                                  [--queued 0] [--engine-process] [--no-aof] [--rounds 15]
 
 Workload (as bench/bench_engine.py): `--groups` prompts "<few-shot prefix> a+b=" on the tiny policy
 (workers.policy_model, default ModelConfig with positions widened to fit), `--n` samples per group, `--max-tokens`,
@@ -12,11 +12,15 @@ in `--rounds` interleaved rounds (direct, rolledger, direct, rolledger, ...: thi
 percent between runs a minute apart, so the two paths are always compared within one round, and the median of the
 per-round ratios is reported):
 
-  direct          engine.generate(prompt, n, sampling) for every group, from `--slots` threads at once (each takes
-                  the next group when it is done with one; 1: a plain loop): the baseline. With --slots > 1 both
-                  engines batch the groups in flight into one decode step (TorchEngine(batch_groups=True), what a run
-                  with rank_slots > 1 builds); --one-group-per-step decodes one group at a time on both;
-  rolledger       a RankWorker (workers/rank.py) with `rank_slots = --slots` (the same concurrency) on its own
+  direct          engine.generate(prompt, n, sampling) for every group, from `--slots` + `--queued` threads at once
+                  (each takes the next group when it is done with one; 1: a plain loop): the baseline. With more than
+                  one in flight both engines batch the groups into one decode step (TorchEngine(batch_groups=True),
+                  what a run with rank_slots > 1 builds), at most `--slots` a step (max_batch_groups; `--queued` more
+                  wait in the engine for room, as a run with torch_engine.max_batch_groups below rank_slots does);
+                  --one-group-per-step decodes one group at a time on both;
+  rolledger       a RankWorker (workers/rank.py) with `rank_slots = --slots + --queued` (the same concurrency), its
+                  engine in the worker's process or, with --engine-process, in a process of its own
+                  (workers/engines/engine_process, torch_engine.process; direct's engine stays in-process), on its own
                   redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), joined once for all
                   rounds. A round appends its G GroupAdmitted events (one MULTI/EXEC) and waits until the log holds a
                   SampleFinished for every sample. Its time is read from Redis's own clock, so the watcher cannot
@@ -29,8 +33,15 @@ per-round ratios is reported):
 
 Printed: generated tokens/s of each path per round and the median ratio rolledger/direct (1.00 = free), the overhead
 in ms per group, where that overhead goes (CPU seconds of the rank worker's own threads, read from /proc, beside how
-much longer its engine's decode steps took than direct's), and the prompt tokens prefilled per group with the prefix
-cache vs without. The machine is shared: the load average is printed with them.
+much longer its engine's decode steps took than direct's, and how many groups a decode step held on each path), and
+the prompt tokens prefilled per group with the prefix cache vs without. The machine is shared: the load average is
+printed with them.
+
+What the flags show (bench table in the README): in-process, the worker's threads hold the engine's GIL, and that
+time is added to the decode steps one for one; --engine-process removes that (the steps take what direct's take),
+leaving the time a slot spends between two groups (logging the finished one, taking the next: a few ms), when the
+engine holds one group fewer; --queued keeps a request waiting in the engine for that time, and --groups 64 makes
+each round's fill and drain (the first group's way in, the last one's way out) a smaller share of it.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -60,6 +72,7 @@ from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import ModelConfig, RunConfig, SamplingParams
+from rolledger.workers.engines.engine_process import EngineProcess
 from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workers.rank import RankWorker
@@ -68,6 +81,7 @@ from rolledger.workflows.admission import sample_reserve
 from rolledger.workflows.scheduler import PromptItem
 
 RUN_ID = "bench-rollout"
+CountedEngine = TorchEngine | EngineProcess  # an engine with stats
 
 
 @dataclass
@@ -91,7 +105,9 @@ def sampling_for(group: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=group)
 
 
-def direct(name: str, engine: TorchEngine, prompts: list[list[int]], n: int, max_tokens: int, slots: int = 1) -> Result:
+def direct(
+    name: str, engine: CountedEngine, prompts: list[list[int]], n: int, max_tokens: int, slots: int = 1
+) -> Result:
     """Every group through engine.generate, from `slots` threads at once (what a rank's rollout slots do)."""
     before = engine.stats.prefill_tokens_computed
 
@@ -157,7 +173,7 @@ class ThroughRolledger:
     """One RankWorker on its own engine and redis-server, joined once; `round` generates the prompts through it."""
 
     def __init__(
-        self, url: str, engine: TorchEngine, model: torch.nn.Module, cfg: RunConfig, deadline_s: float
+        self, url: str, engine: CountedEngine, model: torch.nn.Module, cfg: RunConfig, deadline_s: float
     ) -> None:
         self.client = connect(url)
         self.log = EventLog(self.client, RUN_ID)
@@ -230,12 +246,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--fewshot", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--slots", type=int, default=4, help="groups generated at once: rank_slots, and direct's threads")
+    ap.add_argument("--slots", type=int, default=4, help="groups the engine decodes at once (its max_batch_groups)")
+    ap.add_argument(
+        "--queued",
+        type=int,
+        default=0,
+        help="requests each path keeps in flight beyond --slots, waiting in the engine for room (direct's threads and "
+        "the rank's rank_slots are both --slots + --queued); 0: exactly --slots in flight",
+    )
     ap.add_argument(
         "--one-group-per-step",
         action="store_true",
         help="both engines decode one group at a time (default with --slots > 1: groups share each decode step, as a "
         "run with rank_slots > 1 does)",
+    )
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the rank worker's engine runs in a process of its own (workers/engines/engine_process; direct stays "
+        "in-process): the worker's threads no longer share the engine's interpreter",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-aof", action="store_true", help="redis without persistence (default: AOF, appendfsync no)")
@@ -248,40 +277,50 @@ def main() -> None:
     prompts = [list(tok(t)["input_ids"]) for t in make_prompts(args.groups, args.fewshot, args.seed)]
     warm = [list(tok(t)["input_ids"]) for t in make_prompts(2, args.fewshot, args.seed + 1)]
     model_cfg = ModelConfig(max_position_embeddings=max(64, max(map(len, prompts + warm)) + args.max_tokens))
+    in_flight = args.slots + args.queued
     cfg = RunConfig(
-        group_size=args.n, rank_slots=args.slots, model=model_cfg, sampling=SamplingParams(max_tokens=args.max_tokens)
+        group_size=args.n, rank_slots=in_flight, model=model_cfg, sampling=SamplingParams(max_tokens=args.max_tokens)
     )
 
-    batch = args.slots > 1 and not args.one_group_per_step
+    batch = in_flight > 1 and not args.one_group_per_step
+    limit = args.slots if batch else None
 
-    def engine(prefix_cache: bool = True) -> tuple[TorchEngine, torch.nn.Module]:
+    def engine(prefix_cache: bool = True, process: bool = False) -> tuple[CountedEngine, torch.nn.Module]:
         model = build_model(model_cfg, len(tok), args.seed)
-        e = TorchEngine(model, tok, prefix_cache=prefix_cache, batch_groups=batch)
+        e: CountedEngine = (
+            EngineProcess(
+                partial(TorchEngine, model, tok, batch_groups=batch, max_batch_groups=limit), torch_threads=args.threads
+            )
+            if process
+            else TorchEngine(model, tok, prefix_cache=prefix_cache, batch_groups=batch, max_batch_groups=limit)
+        )
         direct("warmup", e, warm, args.n, args.max_tokens)  # same warm-up for every engine: same cache state after
         return e, model
 
     load_before = os.getloadavg()
-    nocache = direct("direct, no cache", engine(prefix_cache=False)[0], prompts, args.n, args.max_tokens, args.slots)
+    nocache = direct("direct, no cache", engine(prefix_cache=False)[0], prompts, args.n, args.max_tokens, in_flight)
     direct_engine = engine()[0]
     pairs: list[tuple[Result, Result]] = []
     with redis_server(aof=not args.no_aof) as (url, _):
-        e, model = engine()
+        e, model = engine(process=args.engine_process)
         ours = ThroughRolledger(url, e, model, cfg, args.deadline_s)
         try:
             steps_before = {name: dict(eng.stats.extra) for name, eng in (("direct", direct_engine), ("rolledger", e))}
             cpu_before = thread_cpu_s("rank-")
             for _ in range(args.rounds):
-                base = direct("direct", direct_engine, prompts, args.n, args.max_tokens, args.slots)
+                base = direct("direct", direct_engine, prompts, args.n, args.max_tokens, in_flight)
                 pairs.append((base, ours.round(prompts)))
             worker_cpu = thread_cpu_s("rank-") - cpu_before
             steps_after = {name: dict(eng.stats.extra) for name, eng in (("direct", direct_engine), ("rolledger", e))}
         finally:
             ours.close()
+            if isinstance(e, EngineProcess):
+                e.close()
     load_after = os.getloadavg()
 
     print(
         f"\ngroups={args.groups} n={args.n} prompt tokens~{sum(map(len, prompts)) / len(prompts):.1f} "
-        f"max_tokens={args.max_tokens} slots={args.slots} batch_groups={batch} torch threads={args.threads} "
+        f"max_tokens={args.max_tokens} slots={args.slots} queued={args.queued} batch_groups={batch} torch threads={args.threads} "
         f"redis aof={'off' if args.no_aof else 'appendfsync no'} rounds={args.rounds} (direct, rolledger alternating)"
     )
     print(f"{'round':<6} {'direct tok/s':>13} {'rolledger tok/s':>16} {'ratio':>7} {'ms/group':>9}")
@@ -299,7 +338,7 @@ def main() -> None:
         f"({statistics.median(overheads):+.1f} ms per group), over {len(pairs)} rounds"
     )
     if batch:
-        both = [(name, eng.stats.extra) for name, eng in (("direct", direct_engine), ("rolledger", e))]
+        both = list(steps_after.items())
         print(
             "groups per decode step (mean over the run; the most at once; ms per step): "
             + ", ".join(
@@ -318,8 +357,13 @@ def main() -> None:
             f"{worker_cpu:.2f} s of CPU over the rolledger rounds ({worker_cpu / groups * 1e3:.2f} ms per group); "
             f"its engine's decode steps took {step_ms['rolledger'] - step_ms['direct']:+.2f} ms each beside direct's "
             f"({step_ms['rolledger']:.2f} vs {step_ms['direct']:.2f} ms), {excess:.2f} s over its {steps['rolledger']:.0f} "
-            "steps: the engine runs in the worker's interpreter, so the time those threads hold the GIL is added to "
-            "the decode steps"
+            + (
+                "steps: the engine runs in a process of its own, beside those threads; what is left is a step "
+                "holding fewer groups (above)"
+                if args.engine_process
+                else "steps: the engine runs in the worker's interpreter, so the time those threads hold the GIL is "
+                "added to the decode steps"
+            )
         )
     print(
         f"prefill per group (round 1): {cold.prefill_per_group:.1f} tokens with the prefix cache vs "

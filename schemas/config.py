@@ -398,6 +398,25 @@ class SimulatedConfig(ConfigModel):
         return value
 
 
+class TorchEngineConfig(ConfigModel):
+    """Where and how the built-in torch engine (`engine = "torch"`) runs its ranks."""
+
+    process: bool = Field(
+        False,
+        description="each rank's engine runs in a process of its own (workers/engines/engine_process): its Python "
+        "decode loop no longer shares the rank worker's interpreter, so the worker's control-plane work runs beside "
+        "the decode instead of inside its steps (bench/bench_rollout.py --engine-process)",
+    )
+    max_batch_groups: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="the most groups one decode step batches (0: every group the rank's slots send); below "
+        "rank_slots, the other groups wait in the engine and join the step after one ends, so the batch stays full "
+        "while a slot logs its finished group and takes the next",
+    )
+
+
 class RunConfig(ConfigModel):
     """Everything a run declares up front; recorded in RunStarted so a replay knows the rules it ran under."""
 
@@ -440,6 +459,7 @@ class RunConfig(ConfigModel):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     simulated: SimulatedConfig = SimulatedConfig()
+    torch_engine: TorchEngineConfig = TorchEngineConfig()
     join_deadline_s: float = Field(600.0, gt=0, description="every rank must have joined this long after RunStarted")
     run_deadline_s: float = Field(1800.0, gt=0, description="the coordinator aborts the run this long after RunStarted")
     vllm_urls: tuple[str, ...] = ()

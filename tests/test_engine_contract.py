@@ -4,6 +4,7 @@ same tests against their servers."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from engine_contract import ContractSubject, EngineContract
 
 from rolledger.schemas.config import ModelConfig
+from rolledger.workers.engine import Engine
+from rolledger.workers.engines.engine_process import EngineProcess
 from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
@@ -18,12 +21,19 @@ from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
 CONFIG = ModelConfig(dtype="bfloat16")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["one-group", "batch-groups"])
+@pytest.fixture(
+    scope="module",
+    params=["one-group", "batch-groups", "process"],
+)
 def subject(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[ContractSubject]:
     tok = build_tokenizer()
     model = build_model(CONFIG, len(tok), seed=0)
     base = {k: v.clone() for k, v in policy_state(model).items()}
-    engine = TorchEngine(model, tok, rank=0, batch_groups=request.param)
+    engine: Engine
+    if request.param == "process":  # the batching torch engine in a process of its own (workers/engines/engine_process)
+        engine = EngineProcess(partial(TorchEngine, model, tok, rank=0, batch_groups=True), torch_threads=1)
+    else:
+        engine = TorchEngine(model, tok, rank=0, batch_groups=request.param == "batch-groups")
     store = DirectoryStagingStore(tmp_path_factory.mktemp("contract") / "staging")
 
     def other(seed: int) -> dict[str, torch.Tensor]:
@@ -37,7 +47,8 @@ def subject(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
 
 
 class TestTorchEngine(EngineContract):
-    """Every contract test, on the in-process torch engine: one group per decode, and groups batched together."""
+    """Every contract test, on the torch engine: in-process with one group per decode or groups batched together, and
+    batching in a process of its own."""
 
 
 def test_the_contract_module_is_collected_once_per_engine() -> None:

@@ -119,6 +119,61 @@ def test_groups_of_different_prompt_lengths_compute_in_a_batch_what_they_compute
         batched.close()
 
 
+def test_max_batch_groups_bounds_every_step_and_a_waiting_group_computes_what_it_computes_alone(
+    tok: PreTrainedTokenizerFast,
+) -> None:
+    alone = make_engine(tok)
+    limited = make_engine(tok, batch_groups=True, max_batch_groups=2)
+    try:
+        prompts = [ids(tok, t) for t in TEXTS]
+        expected = [alone.generate(p, 3, sampling(seed=k)) for k, p in enumerate(prompts)]
+        got = together(limited, [partial(limited.generate, p, 3, sampling(seed=k)) for k, p in enumerate(prompts)])
+        for e, g in zip(expected, got, strict=True):
+            assert isinstance(g, GroupOutput), g
+            assert_same(g, e)
+        assert limited.stats.extra["batch_max_groups"] == 2  # three submitted at once, never more than two a step
+        assert limited.stats.groups == 3
+    finally:
+        alone.close()
+        limited.close()
+
+
+def test_a_group_waiting_for_room_whose_samples_are_all_cancelled_ends_before_its_first_token(
+    tok: PreTrainedTokenizerFast,
+) -> None:
+    alone = make_engine(tok)
+    engine = make_engine(tok, batch_groups=True, max_batch_groups=1)
+    try:
+        long_run = SamplingParams(temperature=1.0, max_tokens=40, seed=1, stop_token_ids=[])
+        p_run, p_wait = ids(tok, TEXTS[0]), ids(tok, TEXTS[2])
+        expected = alone.generate(p_run, 2, long_run)
+        waiting = threading.Event()
+
+        def hold_until_the_other_waits(i: int) -> bool:  # the running group's check, on the decode thread
+            if not waiting.is_set():
+                wait_until(lambda: len(engine._pending) == 1, "the second group submitted")
+                waiting.set()
+            return False
+
+        runs, ran = generate_in_thread(
+            lambda: engine.generate(p_run, 2, long_run, should_cancel=hold_until_the_other_waits)
+        )
+        waits, waited = generate_in_thread(lambda: engine.generate(p_wait, 3, long_run, should_cancel=lambda i: True))
+        for t in (waits, runs):
+            t.join(DEADLINE_S)
+            assert not t.is_alive()
+        cut, full = waited[0], ran[0]
+        assert isinstance(cut, GroupOutput) and isinstance(full, GroupOutput), (cut, full)
+        assert [s.finish_reason for s in cut.samples] == ["abort"] * 3
+        assert all(s.token_ids == [] for s in cut.samples)
+        assert cut.prefill_tokens_computed == 0  # never prefilled: it had no room in the batch before it was cut
+        assert_same(full, expected)
+        assert engine.stats.extra["batch_max_groups"] == 1
+    finally:
+        alone.close()
+        engine.close()
+
+
 def test_a_closed_group_leaves_the_batch_and_the_others_run_on_unchanged(tok: PreTrainedTokenizerFast) -> None:
     alone = make_engine(tok)
     batched = make_engine(tok, batch_groups=True)

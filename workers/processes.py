@@ -135,7 +135,6 @@ def _run_worker(
     model, tokenizer = load_policy(Path(started.model_dir))
     worker: Worker
     if kind in ("rollout", "rank"):
-        from rolledger.workers.engines.torch_engine import TorchEngine
         from rolledger.workers.policy_model import policy_state
         from rolledger.workers.rank import RankWorker
 
@@ -154,7 +153,9 @@ def _run_worker(
 
             engine = simulated_engine(cfg, model, tokenizer, rank=rank)
         else:
-            engine = TorchEngine(model, tokenizer, rank=rank, interruptible=cfg.interruptible)
+            from rolledger.workers.engines.factory import torch_engine
+
+            engine = torch_engine(cfg, model, tokenizer, rank=rank)
         worker = RankWorker(client, run_id, rank, engine, claim_idle_ms=claim_idle_ms, initial_weights=lambda: initial)
         if name:
             worker.name = name

@@ -1,6 +1,7 @@
 """Build the engines of a run, one per rank, from the run config and the saved policy directory.
 
-- `engine = "torch"`: one in-process TorchEngine per rank, each loading the saved policy.
+- `engine = "torch"`: one TorchEngine per rank, each loading the saved policy (`torch_engine`): in-process, or with
+  `torch_engine.process` in a process of its own (workers/engines/engine_process).
 - `engine = "vllm"`: one `VllmEngine` (HTTP) per rank. With `cfg.vllm_urls` the servers already run (one URL per
   rank; netguard refuses non-private addresses unless `cfg.allow_remote_engines`); otherwise `cfg.ranks` servers are
   started here from the run's saved policy (`model_dir`) on free loopback ports, logging to
@@ -35,15 +36,12 @@ def build_engines(
 ) -> tuple[list[Engine], Callable[[], None]]:
     """The engines for `cfg.ranks` ranks and a function that releases them (servers started here are stopped)."""
     if cfg.engine == "torch":
-        from rolledger.workers.engines.torch_engine import TorchEngine
         from rolledger.workers.policy_model import load_policy
 
         engines: list[Engine] = []
         for r in range(cfg.ranks):
             model, _ = load_policy(model_dir)
-            engines.append(
-                TorchEngine(model, tokenizer, rank=r, interruptible=cfg.interruptible, batch_groups=cfg.rank_slots > 1)
-            )
+            engines.append(torch_engine(cfg, model, tokenizer, rank=r))
 
         def close() -> None:
             for e in engines:
@@ -66,6 +64,30 @@ def build_engines(
     if cfg.engine == "sglang":
         return build_sglang_engines(cfg, model_dir, run_dir)
     raise NotImplementedError(f"engine {cfg.engine!r} is not wired into `rolledger run` yet")
+
+
+def torch_engine(cfg: RunConfig, model: Any, tokenizer: Any, *, rank: int) -> Engine:
+    """The torch engine of one rank as the run config says (`rolledger run` and `rolledger worker rank` alike): its
+    groups batched when the rank has several slots, at most `torch_engine.max_batch_groups` of them a step, and, with
+    `torch_engine.process`, in a process of its own (its model sent there by value)."""
+    from functools import partial
+
+    from rolledger.workers.engines.torch_engine import TorchEngine
+
+    build = partial(
+        TorchEngine,
+        model,
+        tokenizer,
+        rank=rank,
+        interruptible=cfg.interruptible,
+        batch_groups=cfg.rank_slots > 1,
+        max_batch_groups=cfg.torch_engine.max_batch_groups or None,
+    )
+    if not cfg.torch_engine.process:
+        return build()
+    from rolledger.workers.engines.engine_process import EngineProcess
+
+    return EngineProcess(build, name=f"torch-rank{rank}")
 
 
 def simulated_engine(cfg: RunConfig, model: Any, tokenizer: Any, *, rank: int) -> Engine:

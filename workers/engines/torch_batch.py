@@ -198,6 +198,10 @@ class GroupBatcher:
     `poll(version, held)` is the engine's pause check (False: end every unfinished sample "abort"; `held()` counts the
     requests a park holds, including those submitted while it is parked); `serving()` is the (version, digest)
     serving now; `stamp(decoded)` makes an ended group the engine's output (called with the model lock held).
+    `max_groups`: the most groups one step decodes (None: every request taken); the others wait, in order, and join
+    at the first step with room, so a caller that keeps a request more in flight than that has the next group join
+    the step after one ends instead of after its own round trip (a waiting request whose samples are all cancelled
+    ends at once, never batched).
     """
 
     def __init__(
@@ -212,7 +216,11 @@ class GroupBatcher:
         poll: Callable[[int, Callable[[], int]], bool],
         serving: Callable[[], tuple[int, str]],
         stamp: Callable[[Decoded], GroupOutput],
+        max_groups: int | None = None,
     ) -> None:
+        if max_groups is not None and max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1 (got {max_groups})")
+        self._max_groups = max_groups
         self._decoder = decoder
         self._config = config
         self._eos_id = eos_id
@@ -256,11 +264,18 @@ class GroupBatcher:
                         req.version = version
                     for req, i in batch.rows:
                         req.spans[i].append((len(req.tokens[i]), version, digest))
-                for req in waiting:
+                room = len(waiting) if self._max_groups is None else max(0, self._max_groups - len(requests))
+                for req in waiting[:room]:
                     req.start(version, digest, self._device)
                     cache, logits, req.computed, req.saved = self._decoder.prefill(req.prompt, req.n)
                     batch.join(req, cache, logits)
-                waiting = []
+                waiting = waiting[room:]
+                for req in [r for r in waiting if all(_cancelled(r, i) for i in range(r.n))]:
+                    # every sample cut while it waited for room: it ends before its first token, never batched
+                    req.start(version, digest, self._device)
+                    req.abort_unfinished()
+                    req.end(self._stamp)
+                    waiting.remove(req)
                 started = time.perf_counter()
                 self._step(batch)
                 self.counters.step_s += time.perf_counter() - started

@@ -2,7 +2,8 @@
 
 `TorchEngine` composes, from the modules beside it in workers/engines/: KV-cache generation of groups and sampling
 (torch_decode), one group per call or, with `batch_groups`, the groups of concurrent calls in one decode batch run by
-the engine's decode thread (torch_batch), with a real prefix cache (torch_prefix_cache), sleep/wake with measured (accounted) memory
+the engine's decode thread (torch_batch; `max_batch_groups` bounds the groups one step decodes, the rest wait for
+room), with a real prefix cache (torch_prefix_cache), sleep/wake with measured (accounted) memory
 (torch_memory), and the two-step weight update: stage into an inactive buffer, commit by copying into the live
 parameters (torch_weights). What this module owns is the order those may happen in: pause/resume and parking, and
 the rules below, over two locks (the model lock around every use of the model, its parameters and the prefix cache;
@@ -91,6 +92,7 @@ class TorchEngine:
         probe_text: str = "12+34=",
         interruptible: bool = False,
         batch_groups: bool = False,
+        max_batch_groups: int | None = None,
     ) -> None:
         if prefix_cache_entries < 1:
             raise ValueError(f"prefix_cache_entries must be >= 1 (got {prefix_cache_entries})")
@@ -154,6 +156,7 @@ class TorchEngine:
             poll=self._poll_control,
             serving=lambda: (self._policy_version, self._digest),
             stamp=self._output,
+            max_groups=max_batch_groups,
         )
 
         self._policy_version = policy_version
