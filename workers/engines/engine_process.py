@@ -8,8 +8,10 @@ worker's control-plane work runs beside the decode, on another core, instead of 
 
 `EngineProcess(factory)` starts a child (multiprocessing, spawn) that builds the engine with `factory()` (a picklable
 callable, e.g. functools.partial(TorchEngine, model, tokenizer, batch_groups=True)) and serves the Engine protocol
-over one pipe. Every message is pickled by value (standard pickle: tensors travel as bytes, never as shared memory,
-so the child's weights are its own and a commit there cannot change the parent's model).
+over one pipe. As with any spawned process, the parent's main script must guard its entry point
+(`if __name__ == "__main__":`): the child imports it. Every message is pickled by value (standard pickle: tensors
+travel as bytes, never as shared memory, so the child's weights are its own and a commit there cannot change the
+parent's model).
 
 - Calls: each runs on a thread of the child, so concurrent calls (the rollout slots' generate calls, a pause from the
   control thread) run concurrently in the engine as they would in-process. A call's exception is raised in the
