@@ -55,8 +55,10 @@ def config_toml(s: Schedule, staging: Path, run_deadline_s: float) -> str:
     recycle = s.rollout == "recycle"  # samples long enough for an update's abort drain to cut, continued after it
     keep = s.rollout == "interruptible"  # samples long enough for an update's keep drain to park, continued on it
     long = recycle or keep
+    many = s.rollout == "many"  # several groups in flight per rank, each rank's torch engine in a process of its own
     return f"""
 steps = {s.steps}
+rank_slots = {3 if many else 1}
 group_size = {s.group_size}
 ranks = 2
 seed = {s.seed % 1000}
@@ -80,6 +82,9 @@ commit_deadline_s = 10.0
 drain_mode = "{"abort" if recycle else "keep" if keep else "wait"}"
 staging_dir = "{staging}"
 transport = "{s.transport}"
+[torch_engine]
+process = {str(many).lower()}
+max_batch_groups = {2 if many else 0}
 """
 
 

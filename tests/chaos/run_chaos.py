@@ -117,7 +117,8 @@ def run_many(
 ) -> tuple[Totals, list[Result]]:
     """Run `schedules` (at most `parallel` at once); print one line per schedule, and the findings of failing ones."""
     models = {"plain": prepare_model(workdir / "model")}
-    long = {s.rollout for s in schedules} - {"plain"}
+    models["many"] = models["plain"]  # short samples as plain: what it tries is the concurrency and the engine process
+    long = {s.rollout for s in schedules} - {"plain", "many"}
     if long:  # a policy never warm-started: samples run tens of tokens
         unwarmed = prepare_model(workdir / "model-unwarmed", warm_start_steps=0)
         models.update(dict.fromkeys(long, unwarmed))
@@ -179,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="plain,recycle",
         help="rollouts the schedules draw from: plain (short samples, wait drains), recycle (abort drains, samples "
         "long enough to be cut, recycle_aborted), interruptible (keep drains: samples long enough to be parked, "
-        "continued on the new version), as a comma list; default plain,recycle",
+        "continued on the new version), many (3 groups in flight per rank, 2 a decode step, each rank's torch "
+        "engine in a process of its own: torch_engine.process), as a comma list; default plain,recycle",
     )
     ap.add_argument("--schedule", help="run this one printed schedule (its JSON) instead of drawing")
     ap.add_argument("--parallel", type=int, default=1)

@@ -160,7 +160,7 @@ def _inject_spec(rng: random.Random) -> tuple[str, str]:
 
 TRANSPORTS = ("directory", "dist")
 ROLLOUTS = ("plain", "recycle")  # what a batch draws from by default
-ROLLOUT_CHOICES = (*ROLLOUTS, "interruptible")  # and what --rollouts may name
+ROLLOUT_CHOICES = (*ROLLOUTS, "interruptible", "many")  # and what --rollouts may name
 
 
 def draw(

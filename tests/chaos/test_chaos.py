@@ -157,6 +157,9 @@ def test_a_schedule_is_a_function_of_its_seed_and_replays_from_its_json() -> Non
         draw(7, rollouts=("interruptible",)), Path("/staging"), 60.0
     )  # by hand: --rollouts interruptible
     assert "interruptible = true" in keep and 'drain_mode = "keep"' in keep and "recycle_aborted = false" in keep
+    many = config_toml(draw(7, rollouts=("many",)), Path("/staging"), 60.0)  # by hand: --rollouts many
+    assert "rank_slots = 3" in many and "process = true" in many and "max_batch_groups = 2" in many
+    assert "process = false" in keep and "rank_slots = 1" in keep
     assert draw(7, parse_kinds("none")).faults == ()
     assert {st.fault.kind for seed in range(30) for st in draw(seed, parse_kinds("stop")).faults} == {"stop"}
     with pytest.raises(ValueError, match="unknown kind"):
