@@ -1,7 +1,7 @@
 """Benchmark of replay (run by hand): raw XRANGE vs read+decode (EventLog.read) vs read+decode+fold (rebuild).
 
     python bench/bench_replay.py [--events 1000000] [--repeats 1] [--group-size 8] [--groups-per-step 4]
-                                 [--update-every 4] [--ranks 2]
+                                 [--update-every 4] [--ranks 2] [--no-maps]
 
 Starts its own redis-server (events.embedded.find_redis_server) on a free loopback port, no persistence, and writes
 `--events` synthetic events of one run, pipelined (EventLog.append_many, batches of 500). The mix is a real run's,
@@ -18,7 +18,9 @@ Then, on the same stream, one after the other in this process:
 - (b) EventLog.read: XRANGE + decode every entry to a validated Event (Trust.VALIDATE, the baseline);
 - (c) workflows.replay.rebuild: (b) + the reducer's fold into a RunState;
 - (b') EventLog.read(trust=Trust.OWN_LOG): XRANGE + the trusted decode (no re-validation, events.codec);
-- (c') rebuild over (b'): how a process rebuilds its state from its own log.
+- (c') rebuild over (b'): how a process rebuilds its state from its own log;
+- the baseline (skip with `--no-maps`): the same entries, ids and order copied to a second stream in the map form
+  logs were written in before the positional layout (events.codec.named_form), then (a), (b') and (c') on it.
 
 With `--repeats R` the phases run R rounds in turn and the best wall and best CPU time of each are kept.
 Printed per phase: wall seconds, events/s, the client's CPU seconds (less sensitive to other load than wall time),
@@ -48,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgpack
 import redis
 
-from rolledger.events.codec import Trust
+from rolledger.events.codec import Trust, named_form
 from rolledger.events.connection import connect
 from rolledger.events.embedded import find_redis_server, server_version
 from rolledger.events.store import PAYLOAD_FIELD, EventLog
@@ -247,6 +249,22 @@ def raw_unpack(client: Any, key: str) -> int:
         start = "(" + page[-1][0].decode()
 
 
+def copy_as_maps(client: Any, source: str, target: str) -> None:
+    """Copy every entry of `source` to `target` with the same id and fields, its event re-packed as the
+    self-describing map logs were written as before the positional layout (events.codec.named_form)."""
+    start = "-"
+    while True:
+        page = client.xrange(source, start, "+", count=PAGE)
+        pipe = client.pipeline(transaction=False)
+        for entry_id, fields in page:
+            as_map = msgpack.packb(named_form(fields[PAYLOAD_FIELD]), use_bin_type=True)
+            pipe.xadd(target, {**fields, PAYLOAD_FIELD: as_map}, id=entry_id)
+        pipe.execute()
+        if len(page) < PAGE:
+            return
+        start = "(" + page[-1][0].decode()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--events", type=int, default=1_000_000, help="events to write and replay")
@@ -255,6 +273,12 @@ def main() -> None:
     ap.add_argument("--update-every", type=int, default=4, help="a weight-update transaction every N steps")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="rounds of (a, b, c); the best wall and cpu of each")
+    ap.add_argument(
+        "--no-maps",
+        dest="maps",
+        action="store_false",
+        help="skip the baseline: the same log in the map form entries had before the positional layout",
+    )
     args = ap.parse_args()
 
     load_before = os.getloadavg()
@@ -285,12 +309,27 @@ def main() -> None:
             f"largest {max(sizes)} B"
         )
 
+        maps = EventLog(client, "bench-replay-maps")
+        if args.maps:  # the same entries, ids and order in the map form logs were written in before (the baseline)
+            t = time.perf_counter()
+            copy_as_maps(client, log.key, maps.key)
+            map_sample: Any = client.xrange(maps.key, "-", "+", count=2000)
+            map_mean = sum(len(f[b"e"]) for _, f in map_sample) / len(map_sample)
+            print(
+                f"copied them as maps (the format before the positional layout) in {time.perf_counter() - t:.1f} s: "
+                f"mean {map_mean:.0f} B over the first {len(map_sample)} entries "
+                f"(positional: {sum(sizes) / len(sizes) / map_mean:.2f}x the bytes)"
+            )
+
         state_box: list[Any] = []
 
-        def folded(trust: Trust) -> int:
-            state, _ = rebuild(log.read(batch=PAGE, trust=trust))
+        def folded_from(source: EventLog, trust: Trust) -> int:
+            state, _ = rebuild(source.read(batch=PAGE, trust=trust))
             state_box[:] = [state]
             return int(state.events_applied)
+
+        def folded(trust: Trust) -> int:
+            return folded_from(log, trust)
 
         runs = [
             ("(a) raw XRANGE (pages of 1000)", lambda: raw_xrange(client, log.key)),
@@ -300,6 +339,12 @@ def main() -> None:
             ("(b') read + decode (trusted)", lambda: sum(1 for _ in log.read(batch=PAGE, trust=Trust.OWN_LOG))),
             ("(c') read + decode + fold (trusted)", lambda: folded(Trust.OWN_LOG)),
         ]
+        if args.maps:
+            runs += [
+                ("(a-m) raw XRANGE, map entries", lambda: raw_xrange(client, maps.key)),
+                ("(b'-m) read + decode (trusted), maps", lambda: sum(1 for _ in maps.read(trust=Trust.OWN_LOG))),
+                ("(c'-m) rebuild (trusted), maps", lambda: folded_from(maps, Trust.OWN_LOG)),
+            ]
         best: dict[str, Phase] = {}
         for _ in range(args.repeats):  # a, b, c in turn each round: load spikes hit all three alike
             for name, fn in runs:
@@ -311,7 +356,7 @@ def main() -> None:
         load_after = os.getloadavg()
 
     state = state_box[0]
-    a, u, b, c, bt, ct = phases
+    a, u, b, c, bt, ct = phases[:6]
     print(f"\nbest of {args.repeats} round(s) of the phases in turn")
     print(f"{'phase':<38} {'wall s':>8} {'events/s':>11} {'cpu s':>8} {'us/event':>9}")
     for p in phases:
@@ -330,6 +375,13 @@ def main() -> None:
         "(read + unpack + fold)"
     )
     print(f"trusted vs validated: read+decode {b.cpu_s / bt.cpu_s:.2f}x, rebuild {c.cpu_s / ct.cpu_s:.2f}x (cpu)")
+    if args.maps:
+        am, bm, cm = phases[6:]
+        print(
+            f"positional vs maps (trusted, cpu): raw XRANGE {am.cpu_s / a.cpu_s:.2f}x faster, "
+            f"read + decode {bm.cpu_s / bt.cpu_s:.2f}x, rebuild {cm.cpu_s / ct.cpu_s:.2f}x; "
+            f"maps' decoded reads {am.wall_s / bm.wall_s:.2f}x their raw XRANGE (wall)"
+        )
     per_million = ct.wall_s / n * 1_000_000
     verdict = "meets" if per_million < AIM_SECONDS_PER_MILLION else "misses"
     print(

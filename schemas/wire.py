@@ -1,10 +1,13 @@
-"""A model's wire form: the plain values (maps, lists, scalars, array ext blobs) the event codec packs with msgpack,
-and the encoded size of a model, which is what admission counts a queued trajectory as holding.
+"""A model's map form: the plain values (maps, lists, scalars, array ext blobs) of a self-describing msgpack map, and
+the encoded size of a model, which is what admission counts a queued trajectory as holding.
 
 Packed arrays (schemas.base.PackedArraySchema fields) become msgpack ExtType blobs (code `ARRAY_EXT`) holding the
 array's typecode and raw little-endian bytes, in one C call each. The framing of events and their decoding are the
-codec's (events/codec.py); this module is only the walk both share with the size, so an encoded size is exactly the
-bytes the model takes inside an encoded event (msgpack is compositional).
+codec's (events/codec.py), and the log's entries are positional now (schemas/wire_layout.py); the map form remains
+what the config is written as inside RunStarted, what logs written before the positional layout hold, and the measure
+of `encoded_size`: a trajectory's accounting size stays the size of its map form, the bytes its SampleFinished took
+when admission and invariant 6 were defined, so every log recorded since audits and replays to the same decisions.
+It is an upper bound on the positional entry's share (576 against 976 bytes for a 32 + 22 token sample).
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ def _fields(cls: type[BaseModel]) -> tuple[tuple[str, str | None], ...]:
     return found
 
 
+def pack_array(owner: type, name: str, typecode: str, value: Any) -> msgpack.ExtType:
+    """A packed-array field's value as its ext blob: the typecode, then the raw little-endian bytes (one C call)."""
+    try:
+        packed = array.array(typecode, value).tobytes()
+    except OverflowError as exc:  # a model built with model_construct/model_copy skipped the range check
+        raise ValueError(f"{owner.__name__}.{name}: {exc}") from None
+    return msgpack.ExtType(ARRAY_EXT, typecode.encode() + packed)
+
+
 def wire_form(obj: Any) -> Any:
     """What `model_dump(context={"packed": True})` gives, built straight from the (already validated) models' fields:
     the models are immutable and valid, so serialising is a walk, and arrays become ext blobs in one C call each."""
@@ -46,11 +58,7 @@ def wire_form(obj: Any) -> Any:
         for name, typecode in _fields(type(obj)):
             value = values[name]
             if typecode is not None:
-                try:
-                    packed = array.array(typecode, value).tobytes()
-                except OverflowError as exc:  # a model built with model_construct/model_copy skipped the range check
-                    raise ValueError(f"{type(obj).__name__}.{name}: {exc}") from None
-                out[name] = msgpack.ExtType(ARRAY_EXT, typecode.encode() + packed)
+                out[name] = pack_array(type(obj), name, typecode, value)
             elif type(value) in SCALARS:
                 out[name] = value
             else:
@@ -66,5 +74,6 @@ def wire_form(obj: Any) -> Any:
 
 
 def encoded_size(model: BaseModel) -> int:
-    """The bytes `model` takes inside an encoded event, e.g. a trajectory's inside its SampleFinished."""
+    """The bytes `model` takes in its map form (e.g. a trajectory inside a map-encoded SampleFinished): the accounting
+    size admission and invariant 6 count, an upper bound on its positional share of a log entry."""
     return len(_packer.pack(wire_form(model)))

@@ -13,7 +13,7 @@ import pytest
 import redis
 from logbuilder import LogBuilder
 
-from rolledger.events.codec import encode
+from rolledger.events.codec import encode, named_form
 from rolledger.events.keys import log_key
 from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD, EventLog, as_str, dead_letter
 from rolledger.schemas import events as ev
@@ -41,7 +41,7 @@ def keyspace(client: redis.Redis) -> dict[bytes, Any]:
 
 def future_schema(event: ev.Event) -> bytes:
     """`event` re-encoded as if a newer writer had written it (a schema version this code refuses)."""
-    raw = msgpack.unpackb(encode(event), raw=False)
+    raw = named_form(encode(event))
     raw["v"] = 99
     return bytes(msgpack.packb(raw, use_bin_type=True))
 

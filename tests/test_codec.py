@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from logbuilder import payload_of
 from pydantic import BaseModel, ValidationError
 
-from rolledger.events.codec import DecodeError, decode, encode
+from rolledger.events.codec import DecodeError, decode, encode, named_form
 from rolledger.events.envelope import make_event
 from rolledger.schemas.base import F32Array, I8Array, I32Array
 from rolledger.schemas.events import PAYLOAD_TYPES, Event, SampleFinished, SampleScored
@@ -203,7 +203,7 @@ def test_logprobs_come_back_at_float32_precision(values: list[float]) -> None:
 
 def test_arrays_travel_as_binary_not_number_lists() -> None:
     event = _sample_finished([-0.5] * 5)
-    raw = msgpack.unpackb(encode(event), raw=False, strict_map_key=False)
+    raw = named_form(encode(event))
     traj = raw["p"]["trajectory"]
     for name, width in (("token_ids", 4), ("loss_mask", 1), ("positions", 4), ("logprobs", 4)):
         assert isinstance(traj[name], msgpack.ExtType), name
@@ -234,7 +234,7 @@ def test_older_schema_is_upcast() -> None:
         producer="t",
         policy_version=0,
     )
-    raw = msgpack.unpackb(encode(event), raw=False)
+    raw = named_form(encode(event))
     raw["v"] = 1
     del raw["p"]["correct"]
     back = decode(msgpack.packb(raw, use_bin_type=True))
@@ -260,7 +260,7 @@ def test_bad_bytes_raise_decode_error_with_reason(mutate: Any, reason: str) -> N
         producer="t",
         policy_version=0,
     )
-    raw = msgpack.unpackb(encode(event), raw=False)
+    raw = named_form(encode(event))
     with pytest.raises(DecodeError, match=reason):
         decode(mutate(raw))
 
@@ -278,7 +278,7 @@ def test_path_field_in_config_encodes() -> None:
 
 # ---------------------------------------------------------------- packed arrays: the fast path still validates
 def _raw_sample_finished() -> dict[str, Any]:
-    return msgpack.unpackb(encode(_sample_finished([-0.5] * 5)), raw=False, strict_map_key=False)
+    return named_form(encode(_sample_finished([-0.5] * 5)))
 
 
 def _with_array(raw: dict[str, Any], name: str, ext: msgpack.ExtType) -> bytes:
@@ -354,7 +354,7 @@ def test_malformed_envelopes_raise_decode_error(mutate: Any, reason: str) -> Non
         producer="t",
         policy_version=0,
     )
-    raw = msgpack.unpackb(encode(event), raw=False)
+    raw = named_form(encode(event))
     with pytest.raises(DecodeError, match=reason):
         decode(msgpack.packb(mutate(raw), use_bin_type=True))
 

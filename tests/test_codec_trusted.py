@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from logbuilder import LogBuilder
 from test_codec import event_strategy
 
-from rolledger.events.codec import _TRUSTED, DecodeError, Trust, decode, encode
+from rolledger.events.codec import _TRUSTED, DecodeError, Trust, decode, encode, named_form
 from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog, as_str, read_dead_letters
 from rolledger.schemas.events import PAYLOAD_TYPES, Event, SampleScored
@@ -69,7 +69,7 @@ def _raw() -> dict[str, Any]:
         producer="t",
         policy_version=0,
     )
-    raw: dict[str, Any] = msgpack.unpackb(encode(event), raw=False)
+    raw: dict[str, Any] = named_form(encode(event))
     return raw
 
 
@@ -102,7 +102,7 @@ def test_own_log_trusts_the_writer_for_field_values() -> None:
     shape, of a type it builds. Only a log no one but this project writes may be read that way; VALIDATE refuses it."""
     b = LogBuilder(group_size=2).start_run()
     b.admit()
-    raw = msgpack.unpackb(encode(b.events[-1]), raw=False, strict_map_key=False)
+    raw = named_form(encode(b.events[-1]))
     data = msgpack.packb({**raw, "p": {**raw["p"], "n": "lots"}}, use_bin_type=True)
     with pytest.raises(DecodeError, match="invalid GroupAdmitted"):
         decode(data)
@@ -113,7 +113,7 @@ def test_a_trusted_read_still_dead_letters_malformed_entries(redis_client: redis
     log = EventLog(redis_client, run_id)
     raw = _raw()
     good = log.append(
-        Event.model_validate({**raw["e"], "schema_version": 1, "payload": {**raw["p"], "type": raw["t"]}})
+        Event.model_validate({**raw["e"], "schema_version": raw["v"], "payload": {**raw["p"], "type": raw["t"]}})
     )
     garbage = as_str(redis_client.xadd(log.key, {b"e": b"\x00\xff\xfe"}))
     missing = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "p": {"reward": 1.0}})}))

@@ -19,7 +19,7 @@ import redis
 from _consumer_proc import complete, completions_key, started_key
 from logbuilder import LogBuilder, payload_of
 
-from rolledger.events.codec import encode
+from rolledger.events.codec import encode, named_form
 from rolledger.events.consumer import Delivery, GroupConsumer
 from rolledger.events.envelope import make_event
 from rolledger.events.keys import dead_letter_key, work_key
@@ -177,7 +177,7 @@ def test_nack_redelivers_without_waiting_for_idle(redis_client: redis.Redis, run
 
 def test_malformed_entries_dead_lettered_and_consumer_goes_on(redis_client: redis.Redis, run_id: str) -> None:
     log = EventLog(redis_client, run_id)
-    raw = msgpack.unpackb(encode(scored(9)), raw=False)
+    raw = named_form(encode(scored(9)))
     good1 = log.append(scored(1))
     garbage = as_str(redis_client.xadd(log.key, {b"e": b"\x00\xff\xfe"}))
     unknown = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "t": "FromTheFuture"})}))

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rolledger.events.codec import decode, encode
+from rolledger.events.codec import decode, encode, named_form
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
@@ -546,7 +546,7 @@ def test_old_v1_commands_decode_with_empty_fields_and_the_rank_decides_from_the_
         sim.rank_turn(0)
     old_log: list[ev.Event] = []
     for e in sim.log:
-        raw = msgpack.unpackb(encode(e), raw=False)
+        raw = named_form(encode(e))
         if e.type in ("PrepareRequested", "UpdateCommitted"):
             raw["v"] = 1
             for name in ("uri", "weights_digest", "bytes"):

@@ -12,7 +12,7 @@ import pytest
 import redis
 from logbuilder import payload_of
 
-from rolledger.events.codec import encode
+from rolledger.events.codec import encode, named_form
 from rolledger.events.connection import RedisUnavailable, connect
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
@@ -100,7 +100,7 @@ def test_read_dead_letters_malformed_entries_once(redis_client: redis.Redis, run
     log = EventLog(redis_client, run_id)
     good1 = log.append(scored(1))
     garbage = as_str(redis_client.xadd(log.key, {b"e": b"\xc1 not msgpack", b"t": b"?"}))
-    raw = msgpack.unpackb(encode(scored(2)), raw=False)
+    raw = named_form(encode(scored(2)))
     unknown = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "t": "Bogus"})}))
     newer = as_str(redis_client.xadd(log.key, {b"e": msgpack.packb({**raw, "v": 7})}))
     no_field = as_str(redis_client.xadd(log.key, {b"x": b"1"}))
