@@ -19,8 +19,8 @@ def test_every_warning_kind_has_one_sentence() -> None:
 
 
 def _out_of_order_log() -> list[ev.Event]:
-    """A clean run in which two samples of one rank were appended in the reverse of their creation order (a rank's
-    rollout and control threads share its producer name)."""
+    """A clean run in which two samples of one producer were appended in the reverse of their creation order (as a
+    log written before a rank's rollout slots had producer names of their own shows)."""
     b = LogBuilder().start_run()
     b.group()
     b.consume([b.last_group])
@@ -38,7 +38,7 @@ def test_a_clean_run_with_out_of_order_ids_passes_and_says_why_that_is_fine() ->
     lines = report.render().splitlines()
     meaning = [line for line in lines if "warning(s) out_of_order:" in line]
     assert meaning == [f"  1 warning(s) out_of_order: {WARNING_MEANING[WarningKind.OUT_OF_ORDER]}"]
-    assert "share the producer name" in meaning[0] and "nothing is mis-checked" in meaning[0]
+    assert "a producer of its own" in meaning[0] and "nothing is mis-checked" in meaning[0]
     detail = lines.index(meaning[0]) + 1
     assert lines[detail].startswith("  warning out_of_order: SampleFinished ")  # the warning itself follows
     assert json.loads(report.to_json())["warning_kinds"] == {"out_of_order": WARNING_MEANING[WarningKind.OUT_OF_ORDER]}

@@ -14,15 +14,13 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import redis
-from audit_check import audited_clean
+from audit_check import audited_log
 from engine_contract import generate_in_thread
 from test_heartbeats import Run
 from test_rank_slots import ended_once, running_at_once
 from test_run_loop import execute, small
 from test_worker_kill import _wait_for, _worker
 
-from rolledger.events.store import EventLog
 from rolledger.schemas.config import ModelConfig, SamplingParams
 from rolledger.workers.engine import EngineError, GroupOutput
 from rolledger.workers.engines.engine_process import EngineProcess
@@ -92,9 +90,7 @@ def test_a_run_whose_torch_engines_run_in_processes_of_their_own_audits_clean(
     )
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
     assert summary.status == "completed" and summary.steps == 2
-    client = redis.Redis.from_url(redis_url)
-    audited_clean(EventLog(client, run_id).read())
-    client.close()
+    audited_log(redis_url, run_id)
     ended_once(events)
     assert max(running_at_once(events).values()) > 1  # several groups in flight on a rank, through the process
     assert not [p.name for p in multiprocessing.active_children() if p.name.startswith("torch-rank")]  # closed

@@ -56,7 +56,7 @@ from rolledger.schemas.statuses import GroupStatus, PolicyKind, SampleStatus
 from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.schemas.wire import encoded_size
 from rolledger.workers.engine import EngineCapabilities, GroupOutput, IllegalEngineOrder, SampleOutput, StaleRequest
-from rolledger.workers.runtime import WorkerKilled
+from rolledger.workers.runtime import Emitter, WorkerKilled
 from rolledger.workers.shared_tail import order
 from rolledger.workflows.rank import may_serve
 from rolledger.workflows.update import about_to_be_quarantined
@@ -199,7 +199,12 @@ class Rollout:
         consumer.ensure_group()
         if n > 1:
             self.w.logger.warning("rollout slot replaced", slot=k, consumer=name)
-        self._slots[k] = threading.Thread(target=self._main, args=(consumer,), name=f"{name}-rollout", daemon=True)
+        # each slot appends as a producer of its own, so one producer's ids never go backwards in the log (two
+        # slots of one rank stamp and append concurrently); its appends still count as the rank's (read-your-writes)
+        emitter = self.w.emitter.as_producer(f"{self.w.name}/s{k}")
+        self._slots[k] = threading.Thread(
+            target=self._main, args=(consumer, emitter), name=f"{name}-rollout", daemon=True
+        )
         self._slots[k].start()
 
     def ask_kv_cache(self) -> None:
@@ -235,7 +240,7 @@ class Rollout:
         for thread in list(self._slots.values()):
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _main(self, consumer: GroupConsumer) -> None:
+    def _main(self, consumer: GroupConsumer, emitter: Emitter) -> None:
         heartbeat = Heartbeat(consumer.consumer, self.heartbeat_s)
         try:
             self.ask_kv_cache()
@@ -245,7 +250,7 @@ class Rollout:
                     if not isinstance(d.event.payload, ev.GroupAdmitted):
                         consumer.ack(d.stream_id)
                         continue
-                    if not self._generate_group(d, consumer, heartbeat, read_at):
+                    if not self._generate_group(d, consumer, emitter, heartbeat, read_at):
                         return
         except WorkerKilled as exc:
             self.w.logger.warning("rollout slot killed by injection", consumer=consumer.consumer, reason=str(exc))
@@ -300,16 +305,18 @@ class Rollout:
         self.kv_reserved += need
         return "start", []
 
-    def _generate_group(self, d: Delivery, consumer: GroupConsumer, heartbeat: Heartbeat, read_at: float) -> bool:
+    def _generate_group(
+        self, d: Delivery, consumer: GroupConsumer, emitter: Emitter, heartbeat: Heartbeat, read_at: float
+    ) -> bool:
         claim = Claim(consumer, d.stream_id, self.heartbeat_s(), confirmed_at=read_at)
         with heartbeat.hold(claim):
             try:
-                return self._take_group(d, consumer, claim)
+                return self._take_group(d, consumer, emitter, claim)
             except ClaimLost:
                 self.w.logger.warning("group reclaimed by another rank; dropping it", entry=d.stream_id)
                 return True  # not ours to acknowledge any more
 
-    def _take_group(self, d: Delivery, consumer: GroupConsumer, claim: Claim) -> bool:
+    def _take_group(self, d: Delivery, consumer: GroupConsumer, emitter: Emitter, claim: Claim) -> bool:
         p = d.event.payload
         assert isinstance(p, ev.GroupAdmitted)
         seen_by = time.monotonic() + _SEEN_WITHIN_S
@@ -328,7 +335,7 @@ class Rollout:
         if verdict == "skip":
             if orphans:
                 claim.check()
-            self.w.emitter.emit(orphans, policy_version=self.w.engine.policy_version, causation_id=d.event.event_id)
+            emitter.emit(orphans, policy_version=self.w.engine.policy_version, causation_id=d.event.event_id)
             consumer.ack(d.stream_id)
             return True
         done = False
@@ -342,7 +349,7 @@ class Rollout:
                     self.w.lock.notify_all()
 
         try:
-            self._run(d, p, claim, announce)
+            self._run(d, p, claim, emitter, announce)
             consumer.ack(d.stream_id)
             done = True
             return True
@@ -354,14 +361,16 @@ class Rollout:
                 self.groups_done += done
                 self.w.lock.notify_all()
 
-    def _run(self, d: Delivery, p: ev.GroupAdmitted, claim: Claim, announce: Callable[[], None]) -> None:
+    def _run(
+        self, d: Delivery, p: ev.GroupAdmitted, claim: Claim, emitter: Emitter, announce: Callable[[], None]
+    ) -> None:
         engine, rank = self.w.engine, self.w.rank
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
         version, digest = engine.policy_version, engine.weights_digest()
 
         def emit(*payloads: ev.Payload) -> None:
             claim.check()  # still ours? (a reclaimed group gets nothing more from this rank)
-            self.w.emitter.emit(list(payloads), policy_version=engine.policy_version, causation_id=d.event.event_id)
+            emitter.emit(list(payloads), policy_version=engine.policy_version, causation_id=d.event.event_id)
 
         emit(
             *[

@@ -99,17 +99,25 @@ class Emitter:
     """Appends events from one producer, stamped with the policy version in force. Appends the store refuses
     because the run is over are dropped (logged once); `closed` says whether that happened."""
 
-    def __init__(self, log: EventLog, producer: str) -> None:
+    def __init__(self, log: EventLog, producer: str, parent: Emitter | None = None) -> None:
         self.log = log
         self.producer = producer
         self.closed = False
         self.last_id = "0-0"  # stream id of the newest event this emitter appended (what read-your-writes needs)
         self._last_lock = threading.Lock()  # several threads append (a rank's control thread and its rollout slots)
+        self._parent = parent
+
+    def as_producer(self, producer: str) -> Emitter:
+        """An emitter appending as `producer` whose appends (and a refusal because the run is over) count as this
+        one's too: a rank's rollout slot, one producer per thread, inside the rank's read-your-writes."""
+        return Emitter(self.log, producer, parent=self)
 
     def _appended(self, ids: Sequence[str]) -> None:
         with self._last_lock:  # check and set as one: a slower thread never moves last_id back
             if ids and order(ids[-1]) > order(self.last_id):
                 self.last_id = ids[-1]
+        if self._parent is not None:
+            self._parent._appended(ids)
 
     def refused(self, exc: RunClosed, payloads: Sequence[ev.Payload]) -> None:
         if not self.closed:
@@ -117,6 +125,8 @@ class Emitter:
                 "run is over, not appending", producer=self.producer, events=[p.type for p in payloads], why=str(exc)
             )
         self.closed = True
+        if self._parent is not None:
+            self._parent.closed = True
 
     def wrap(
         self,

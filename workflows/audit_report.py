@@ -53,8 +53,9 @@ WARNING_MEANING: dict[WarningKind, str] = {
     WarningKind.CONFLICTING_DUPLICATE: "one event id names two different events; the first is kept and the second "
     "ignored, so look at which producer wrote the second.",
     WarningKind.OUT_OF_ORDER: "one producer's event ids (stamped when an event is created) go backwards in the log "
-    "(the order of appends): a rank's rollout thread and its control thread share the producer name and may append "
-    "an event created earlier after one created later; the log's order is the truth, so nothing is mis-checked.",
+    "(the order of appends), though every thread that appends is a producer of its own (a rank's rollout slots are "
+    "rank-N/sK): its host's clock stepped back, or two writers used one name (a log from before slots had their "
+    "own names shows it too); the log's order is the truth, so nothing is mis-checked.",
     WarningKind.ORPHAN: "an event about a unit the log never started (such as a result for a group never admitted); it "
     "is not counted, and invariant 7 still checks every unit that was started.",
     WarningKind.RESTART: "a sample started again before its first attempt ended (a reclaimed or restarted rank redid "
