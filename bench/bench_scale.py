@@ -27,7 +27,8 @@ Printed, measured between RunStarted and the run's end (setup excluded):
 - log bytes per step (sum of the entries' field bytes, and MEMORY USAGE of the stream per step);
 - the coordinator's decision latency: time of each `decide()` call on its thread, p50/p99;
 - live state size (msgpack of the reducer state) and snapshot time (`take_snapshot`: digest + to_dict + msgpack +
-  XADD) at the end of step 1 and at the last step, on states refolded from the log after the run;
+  XADD) at the end of step 1 and of the last step (each at its TrainStepFinished) and at the run's end, on states
+  refolded from the log after the run;
 - the control-plane CPU per step as a fraction of a 21 s step (NeMo-RL's GRPO step at 512x16).
 
 The machine may be shared: the load average is printed with the numbers.
@@ -384,17 +385,23 @@ def snapshot_cost(client: redis.Redis, state: RunState, stream_id: str) -> tuple
 
 
 def after_the_run(client: redis.Redis, steps: int) -> dict[str, Any]:
-    """Refold the log: state size and snapshot time at the end of step 1 and at the end; log bytes."""
+    """Refold the log: state size and snapshot time at the end of every trainer step (its TrainStepFinished: the same
+    point of each step, so step 1 and the last step compare like with like) and at the run's end; log bytes."""
     log = EventLog(client, RUN_ID)
     state = RunState()
     out: dict[str, Any] = {}
+    per_step: list[tuple[int, float]] = []
     last = "0-0"
+    snapshot_cost(client, RunState(), "0-1")  # warm-up: the first snapshot pays one-time costs (300 ms seen)
     for stored in log.read():
         fold(state, stored.event)
         last = stored.stream_id
-        if "step1" not in out and isinstance(stored.event.payload, ev.TrainStepFinished):
-            out["step1"] = snapshot_cost(client, state, last)
-    out["last"] = snapshot_cost(client, state, last)
+        if isinstance(stored.event.payload, ev.TrainStepFinished):
+            per_step.append(snapshot_cost(client, state, last))
+    if per_step:
+        out["step1"], out["last"] = per_step[0], per_step[-1]
+        out["per_step_kb"] = [round(size / 1e3) for size, _ in per_step]
+    out["end"] = snapshot_cost(client, state, last)
     raw = 0
     lo = "-"
     while True:
@@ -530,10 +537,16 @@ def main() -> None:
         f"  coordinator decide()   p50 {percentile(d, 0.5):.2f} ms, p99 {percentile(d, 0.99):.2f} ms "
         f"over {len(d)} ticks"
     )
-    for label, key in (("step 1", "step1"), ("last step", "last")):
+    for label, key in (("step 1", "step1"), ("last step", "last"), ("run's end", "end")):
         if key in r:
             size, secs = r[key]
             print(f"  state at {label:9s}     {size / 1e6:8.2f} MB msgpack; snapshot {secs * 1e3:.1f} ms")
+    if "last" in r:
+        (size1, secs1), (size_n, secs_n) = r["step1"], r["last"]
+        print(
+            f"  last step / step 1       state {size_n / size1:.2f}x, snapshot {secs_n / secs1:.2f}x (aim <= 1.2x); "
+            f"state at each step's end, kB: {r['per_step_kb']}"
+        )
     print(
         f"  control plane per step {per_step_cpu:8.2f} s CPU = {per_step_cpu / STEP_S * 100:.1f}% of a "
         f"{STEP_S:g} s step"
