@@ -19,16 +19,19 @@ from logbuilder import LogBuilder
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import PartialPolicy
-from rolledger.workflows import reducer_rollout, reducer_trainer
+from rolledger.workflows import reducer_rollout, reducer_trainer, reducer_update
 from rolledger.workflows import state as state_mod
 from rolledger.workflows.admission import AdmissionInputs, gates
 from rolledger.workflows.coordinator import decide
+from rolledger.workflows.rank import RankLocal, decide_rank
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.state import GroupState, RunState, group_record, owes_nothing
 
 OPS = st.lists(
-    st.sampled_from(["group", "partial_group", "first_k", "consume", "update", "cancel", "drop", "race", "late"]),
+    st.sampled_from(
+        ["group", "partial_group", "first_k", "consume", "update", "abort", "cancel", "drop", "race", "late"]
+    ),
     min_size=1,
     max_size=30,
 )
@@ -63,6 +66,9 @@ def build_log(ops: list[str]) -> list[ev.Event]:
         elif op == "update":
             version += 1
             b.update(version)
+        elif op == "abort":  # rank 1 fails its prepare: the version aborts, its number is not reused
+            version += 1
+            b.update(version, fail_rank=1)
         elif op == "cancel" and ready:
             b.cancel_group(ready.pop())
         elif op == "drop" and ready:
@@ -267,3 +273,61 @@ def test_a_snapshot_from_before_the_bound_restores_to_a_state_that_decides_alike
         assert decide(restored, now, 1, inputs) == decide(bounded, now, 1, inputs)
     later = replay(events[k:], restored)
     assert records(later.groups) == records(replay(events).groups)
+
+
+@contextmanager
+def progress_kept() -> Iterator[None]:
+    """The reducer as before: a closed update keeps every rank's progress."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(reducer_update, "forget_progress", lambda u: None)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+_PROGRESS = ("prepared", "committed", "invalidated", "healthy", "probe_digests")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, cut=st.floats(0, 1))
+def test_a_closed_update_forgets_its_per_rank_progress_and_every_decider_decides_alike(
+    ops: list[str], cut: float
+) -> None:
+    events = build_log(ops)
+    k = int(cut * len(events)) or 1
+    with progress_kept():
+        ref = replay(events[:k])
+    lean = replay(events[:k])
+    assert lean.anomalies == ref.anomalies and lean.updates.keys() == ref.updates.keys()
+    for v, u in lean.updates.items():
+        full = dataclasses.asdict(ref.updates[v])
+        if u.open:
+            assert dataclasses.asdict(u) == full  # the open transaction is whole
+        else:
+            assert all(not getattr(u, name) for name in _PROGRESS)
+            assert {n: x for n, x in dataclasses.asdict(u).items() if n not in _PROGRESS} == {
+                n: x for n, x in full.items() if n not in _PROGRESS
+            }
+    for now in (0.0, 1e12):
+        inputs = AdmissionInputs(now=now, prompts=PROMPTS)
+        assert decide(lean, now, 1, inputs) == decide(ref, now, 1, inputs)
+    newest = max(lean.updates, default=0)
+    for rank, r in ref.ranks.items():
+        for local in (
+            RankLocal(live_version=r.committed_version),
+            RankLocal(running=1, engine_paused=True, staged_version=newest, live_version=r.committed_version),
+            RankLocal(staged_version=max(newest - 1, 0), live_version=max(r.committed_version - 1, 0)),
+        ):
+            assert decide_rank(lean, rank, local) == decide_rank(ref, rank, local), (rank, local)
+
+
+def test_a_run_of_many_updates_keeps_a_small_record_of_each() -> None:
+    b = LogBuilder(group_size=2, ranks=16).start_run()
+    for _ in range(20):
+        b.group()
+        b.consume([b.last_group])
+        b.update()
+    state = replay(b.finish_run().build())
+    assert len(state.updates) == 20 and all(u.status == "published" for u in state.updates.values())
+    assert all(not getattr(u, name) for u in state.updates.values() for name in _PROGRESS)

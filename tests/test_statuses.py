@@ -162,8 +162,9 @@ def golden_log() -> list[ev.Event]:
 # the measured pace (a group's `admitted_at`, an update's `staged_at`, admission's `gen_latency_s`/`step_busy_s`, the
 # trainer's `last_train_s`), and the config's `rank_slots`, `kv_cache_cap`, `admission.max_wait_rounds` and `simulated`
 # section; then the trainer config's `overlap_update`; then the run config's `torch_engine` section (issue 14: the
-# engine in a process of its own, max_batch_groups).
-GOLDEN_DIGEST = "4b9747f9647809bb419a93aa271c0d12"
+# engine in a process of its own, max_batch_groups); then issue 12: a closed update's per-rank progress (prepared,
+# committed, invalidated, healthy, probe digests) leaves the state when it closes.
+GOLDEN_DIGEST = "d23c11f013b74742ce31e442ac962452"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

@@ -31,6 +31,16 @@ def _step_done(s: RunState, e: ev.Event, u: UpdateState) -> None:
     if u.staged_at:
         busy = s.trainer.last_train_s + max(e.wall_time - u.staged_at, 0.0)
         s.admission.step_busy_s = moving_average(s.admission.step_busy_s, busy)
+    forget_progress(u)
+
+
+def forget_progress(u: UpdateState) -> None:
+    """A closed update's per-rank progress (prepared, committed, invalidated, healthy, probe digests) leaves the
+    state: only an open transaction's is ever read (the coordinator's and the ranks' deciders look at `open_update`;
+    a late event for a closed one reads none of it), and with 16 ranks it was ~2 kB a version kept for the whole run.
+    The record stays (status, digests, uri, ranks, failures, the events that opened and closed it); the audit and
+    lineage fold the log themselves."""
+    u.prepared, u.committed, u.invalidated, u.probe_digests, u.healthy = {}, {}, {}, {}, []
 
 
 @handlers.on(ev.PrepareRequested)
