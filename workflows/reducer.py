@@ -47,7 +47,7 @@ def fold(state: RunState, event: ev.Event) -> RunState:
         anomaly(state, event, f"{event.type} after RunFinished ({state.status})")
     state.recent_ids[event.event_id] = None
     if len(state.recent_ids) > _RECENT_IDS:
-        del state.recent_ids[next(iter(state.recent_ids))]
+        state.recent_ids.popitem(last=False)
     if state.events_applied == 0:
         state.first_wall_time = event.wall_time
     state.last_wall_time = max(state.last_wall_time, event.wall_time)

@@ -101,7 +101,7 @@ def observe_completion(sch: SchedulerState, group: GroupState, tokens: int) -> N
     seen[1] += tokens
     sch.prompt_lengths[key] = seen  # re-inserted: the dict is oldest-observed first
     if len(sch.prompt_lengths) > PROMPT_STATS_KEPT:
-        del sch.prompt_lengths[next(iter(sch.prompt_lengths))]
+        sch.prompt_lengths.popitem(last=False)
     bucket = sch.bucket_lengths.setdefault(length_bucket(group.prompt_tokens), [0, 0])
     bucket[0] += 1
     bucket[1] += tokens

@@ -16,6 +16,7 @@ still covers every group the run ever had. The archive (the log) keeps the group
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -176,7 +177,7 @@ class SchedulerState:
     frontier: int = 0  # the lowest prompt index not admitted yet
     ahead: list[int] = field(default_factory=list)  # admitted prompt indices beyond the frontier, sorted (bounded by
     # the fairness bound plus one decision's admissions under srgf, empty under fifo)
-    prompt_lengths: dict[str, list[int]] = field(default_factory=dict)  # dataset prompt id -> [samples, tokens]
+    prompt_lengths: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)  # prompt id -> [samples, tokens]
     bucket_lengths: dict[int, list[int]] = field(default_factory=dict)  # prompt-length bucket -> [samples, tokens]
     observed_samples: int = 0  # finished samples observed
     observed_tokens: int = 0  # their completion tokens
@@ -214,7 +215,7 @@ class RunState:
     policy_version: int = 0  # the last published version
     weights_digest: str = ""
     groups: dict[str, GroupState] = field(default_factory=dict)  # the live ones (module docstring)
-    retired: dict[str, GroupStatus] = field(default_factory=dict)  # tombstones: the newest RETIRED_KEPT, oldest first
+    retired: OrderedDict[str, GroupStatus] = field(default_factory=OrderedDict)  # the newest RETIRED_KEPT, oldest 1st
     retired_groups: int = 0  # groups that ever left the live state
     retired_digest: str = ""  # hash chain over the canonical record of each retired group, in retirement order
     after_retired: int = 0  # sample events for a retired group that raced its closure (counted, otherwise ignored)
@@ -235,7 +236,9 @@ class RunState:
     counts: dict[str, int] = field(default_factory=dict)  # events applied, per type
     events_applied: int = 0
     last_event_id: str = ""
-    recent_ids: dict[str, None] = field(default_factory=dict)  # bounded, ordered window for duplicate detection
+    # bounded, ordered window for duplicate detection. The bounded windows are OrderedDicts: the oldest leaves with
+    # popitem(last=False) in O(1), where a dict's first key is found by scanning past every one deleted before it
+    recent_ids: OrderedDict[str, None] = field(default_factory=OrderedDict)
     first_wall_time: float = 0.0
     last_wall_time: float = 0.0
 
@@ -406,7 +409,7 @@ def retire_if_done(state: RunState, g: GroupState) -> None:
     del state.groups[g.group_id]
     state.retired[g.group_id] = g.status
     if len(state.retired) > RETIRED_KEPT:
-        del state.retired[next(iter(state.retired))]
+        state.retired.popitem(last=False)
     state.retired_groups += 1
     state.retired_digest = xxhash.xxh3_128_hexdigest(
         msgpack.packb([state.retired_digest, group_record(g)], use_bin_type=True)
