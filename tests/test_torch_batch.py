@@ -147,17 +147,21 @@ def test_a_group_waiting_for_room_whose_samples_are_all_cancelled_ends_before_it
         long_run = SamplingParams(temperature=1.0, max_tokens=40, seed=1, stop_token_ids=[])
         p_run, p_wait = ids(tok, TEXTS[0]), ids(tok, TEXTS[2])
         expected = alone.generate(p_run, 2, long_run)
-        waiting = threading.Event()
+        running, waiting = threading.Event(), threading.Event()
 
         def hold_until_the_other_waits(i: int) -> bool:  # the running group's check, on the decode thread
             if not waiting.is_set():
-                wait_until(lambda: len(engine._pending) == 1, "the second group submitted")
+                running.set()  # the decode thread took this group and runs it: the other is submitted only now,
+                wait_until(lambda: len(engine._pending) == 1, "the second group submitted")  # so it must wait
                 waiting.set()
             return False
 
         runs, ran = generate_in_thread(
             lambda: engine.generate(p_run, 2, long_run, should_cancel=hold_until_the_other_waits)
         )
+        # submitted together, the decode thread could take both at once and end the cut one before the running
+        # group's first check, which would then wait for a submission already gone
+        assert running.wait(DEADLINE_S)
         waits, waited = generate_in_thread(lambda: engine.generate(p_wait, 3, long_run, should_cancel=lambda i: True))
         for t in (waits, runs):
             t.join(DEADLINE_S)

@@ -169,7 +169,13 @@ def _sample_cancelled(s: RunState, e: ev.Event, p: ev.SampleCancelled) -> None:
 
 
 def _maybe_scored(g: GroupState) -> None:
-    if g.status.is_completed and all(g.samples[sample_index(sid)].reward is not None for sid in g.accepted):
+    # `scored` counts the samples with a reward (it moves only with one), so fewer than the accepted cannot cover
+    # them: the scan over the accepted runs once per group, not once per score
+    if (
+        g.status.is_completed
+        and g.scored >= len(g.accepted)
+        and all(g.samples[sample_index(sid)].reward is not None for sid in g.accepted)
+    ):
         g.status = GroupStatus.SCORED
 
 
