@@ -32,7 +32,6 @@ checks): a caller must pass OWN_LOG only for a log no one but this project write
 from __future__ import annotations
 
 import array
-import contextlib
 import enum
 import sys
 import types
@@ -215,8 +214,10 @@ def _decode_positional(raw: list[Any], trust: Trust) -> Event:
         if build is not None:
             # any shape a plan trips on is validated instead, and reported from there (the builders never change
             # their input, so the same values are validated)
-            with contextlib.suppress(Exception):
+            try:
                 return _trusted_event(dict(zip(_ENVELOPE_FIELDS, env)), type_, version, build(payload))
+            except Exception:  # noqa: BLE001, S110 - a try costs nothing here; contextlib.suppress cost 0.4 us
+                pass
     name = _NAMERS.get((type_, version))
     if name is None:
         if current is None:

@@ -186,11 +186,23 @@ def namer(layout: Layout) -> Namer:
     count = len(names)
     nested = tuple((f[0], f[1] == "ms", namer(f[2])) for f in layout if f[1] in ("m", "ms"))
 
+    def mismatch(values: Any) -> LayoutMismatch:
+        got = f"{len(values)} fields" if type(values) is list else type(values).__name__
+        return LayoutMismatch(f"{got} where its layout has {count} ({', '.join(names)})")
+
+    if not nested:  # a flat model (most payloads): one C call
+
+        def flat(values: Any) -> dict[str, Any]:
+            if type(values) is not list or len(values) != count:
+                raise mismatch(values)
+            return dict(zip(names, values))
+
+        return flat
+
     def name(values: Any) -> dict[str, Any]:
         if type(values) is not list or len(values) != count:
-            got = f"{len(values)} fields" if type(values) is list else type(values).__name__
-            raise LayoutMismatch(f"{got} where its layout has {count} ({', '.join(names)})")
-        d = dict(zip(names, values, strict=True))
+            raise mismatch(values)
+        d = dict(zip(names, values))
         for field, seq, inner in nested:
             value = d[field]
             if value is not None:
