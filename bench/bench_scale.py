@@ -51,6 +51,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgpack
 import redis
 import torch
 
@@ -391,6 +392,7 @@ def after_the_run(client: redis.Redis, steps: int) -> dict[str, Any]:
     state = RunState()
     out: dict[str, Any] = {}
     per_step: list[tuple[int, float]] = []
+    beside_groups: list[int] = []  # the state less its live groups (the open work, which timing decides)
     last = "0-0"
     snapshot_cost(client, RunState(), "0-1")  # warm-up: the first snapshot pays one-time costs (300 ms seen)
     for stored in log.read():
@@ -398,9 +400,12 @@ def after_the_run(client: redis.Redis, steps: int) -> dict[str, Any]:
         last = stored.stream_id
         if isinstance(stored.event.payload, ev.TrainStepFinished):
             per_step.append(snapshot_cost(client, state, last))
+            data = state.to_dict()
+            beside_groups.append(len(msgpack.packb({k: v for k, v in data.items() if k != "groups"})))
     if per_step:
         out["step1"], out["last"] = per_step[0], per_step[-1]
         out["per_step_kb"] = [round(size / 1e3) for size, _ in per_step]
+        out["beside_groups_kb"] = [round(size / 1e3, 1) for size in beside_groups]
     out["end"] = snapshot_cost(client, state, last)
     raw = 0
     lo = "-"
@@ -547,6 +552,7 @@ def main() -> None:
             f"  last step / step 1       state {size_n / size1:.2f}x, snapshot {secs_n / secs1:.2f}x (aim <= 1.2x); "
             f"state at each step's end, kB: {r['per_step_kb']}"
         )
+        print(f"  state less its live groups (what is not open work), kB at each step's end: {r['beside_groups_kb']}")
     print(
         f"  control plane per step {per_step_cpu:8.2f} s CPU = {per_step_cpu / STEP_S * 100:.1f}% of a "
         f"{STEP_S:g} s step"
