@@ -70,6 +70,8 @@ CANCEL_POLL_S = 0.01
 START_TIMEOUT_S = 300.0  # building the engine in the child: imports torch, loads the model
 CLOSE_TIMEOUT_S = 30.0
 
+READ_ATTRIBUTE = "read attribute"  # a call whose one argument names an attribute of the engine to read, not call
+
 log = structlog.get_logger("engine_process")
 
 
@@ -183,8 +185,8 @@ class _Server:
         try:
             if name == "generate":
                 value: Any = self.generate(call_id, *args, **kwargs)
-            elif name == "stats":
-                value = self.engine.stats  # type: ignore[attr-defined]  # TorchEngine, SimulatedEngine
+            elif name == READ_ATTRIBUTE:
+                value = getattr(self.engine, args[0])  # a property (`stats`): read, not called
             else:
                 value = getattr(self.engine, name)(*args, **kwargs)
             reply: tuple[Any, ...] = ("reply", call_id, True, value, self.state())
@@ -389,7 +391,7 @@ class EngineProcess:
     @property
     def stats(self) -> EngineStats:
         """A copy of the engine's counters, read now."""
-        stats: EngineStats = self.call("stats")
+        stats: EngineStats = self.call(READ_ATTRIBUTE, "stats")
         return stats
 
     def generate(
