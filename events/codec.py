@@ -21,11 +21,11 @@ through `encode` (which only takes validated models) into a log it trusts, read 
 them (rebuilding its state, its own tail): the unpacked maps of the types that carry arrays or nested models
 (SampleFinished, GroupAdmitted: most of a log's bytes) are turned into the models directly, from the arrays or the
 maps, without running pydantic's validators again (the `positional_builder` and `trusted_builder` plans below: enums
-are rebuilt as enums, tuples as tuples, packed arrays as lists, nested models recursively); flat types are validated anyway, pydantic-core being as fast as a
-hand-built model there (`_heavy`). The trust is in the *writer*, not the bytes' shape: an entry whose shape
-is not exactly what `encode` writes (a missing or extra field, an older schema version, a type the plans cannot
-build, anything the build trips on) falls back to full validation, so a malformed entry still becomes a DecodeError
-(and a dead-letter entry) under either trust. What OWN_LOG does not re-check is field *values* (ranges, cross-field
+are rebuilt as enums, tuples as tuples, packed arrays as lists, nested models recursively); flat types are validated
+anyway, pydantic-core being as fast as a hand-built model there (`_heavy`). The trust is in the *writer*, not the
+bytes' shape: an entry whose shape is not exactly what `encode` writes (a missing or extra field, an older schema
+version, a type the plans cannot build, anything the build trips on) falls back to full validation, so a malformed
+entry still becomes a DecodeError (and a dead-letter entry) under either trust. What OWN_LOG does not re-check is field *values* (ranges, cross-field
 checks): a caller must pass OWN_LOG only for a log no one but this project writes.
 """
 
@@ -45,8 +45,8 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from rolledger.schemas.base import PackedArray, PackedArraySchema
-from rolledger.schemas.events import PAYLOAD_TYPES, Event, upcast
+from rolledger.schemas.base import PackedArray, packed_typecode
+from rolledger.schemas.events import PAYLOAD_TYPES, Event, current_version, upcast
 from rolledger.schemas.wire import ARRAY_EXT, SCALARS
 from rolledger.schemas.wire_layout import (
     ENVELOPE_FIELDS,
@@ -63,7 +63,6 @@ _PACK_CTX = {"packed": True}
 _CURRENT_VERSION = {name: cls.SCHEMA_VERSION for name, cls in PAYLOAD_TYPES.items()}
 _unpackb = msgpack.unpackb
 _validate_event = Event.__pydantic_validator__.validate_python  # the TypeAdapter's core validator, minus a wrapper
-_ENVELOPE_FIELDS = ENVELOPE_FIELDS
 _LOCKED = load_locked()
 check_locked(_LOCKED)  # a payload changed without a new schema version fails every import, so every test, here
 _NAMERS: dict[tuple[str, int], Namer] = {
@@ -135,7 +134,7 @@ def encode(event: Event) -> bytes:
         [
             payload.type,
             payload.SCHEMA_VERSION,
-            [values[k] for k in _ENVELOPE_FIELDS],
+            [values[k] for k in ENVELOPE_FIELDS],
             _PAYLOAD_ENCODERS[payload.type](payload),
         ]
     )
@@ -206,8 +205,8 @@ def _decode_positional(raw: list[Any], trust: Trust) -> Event:
         raise DecodeError("envelope type/version malformed")
     if type(env) is not list or type(payload) is not list:
         raise DecodeError(f"envelope and payload of {type_!r} must be arrays", type_)
-    if len(env) != len(_ENVELOPE_FIELDS):
-        raise DecodeError(f"invalid {type_}: envelope has {len(env)} fields, not {len(_ENVELOPE_FIELDS)}", type_)
+    if len(env) != len(ENVELOPE_FIELDS):
+        raise DecodeError(f"invalid {type_}: envelope has {len(env)} fields, not {len(ENVELOPE_FIELDS)}", type_)
     current = _CURRENT_VERSION.get(type_)
     if trust is Trust.OWN_LOG and version == current:
         build = _TRUSTED_POSITIONAL.get(type_)
@@ -215,15 +214,15 @@ def _decode_positional(raw: list[Any], trust: Trust) -> Event:
             # any shape a plan trips on is validated instead, and reported from there (the builders never change
             # their input, so the same values are validated)
             try:
-                return _trusted_event(dict(zip(_ENVELOPE_FIELDS, env)), type_, version, build(payload))
+                return _trusted_event(dict(zip(ENVELOPE_FIELDS, env)), type_, version, build(payload))
             except Exception:  # noqa: BLE001, S110 - a try costs nothing here; contextlib.suppress cost 0.4 us
                 pass
     name = _NAMERS.get((type_, version))
     if name is None:
-        if current is None:
-            raise DecodeError(f"unknown event type {type_!r}", type_)
-        if version > current:
-            raise DecodeError(f"{type_} schema v{version} is newer than this rolledger's v{current}", type_)
+        try:
+            current_version(type_, version)  # an unknown type or a newer version: its own message
+        except ValueError as exc:
+            raise DecodeError(str(exc), type_) from None
         raise DecodeError(f"{type_} v{version} has no locked wire layout", type_)
     try:
         fields = name(payload)
@@ -234,7 +233,7 @@ def _decode_positional(raw: list[Any], trust: Trust) -> Event:
             fields = upcast(type_, version, fields)
         except ValueError as exc:
             raise DecodeError(str(exc), type_) from None
-    return _validate(type_, PAYLOAD_TYPES[type_].SCHEMA_VERSION, dict(zip(_ENVELOPE_FIELDS, env)), fields)
+    return _validate(type_, PAYLOAD_TYPES[type_].SCHEMA_VERSION, dict(zip(ENVELOPE_FIELDS, env)), fields)
 
 
 def named_form(data: bytes) -> dict[str, Any]:
@@ -250,7 +249,7 @@ def named_form(data: bytes) -> dict[str, Any]:
     if name is None:
         raise DecodeError(f"{raw[0]} v{raw[1]} has no locked wire layout")
     try:
-        return {"t": raw[0], "v": raw[1], "e": dict(zip(_ENVELOPE_FIELDS, raw[2], strict=True)), "p": name(raw[3])}
+        return {"t": raw[0], "v": raw[1], "e": dict(zip(ENVELOPE_FIELDS, raw[2], strict=True)), "p": name(raw[3])}
     except (LayoutMismatch, ValueError) as exc:
         raise DecodeError(f"invalid {raw[0]}: {exc}") from None
 
@@ -262,7 +261,7 @@ class _Untrusted(Exception):
 
 Conv = Callable[[Any], Any]
 _object_setattr = object.__setattr__
-_ENVELOPE_KEYS = frozenset(_ENVELOPE_FIELDS)
+_ENVELOPE_KEYS = frozenset(ENVELOPE_FIELDS)
 
 
 def _construct(cls: type[BaseModel], values: dict[str, Any]) -> Any:
@@ -289,7 +288,7 @@ def _conv(annotation: Any, info: FieldInfo | None = None, positional: bool = Fal
     """How to turn the unpacked wire value of a field of this annotation into the model's value (None: as it is);
     nested models from their positional form where `positional` (but MAP_ENCODED ones from their map).
     Raises TypeError for an annotation it cannot build (the type then always takes the validating path)."""
-    packed_as = next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None) if info else None
+    packed_as = packed_typecode(info) if info else None
     if packed_as is not None:
 
         def packed(v: Any) -> Any:
@@ -412,7 +411,7 @@ def _heavy(cls: type[BaseModel]) -> bool:
     SampleStarted 5.0 us validated vs 6.8 us built, SampleFinished 18.1 vs 15.8, GroupAdmitted 11.1 vs 9.9), so flat
     types are validated under either trust."""
     for info in cls.model_fields.values():
-        if any(isinstance(m, PackedArraySchema) for m in info.metadata):
+        if packed_typecode(info) is not None:
             return True
         for a in (info.annotation, *typing.get_args(info.annotation)):
             if isinstance(a, type) and issubclass(a, BaseModel):

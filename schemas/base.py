@@ -6,6 +6,7 @@ import array
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler
+from pydantic.fields import FieldInfo
 from pydantic_core import core_schema
 
 
@@ -82,3 +83,8 @@ class PackedArraySchema:
 I32Array = Annotated[list[int], PackedArraySchema("i", "int32", (-(2**31), 2**31 - 1))]
 F32Array = Annotated[list[float], PackedArraySchema("f", "float32")]
 I8Array = Annotated[list[int], PackedArraySchema("b", "int8", (-128, 127))]
+
+
+def packed_typecode(info: FieldInfo) -> str | None:
+    """The wire typecode of a packed-array field (its PackedArraySchema), None for any other field."""
+    return next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None)

@@ -476,14 +476,21 @@ class SchemaTooNew(ValueError):
     """The event was written by a newer rolledger than this one."""
 
 
-def upcast(type_: str, version: int, payload: dict[str, Any]) -> dict[str, Any]:
-    """Bring a payload dict of `version` up to the current SCHEMA_VERSION of its type."""
+def current_version(type_: str, version: int) -> int:
+    """The current SCHEMA_VERSION of `type_`, which an entry of `version` can be read as; ValueError for an unknown
+    type, SchemaTooNew for a version newer than this rolledger's."""
     cls = PAYLOAD_TYPES.get(type_)
     if cls is None:
         raise ValueError(f"unknown event type {type_!r}")
     if version > cls.SCHEMA_VERSION:
         raise SchemaTooNew(f"{type_} schema v{version} is newer than this rolledger's v{cls.SCHEMA_VERSION}")
-    while version < cls.SCHEMA_VERSION:
+    return cls.SCHEMA_VERSION
+
+
+def upcast(type_: str, version: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Bring a payload dict of `version` up to the current SCHEMA_VERSION of its type."""
+    current = current_version(type_, version)
+    while version < current:
         step = UPCASTERS.get((type_, version))
         if step is None:
             raise ValueError(f"no upcaster for {type_} v{version}")

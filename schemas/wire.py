@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel
 
-from rolledger.schemas.base import PackedArraySchema
+from rolledger.schemas.base import packed_typecode
 
 ARRAY_EXT = 1  # the msgpack ext code of a packed array
 SCALARS = frozenset({str, int, float, bool, type(None)})
@@ -32,10 +32,7 @@ def _fields(cls: type[BaseModel]) -> tuple[tuple[str, str | None], ...]:
     """(field name, wire typecode of a packed-array field or None), read once per model class."""
     found = _FIELDS.get(cls)
     if found is None:
-        found = tuple(
-            (name, next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None))
-            for name, info in cls.model_fields.items()
-        )
+        found = tuple((name, packed_typecode(info)) for name, info in cls.model_fields.items())
         _FIELDS[cls] = found
     return found
 

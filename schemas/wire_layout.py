@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rolledger.schemas.base import PackedArraySchema
+from rolledger.schemas.base import packed_typecode
 from rolledger.schemas.wire import SCALARS, pack_array, wire_form
 
 LOCK_PATH = Path(__file__).with_name("wire_layouts.json")
@@ -60,14 +60,20 @@ def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
     return None, False
 
 
+def _fields(cls: type[BaseModel], skip: tuple[str, ...]) -> list[tuple[str, str | None, type[BaseModel] | None, bool]]:
+    """(name, packed typecode, positional model, is-a-sequence) of `cls`'s fields in declaration order, less `skip`:
+    what both the layout and the encoder are made of."""
+    return [
+        (name, packed_typecode(info), *_model_of(info.annotation))
+        for name, info in cls.model_fields.items()
+        if name not in skip
+    ]
+
+
 def layout_of(cls: type[BaseModel], skip: tuple[str, ...] = ()) -> Layout:
     """The layout of `cls`'s fields in declaration order, less `skip` (a payload's `type`, which the frame carries)."""
     out: Layout = []
-    for name, info in cls.model_fields.items():
-        if name in skip:
-            continue
-        typecode = next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None)
-        model, seq = _model_of(info.annotation)
+    for name, typecode, model, seq in _fields(cls, skip):
         if typecode is not None:
             out.append([name, "a", typecode])
         elif model is not None:
@@ -150,11 +156,7 @@ def encoder(cls: type[BaseModel], skip: tuple[str, ...] = ()) -> Encoder:
     found = _ENCODERS.get(key)
     if found is not None:
         return found
-    plan: list[tuple[str, str | None, type[BaseModel] | None, bool]] = []
-    for name, info in cls.model_fields.items():
-        if name not in skip:
-            typecode = next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None)
-            plan.append((name, typecode, *_model_of(info.annotation)))
+    plan = _fields(cls, skip)
 
     def encode(obj: Any) -> list[Any]:
         values = obj.__dict__

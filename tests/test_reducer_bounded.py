@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -92,15 +92,20 @@ def build_log(ops: list[str]) -> list[ev.Event]:
 
 
 @contextmanager
-def retirement_off() -> Iterator[None]:
-    """The reducer as before issue 12: every group stays in `groups`."""
+def doing_nothing(*where: tuple[object, str]) -> Iterator[None]:
+    """Each (module, function) does nothing inside the block: the reducer as it was before that function."""
     mp = pytest.MonkeyPatch()
-    mp.setattr(reducer_rollout, "retire_if_done", lambda s, g: None)
-    mp.setattr(reducer_trainer, "retire_if_done", lambda s, g: None)
+    for module, name in where:
+        mp.setattr(module, name, lambda *args: None)
     try:
         yield
     finally:
         mp.undo()
+
+
+def retirement_off() -> AbstractContextManager[None]:
+    """The reducer as before issue 12: every group stays in `groups`."""
+    return doing_nothing((reducer_rollout, "retire_if_done"), (reducer_trainer, "retire_if_done"))
 
 
 def records(groups: dict[str, GroupState]) -> dict[str, list[object]]:
@@ -275,15 +280,9 @@ def test_a_snapshot_from_before_the_bound_restores_to_a_state_that_decides_alike
     assert records(later.groups) == records(replay(events).groups)
 
 
-@contextmanager
-def progress_kept() -> Iterator[None]:
+def progress_kept() -> AbstractContextManager[None]:
     """The reducer as before: a closed update keeps every rank's progress."""
-    mp = pytest.MonkeyPatch()
-    mp.setattr(reducer_update, "forget_progress", lambda u: None)
-    try:
-        yield
-    finally:
-        mp.undo()
+    return doing_nothing((reducer_update, "forget_progress"))
 
 
 _PROGRESS = ("prepared", "committed", "invalidated", "healthy", "probe_digests")
