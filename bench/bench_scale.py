@@ -37,6 +37,7 @@ The machine may be shared: the load average is printed with the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -68,6 +69,7 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, RunConfig, SamplingParams, TaskConfig, TrainerConfig
 from rolledger.schemas.weights import WeightManifest
+from rolledger.workers import gc_policy
 from rolledger.workers.coordinator import Coordinator
 from rolledger.workers.engine import (
     CommitReport,
@@ -450,6 +452,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             workers.append(RankWorker(client, RUN_ID, r, engine, initial_weights=lambda: tiny_weights(0)))  # type: ignore[arg-type]
         workers.append(RewardWorker(client, RUN_ID, "reward", tokenizer))
         workers.append(SimulatedTrainer(client, RUN_ID, Path(tmp) / "staging", cfg))
+        collector = gc_policy.serving() if args.gc == "serving" else contextlib.nullcontext()
+        collector.__enter__()  # as `rolledger run` does: the roles as built are frozen (workers/gc_policy.py)
         calls0, rcpu0, cpu0 = command_calls(client), redis_cpu(client), own_cpu()
         trips.install()
         t0 = time.perf_counter()
@@ -473,6 +477,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trips.uninstall()
         roles.uninstall()
         cpu, rcpu, calls = own_cpu() - cpu0, redis_cpu(client) - rcpu0, command_calls(client)
+        collector.__exit__(None, None, None)
         events = log.length()
         delta = {k: v - calls0.get(k, 0) for k, v in calls.items() if v - calls0.get(k, 0) > 0}
         state = RunState()
@@ -504,6 +509,12 @@ def main() -> None:
     p.add_argument("--ranks64", action="store_true", help="64 ranks")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gen-ms", type=float, default=200.0, help="declared generation time of one group")
+    p.add_argument(
+        "--gc",
+        choices=("serving", "default"),
+        default="serving",
+        help="the collector as `rolledger run` sets it (workers/gc_policy.py), or CPython's defaults (the baseline)",
+    )
     p.add_argument("--deadline-s", type=float, default=1800.0, help="the run's deadline")
     args = p.parse_args()
     if args.ranks64:
@@ -515,7 +526,8 @@ def main() -> None:
     load = os.getloadavg()
     print(
         f"bench_scale: {args.prompts} prompts x {args.samples} samples, {args.ranks} ranks, {steps} steps, "
-        f"gen {args.gen_ms:g} ms/group (simulated engines and trainer, real control plane and redis-server)"
+        f"gen {args.gen_ms:g} ms/group, collector {args.gc} (simulated engines and trainer, real control plane and "
+        "redis-server)"
     )
     print(
         f"  run ended {r['status']} after {r['wall_s']:.1f} s; {events} events ({events / steps:.0f}/step); "

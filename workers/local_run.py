@@ -56,6 +56,7 @@ from rolledger.events.store import EventLog, RunClosed, read_dead_letters
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import Injection, check_injections
+from rolledger.workers import gc_policy
 from rolledger.workers.coordinator import Coordinator, finish_as_coordinator
 from rolledger.workers.engines.factory import build_engines
 from rolledger.workers.faults import Injector, mortal_coordinator, mortal_scorer, slow_and_mortal_trainer, wrap_engine
@@ -288,10 +289,13 @@ class LocalRun:
                 )
             )
         if not self.opts.external_workers and not self._signal_seen.is_set():
-            self._start_workers(client, model, tokenizer, model_dir)
-        return self._follow(client, logbook)
+            self._build_workers(client, model, tokenizer, model_dir)
+        with gc_policy.serving():  # what is built now is frozen: the collector stops walking it (workers/gc_policy)
+            for w in self.workers:
+                self._with_faults(w).start()
+            return self._follow(client, logbook)
 
-    def _start_workers(
+    def _build_workers(
         self, client: redis.Redis, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, model_dir: Path
     ) -> None:
         cfg = self.cfg
@@ -312,8 +316,6 @@ class LocalRun:
             self.workers.append(TrainerWorker(client, self.run_id, "trainer", model, staging))
         else:
             log.info("waiting for an external trainer", run=self.run_id, model_dir=str(model_dir))
-        for w in self.workers:
-            self._with_faults(w).start()
 
     def _with_faults(self, w: Worker) -> Worker:
         """Wrap the part of `w` its pending injections target (a fired injection is gone: a respawn runs clean)."""

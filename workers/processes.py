@@ -28,6 +28,7 @@ from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog, RunClosed
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
+from rolledger.workers import gc_policy
 
 if TYPE_CHECKING:  # torch comes in with the worker a process builds, after the finished-run check
     from rolledger.workers.engine import Engine
@@ -65,7 +66,8 @@ def _serve(worker: Worker) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    worker._main()
+    with gc_policy.serving():  # the model and the worker as built are frozen (workers/gc_policy.py)
+        worker._main()
     if isinstance(worker.error, RedisUnavailable):
         raise worker.error
     return 0 if worker.error is None else EXIT_WORKER_FAILED
