@@ -1,6 +1,7 @@
 """The control plane at scale (run by hand): what the control plane costs per event, with simulated engines.
 
     python bench/bench_scale.py [--prompts 512] [--samples 16] [--ranks 16 | --ranks64] [--steps 20] [--gen-ms 200]
+                                [--gc serving | default | both]
 
 What runs, all in this process (as `rolledger run` runs it) against a real redis-server on loopback (AOF on,
 appendfsync no, as rolledger runs it):
@@ -32,6 +33,10 @@ Printed, measured between RunStarted and the run's end (setup excluded):
 - the control-plane CPU per step as a fraction of a 21 s step (NeMo-RL's GRPO step at 512x16).
 
 The machine may be shared: the load average is printed with the numbers.
+
+`--gc`: the roles run inside `workers.gc_policy.serving()` as in `rolledger run` (serving, the default), or under
+CPython's collector defaults (default, the baseline), or both, one whole run after the other (a fresh redis-server
+each), each printed, then their ratio of control-plane CPU per event.
 """
 
 from __future__ import annotations
@@ -511,22 +516,36 @@ def main() -> None:
     p.add_argument("--gen-ms", type=float, default=200.0, help="declared generation time of one group")
     p.add_argument(
         "--gc",
-        choices=("serving", "default"),
+        choices=("serving", "default", "both"),
         default="serving",
-        help="the collector as `rolledger run` sets it (workers/gc_policy.py), or CPython's defaults (the baseline)",
+        help="the collector as `rolledger run` sets it (workers/gc_policy.py), CPython's defaults (the baseline), "
+        "or both, one run after the other, with their ratio",
     )
     p.add_argument("--deadline-s", type=float, default=1800.0, help="the run's deadline")
     args = p.parse_args()
     if args.ranks64:
         args.ranks = 64
-    r = run(args)
+    results = []
+    for collector in ("default", "serving") if args.gc == "both" else (args.gc,):
+        r = run(argparse.Namespace(**{**vars(args), "gc": collector}))
+        report(args, r, collector)
+        results.append((collector, (r["cpu_s"] + r["redis_cpu_s"]) / r["events"] * 1e6))
+    if len(results) == 2:
+        (_, base), (_, tuned) = results
+        print(
+            f"collector: serving {tuned:.1f} vs default {base:.1f} us/event of control-plane CPU "
+            f"({tuned / base:.2f}x, same machine, one run after the other)"
+        )
+
+
+def report(args: argparse.Namespace, r: dict[str, Any], collector: str) -> None:
     events, steps = r["events"], args.steps
     total_cpu = r["cpu_s"] + r["redis_cpu_s"]
     per_step_cpu = total_cpu / steps
     load = os.getloadavg()
     print(
         f"bench_scale: {args.prompts} prompts x {args.samples} samples, {args.ranks} ranks, {steps} steps, "
-        f"gen {args.gen_ms:g} ms/group, collector {args.gc} (simulated engines and trainer, real control plane and "
+        f"gen {args.gen_ms:g} ms/group, collector {collector} (simulated engines and trainer, real control plane and "
         "redis-server)"
     )
     print(
