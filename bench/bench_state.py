@@ -9,11 +9,12 @@ GroupCompleted; per step BatchConsumed + TrainStepFinished; a weight-update tran
 pipelined as an asynchronous run is (each step generates the next step's groups while the trainer consumes the
 previous step's, so one step's groups are always live), is folded event by event, twice in one process:
 
-- baseline: the reducer with group retirement switched off (every group stays in `RunState.groups`, as before
-  issue 12; the deciders then scan every group, as they did);
-- bounded: the reducer as it is (terminal groups that owe nothing retire; workflows/state.py).
+- baseline: the reducer with retirement switched off (every group stays in `RunState.groups` and every closed
+  update's record in `RunState.updates`, as before issue 12; the deciders then scan every group, as they did);
+- bounded: the reducer as it is (terminal groups that owe nothing retire, and closed update records no decider reads;
+  workflows/state.py, workflows/reducer_update.retire_updates).
 
-At step `--early` and at the last step each prints: live groups held, the state's size (msgpack of `to_dict()`, what
+At step `--early` and at the last step each prints: live groups held, update records held, the state's size (msgpack of `to_dict()`, what
 a snapshot stores), a decision tick (best of `--ticks`: every decider of `coordinator.decide`, each in full), `digest()`, and a
 snapshot's work (`to_dict` + msgpack + digest, what events.snapshots.take_snapshot computes before its one XADD),
 then the last/early ratio of each. The aim: every ratio of the bounded state <= 1.2. Timings are best-of, CPU-bound,
@@ -40,7 +41,7 @@ import pytest
 from bench_replay import RunWriter
 
 from rolledger.schemas.events import Event
-from rolledger.workflows import reducer_rollout, reducer_trainer
+from rolledger.workflows import reducer_rollout, reducer_trainer, reducer_update
 from rolledger.workflows.admission import AdmissionInputs, decide_admission
 from rolledger.workflows.coordinator import decide_run_end, decide_terminal
 from rolledger.workflows.groups import decide_groups
@@ -58,6 +59,7 @@ class Point:
     step: int
     events: int
     live_groups: int
+    update_records: int
     state_bytes: int
     decide_ms: float
     digest_ms: float
@@ -89,6 +91,7 @@ def measure(state: RunState, step: int, ticks: int) -> Point:
         step=step,
         events=state.events_applied,
         live_groups=len(state.groups),
+        update_records=len(state.updates),
         state_bytes=len(packed),
         decide_ms=best_ms(lambda: tick(state, now, inputs), ticks),
         digest_ms=best_ms(state.digest, max(3, ticks // 4)),
@@ -130,6 +133,7 @@ def retirement_off() -> AbstractContextManager[Any]:
     mp = pytest.MonkeyPatch()
     mp.setattr(reducer_rollout, "retire_if_done", lambda s, g: None)
     mp.setattr(reducer_trainer, "retire_if_done", lambda s, g: None)
+    mp.setattr(reducer_update, "retire_updates", lambda s: None)
 
     class _Undo:
         def __enter__(self) -> None:
@@ -184,13 +188,14 @@ def main() -> None:
         early, last, fold_us = run(args, ctx)
         rows.append((label, early, last, fold_us))
     print(
-        f"\n{'':<26} {'step':>5} {'events':>9} {'live groups':>11} {'state KiB':>10} {'decide ms':>10} "
+        f"\n{'':<26} {'step':>5} {'events':>9} {'live groups':>11} {'updates':>7} {'state KiB':>10} {'decide ms':>10} "
         f"{'digest ms':>10} {'snapshot ms':>11}"
     )
     for label, early, last, fold_us in rows:
         for p in (early, last):
             print(
-                f"{label:<26} {p.step:>5} {p.events:>9,} {p.live_groups:>11,} {p.state_bytes / 1024:>10.1f} "
+                f"{label:<26} {p.step:>5} {p.events:>9,} {p.live_groups:>11,} {p.update_records:>7,} "
+                f"{p.state_bytes / 1024:>10.1f} "
                 f"{p.decide_ms:>10.3f} {p.digest_ms:>10.3f} {p.snapshot_ms:>11.3f}"
             )
         ratio = {

@@ -9,28 +9,47 @@ decider must decide the same on both.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from logbuilder import LogBuilder
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import PartialPolicy
+from rolledger.schemas.statuses import UpdateStatus
 from rolledger.workflows import reducer_rollout, reducer_trainer, reducer_update
 from rolledger.workflows import state as state_mod
-from rolledger.workflows.admission import AdmissionInputs, gates
-from rolledger.workflows.coordinator import decide
-from rolledger.workflows.rank import RankLocal, decide_rank
+from rolledger.workflows.admission import AdmissionInputs, gates, settled_version
+from rolledger.workflows.coordinator import consecutive_aborts, decide
+from rolledger.workflows.rank import RankLocal, decide_rank, may_serve, rejoin_version
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.scheduler import PromptItem
 from rolledger.workflows.state import GroupState, RunState, group_record, owes_nothing
+from rolledger.workflows.trainer import lineage, next_version, versions_to_keep, weights_version
+from rolledger.workflows.update import about_to_be_quarantined
 
 OPS = st.lists(
     st.sampled_from(
-        ["group", "partial_group", "first_k", "consume", "update", "abort", "cancel", "drop", "race", "late"]
+        [
+            "group",
+            "partial_group",
+            "first_k",
+            "consume",
+            "update",
+            "abort",
+            "cancel",
+            "drop",
+            "race",
+            "late",
+            "late_prepare",
+            "quarantine",
+            "rejoin",
+            "update_without_1",
+        ]
     ),
     min_size=1,
     max_size=30,
@@ -41,7 +60,9 @@ PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "6") for i in range(40)]
 def build_log(ops: list[str]) -> list[ev.Event]:
     """A valid log of one run, with the lifecycles that end a group: consumed, dropped, cancelled (before or after
     its samples started, with a start racing the cancel), first-k leftovers cancelled after the group completed and
-    was consumed, and the late result of a rank whose group was reclaimed."""
+    was consumed, and the late result of a rank whose group was reclaimed; updates published and aborted, a rank's
+    late prepare (and failure) for the first version, a rank quarantined and rejoining, and updates rank 1 takes no part
+    in (it then holds an old version)."""
     b = LogBuilder(group_size=2, ranks=2).start_run()
     ready: list[str] = []
     version = 0
@@ -88,6 +109,16 @@ def build_log(ops: list[str]) -> list[ev.Event]:
             b.emit(
                 ev.SampleFailed(sample_id=f"{gid}/0", group_id=gid, index=0, rank=0, error="engine error"),
             )
+        elif op == "late_prepare" and version:  # a slow rank's prepare of v1 (and another's failure) lands now
+            b.prepare(1, 1).prepare_fail(1, 0)
+        elif op == "update_without_1":  # rank 1 (quarantined, or left out) takes no part: it stays on its version
+            version += 1
+            b.stage(version).request_prepare(version, ranks=(0,)).prepare(version, 0).pause()
+            b.commit(version, ranks=(0,)).commit_rank(version, 0).publish(version, ranks=(0,)).resume()
+        elif op == "quarantine":
+            b.quarantine(1)
+        elif op == "rejoin":
+            b.join(1)
     return b.finish_run().build()
 
 
@@ -328,5 +359,90 @@ def test_a_run_of_many_updates_keeps_a_small_record_of_each() -> None:
         b.consume([b.last_group])
         b.update()
     state = replay(b.finish_run().build())
-    assert len(state.updates) == 20 and all(u.status == "published" for u in state.updates.values())
-    assert all(not getattr(u, name) for u in state.updates.values() for name in _PROGRESS)
+    kept = state_mod.UPDATES_KEPT
+    assert sorted(state.updates) == list(range(21 - kept, 21))  # the newest; every rank holds v20 and took part in it
+    assert all(u.status == "published" and not any(getattr(u, n) for n in _PROGRESS) for u in state.updates.values())
+    assert list(state.retired_updates) == list(range(1, 21 - kept))
+    assert all(t.status == "published" and t.closing_event for t in state.retired_updates.values())
+    assert (state.updates_published, state.updates_aborted, state.updates_committed) == (20, 0, 20)
+    assert not state.anomalies
+
+
+def records_kept() -> AbstractContextManager[None]:
+    """The reducer as before: every closed update's record stays in `updates`."""
+    return doing_nothing((reducer_update, "retire_updates"))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, cut=st.floats(0, 1))
+# rank 1 holds v1, took part last in v3 (aborted), and none of v2, v4, v5: v1 is its reload's source, v3's abort what
+# resumes it, and v2 and v4 retire
+@example(ops=["update", "update_without_1", "abort", "update_without_1", "update_without_1"], cut=0.99)
+@example(ops=["update", "update", "abort", "abort"], cut=0.99)  # the aborts since v2 are counted: they stay
+def test_closed_update_records_retire_and_every_decider_decides_alike(ops: list[str], cut: float) -> None:
+    """With no closed record kept for its age alone (UPDATES_KEPT = 0: only those a decider reads stay), every
+    decider decides as with every record kept, and the counts are whole."""
+    events = build_log(ops)
+    k = int(cut * len(events)) or 1
+    with records_kept():
+        ref = replay(events[:k])
+    mp = pytest.MonkeyPatch()
+    mp.setattr(reducer_update, "UPDATES_KEPT", 0)
+    try:
+        lean = replay(events[:k])
+    finally:
+        mp.undo()
+    if ops == ["update", "update_without_1", "abort", "update_without_1", "update_without_1"]:
+        assert sorted(lean.updates) == [1, 3, 5] and list(lean.retired_updates) == [2, 4]  # the example above
+    # an event for a retired version is still an anomaly where it was one (its text names the retirement)
+    assert [a.event_id for a in lean.anomalies] == [a.event_id for a in ref.anomalies]
+    assert lean.updates.keys() <= ref.updates.keys()
+    for v, u in lean.updates.items():
+        assert u == ref.updates[v]
+    for v, gone in lean.retired_updates.items():
+        u = ref.updates[v]
+        assert not u.open and gone.status == u.status and gone.closing_event == (u.published_event or u.decided_event)
+    assert lean.updates.keys() | lean.retired_updates.keys() == ref.updates.keys()
+    statuses = [u.status for u in ref.updates.values()]
+    assert lean.updates_published == statuses.count(UpdateStatus.PUBLISHED) == ref.updates_published
+    assert lean.updates_aborted == statuses.count(UpdateStatus.ABORTED) == ref.updates_aborted
+    assert lean.updates_committed == sum(1 for s in statuses if s.is_decided_commit)
+    for now in (0.0, 1e12):
+        inputs = AdmissionInputs(now=now, prompts=PROMPTS)
+        assert decide(lean, now, 1, inputs) == decide(ref, now, 1, inputs)
+    for reader in (next_version, weights_version, lineage, versions_to_keep, settled_version):
+        assert reader(lean) == reader(ref), reader.__name__
+    assert consecutive_aborts(lean) == consecutive_aborts(ref)
+    assert rejoin_version(lean) == rejoin_version(ref)
+    for rank, r in ref.ranks.items():
+        for local in [
+            RankLocal(live_version=r.committed_version),
+            RankLocal(running=1, engine_paused=True, live_version=r.committed_version),
+            *(RankLocal(staged_version=v, live_version=max(r.committed_version - 1, 0)) for v in ref.updates),
+        ]:
+            assert decide_rank(lean, rank, local) == decide_rank(ref, rank, local), (rank, local)
+        assert may_serve(lean, rank) == may_serve(ref, rank)
+        assert about_to_be_quarantined(lean, rank, 0.0) == about_to_be_quarantined(ref, rank, 0.0)
+
+
+def test_late_events_for_a_retired_version_are_judged_by_its_tombstone() -> None:
+    b = LogBuilder(group_size=2, ranks=2).start_run()
+    b.update(1, fail_rank=1)  # v1 aborts: rank 1 failed; rank 0's prepare of it may still land late, legally
+    for v in range(2, 2 + state_mod.UPDATES_KEPT + 1):
+        b.update(v)
+    newest = 1 + state_mod.UPDATES_KEPT + 1
+    before = replay(b.build())
+    assert 1 in before.retired_updates and 2 in before.retired_updates and 1 not in before.updates
+    b.prepare(1, 0).prepare_fail(1, 1)  # late, after its abort: legal, as when the record was kept
+    assert replay(b.build()).anomalies == []
+    b.prepare(2, 0)  # a prepare of a published version: an anomaly, as before
+    b.commit_rank(2, 1)  # no rank swaps in weights that old: an anomaly, and the rank stays where it is
+    b.stage(2)  # its number is never staged again
+    state = replay(b.build())
+    assert [a.event_type for a in state.anomalies] == ["RankPrepared", "RankCommitted", "UpdateStaged"]
+    assert "v2 already published" in state.anomalies[1].message
+    assert state.ranks[1].committed_version == newest
+    assert next_version(state) == newest + 1
+    back = RunState.from_dict(json.loads(json.dumps(state.to_dict())))  # a snapshot keeps the tombstones
+    assert back.digest() == state.digest() and back.retired_updates == state.retired_updates
+    assert all(type(t.status) is UpdateStatus for t in back.retired_updates.values())

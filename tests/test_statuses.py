@@ -163,8 +163,9 @@ def golden_log() -> list[ev.Event]:
 # trainer's `last_train_s`), and the config's `rank_slots`, `kv_cache_cap`, `admission.max_wait_rounds` and `simulated`
 # section; then the trainer config's `overlap_update`; then the run config's `torch_engine` section (issue 14: the
 # engine in a process of its own, max_batch_groups); then issue 12: a closed update's per-rank progress (prepared,
-# committed, invalidated, healthy, probe digests) leaves the state when it closes.
-GOLDEN_DIGEST = "d23c11f013b74742ce31e442ac962452"
+# committed, invalidated, healthy, probe digests) leaves the state when it closes; then issue 12 again: closed update
+# records no decider reads retire to `retired_updates` tombstones, with the `updates_published`/`updates_aborted` counts.
+GOLDEN_DIGEST = "2e7cb1102b375a672ede837cb5ae51f9"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

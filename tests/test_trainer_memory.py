@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import redis
 from logbuilder import LogBuilder
 
@@ -13,7 +14,8 @@ from rolledger.events.store import EventLog
 from rolledger.schemas.config import PartialPolicy, RunConfig
 from rolledger.schemas.events import SampleFailed
 from rolledger.workers.staging_store import DirectoryStagingStore
-from rolledger.workers.trainer_client import TrainerClient
+from rolledger.workers.trainer_client import TrainerClient, UpdateFailed
+from rolledger.workflows.state import UPDATES_KEPT
 
 
 def test_the_trainer_lets_go_of_every_trajectory_it_can_no_longer_train(
@@ -62,3 +64,21 @@ def test_the_trainer_lets_go_of_every_trajectory_it_can_no_longer_train(
     b.drop(dropped)
     b.emit(SampleFailed(sample_id=f"{first}/1", group_id=first, index=1, rank=-1, error="boom", stage="reward"))
     assert follow() == {f"{first}/0"}
+
+
+def test_waiting_for_a_version_whose_record_retired_still_learns_its_outcome(
+    redis_client: redis.Redis, run_id: str, tmp_path: Path
+) -> None:
+    """Issue 12: a closed update's record leaves the state once no decider reads it; a trainer asking about that
+    version late gets its outcome from the tombstone instead of waiting out its deadline."""
+    b = LogBuilder(RunConfig(ranks=2), run_id=run_id).start_run()
+    b.update(1, fail_rank=1)
+    for v in range(2, 2 + UPDATES_KEPT + 1):
+        b.update(v)
+    EventLog(redis_client, run_id).append_many(b.build())
+    client = TrainerClient(redis_client, run_id, "trainer", DirectoryStagingStore(tmp_path))
+    client.follow()
+    assert {1, 2} <= client.follower.state.retired_updates.keys()
+    assert client.wait_published(2, timeout_s=0.5) == 2
+    with pytest.raises(UpdateFailed, match="v1 aborted"):
+        client.wait_published(1, timeout_s=0.5)

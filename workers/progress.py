@@ -15,7 +15,6 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from rolledger.schemas.statuses import UpdateStatus
 from rolledger.workflows.figures import REWARD_EDGES_LABEL, admission_words, format_bytes, format_reward_edges
 from rolledger.workflows.state import RunState
 
@@ -73,11 +72,7 @@ def status_table(state: RunState) -> Table:
     t.add_row("queue (groups, bytes)", f"{_queue(state)}   max {format_bytes(state.admission.max_queued_bytes)}")
     t.add_row("admission", Text(admission, style="bold red" if alarm else ""))
     t.add_row("groups admitted / in flight", f"{state.admission.admitted} / {state.admission.inflight}")
-    aborted = sum(1 for u in state.updates.values() if u.status == UpdateStatus.ABORTED)
-    t.add_row(
-        "updates published / aborted",
-        f"{sum(1 for u in state.updates.values() if u.status == UpdateStatus.PUBLISHED)} / {aborted}",
-    )
+    t.add_row("updates published / aborted", f"{state.updates_published} / {state.updates_aborted}")
     t.add_row("events", str(state.events_applied))
     return t
 

@@ -467,6 +467,11 @@ class TrainerClient:
                 return version
             if upd is not None and upd.status == UpdateStatus.ABORTED:
                 raise UpdateFailed(version, upd.abort_reason, upd.failed)
+            gone = state.retired_updates.get(version)  # closed long ago: its record left the state, its outcome stays
+            if gone is not None:
+                if gone.status == UpdateStatus.PUBLISHED:
+                    return version
+                raise UpdateFailed(version, f"aborted (the log's {gone.closing_event} says why)", {})
             if state.status.is_terminal:
                 raise RunOver(f"the run ended ({state.status}) before v{version} was published")
             self._wait(deadline, f"publication of v{version}")

@@ -233,7 +233,8 @@ def _discard_cause(state: RunState, rank: int, version: int) -> str:
     was decided without this rank."""
     u = state.updates.get(version)
     if u is None:
-        return state.started_event
+        gone = state.retired_updates.get(version)  # closed, and its record retired
+        return gone.closing_event if gone is not None else state.started_event
     if not u.open:
         return _closing_event(u)
     me = state.ranks.get(rank)

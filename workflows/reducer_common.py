@@ -21,9 +21,12 @@ def find_group(s: RunState, e: ev.Event, group_id: str) -> GroupState | None:
 
 
 def find_update(s: RunState, e: ev.Event, version: int) -> UpdateState | None:
+    """The update's record; None (an anomaly) for a version never staged, or one whose record retired (an event for
+    it now is late: workflows/reducer_update.retire_updates)."""
     u = s.updates.get(version)
     if u is None:
-        anomaly(s, e, f"unknown update version {version}")
+        gone = s.retired_updates.get(version)
+        anomaly(s, e, f"unknown update version {version}" if gone is None else f"v{version} already {gone.status}")
     return u
 
 

@@ -6,7 +6,13 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import EngineStatus, UpdateStatus, WakeTag
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly, find_update, moving_average
-from rolledger.workflows.state import RunState, UpdateState
+from rolledger.workflows.state import (
+    UPDATE_TOMBSTONES_KEPT,
+    UPDATES_KEPT,
+    RetiredUpdate,
+    RunState,
+    UpdateState,
+)
 
 handlers: Handlers[RunState, None] = Handlers("reducer: weight update")
 
@@ -15,7 +21,7 @@ _HEALTH_PENDING = frozenset({UpdateStatus.COMMITTED, UpdateStatus.INVALIDATED}) 
 
 @handlers.on(ev.UpdateStaged)
 def _update_staged(s: RunState, e: ev.Event, p: ev.UpdateStaged) -> None:
-    if p.version in s.updates:
+    if p.version in s.updates or p.version in s.retired_updates:
         anomaly(s, e, f"version {p.version} staged twice")
         return
     if p.version <= s.policy_version:
@@ -32,6 +38,35 @@ def _step_done(s: RunState, e: ev.Event, u: UpdateState) -> None:
         busy = s.trainer.last_train_s + max(e.wall_time - u.staged_at, 0.0)
         s.admission.step_busy_s = moving_average(s.admission.step_busy_s, busy)
     forget_progress(u)
+    if u.status == UpdateStatus.PUBLISHED:
+        s.updates_published += 1
+    else:
+        s.updates_aborted += 1
+
+
+def retire_updates(s: RunState) -> None:
+    """Closed update records that no decider reads any more leave `updates`, a tombstone (`RetiredUpdate`) in their
+    place; run after every close. Kept, whatever their age: the newest UPDATES_KEPT closed ones; every one at or above
+    the published version (the run of aborts since it, which the coordinator counts, and the next version's number);
+    each rank's committed version (the source and cause of its reload or rejoin); and the newest closed update each
+    rank took part in (what resumes it). So every decider decides as it would with every record kept
+    (tests/test_reducer_bounded.py), and the state holds O(ranks + UPDATES_KEPT) closed records however long the run.
+    A late event for a retired version is judged by its tombstone (workflows/reducer_common.find_update)."""
+    closed = sorted(v for v, u in s.updates.items() if not u.open)
+    if len(closed) <= UPDATES_KEPT:
+        return
+    needed = {r.committed_version for r in s.ranks.values()}
+    for rank in s.ranks:
+        took_part = [v for v in closed if rank in s.updates[v].ranks]
+        if took_part:
+            needed.add(took_part[-1])
+    for v in closed[: len(closed) - UPDATES_KEPT]:
+        if v >= s.policy_version or v in needed:
+            continue
+        u = s.updates.pop(v)
+        s.retired_updates[v] = RetiredUpdate(u.status, u.published_event or u.decided_event)
+        if len(s.retired_updates) > UPDATE_TOMBSTONES_KEPT:
+            s.retired_updates.popitem(last=False)
 
 
 def forget_progress(u: UpdateState) -> None:
@@ -60,6 +95,11 @@ def _prepare_requested(s: RunState, e: ev.Event, p: ev.PrepareRequested) -> None
 
 @handlers.on(ev.RankPrepared)
 def _rank_prepared(s: RunState, e: ev.Event, p: ev.RankPrepared) -> None:
+    gone = s.retired_updates.get(p.version)
+    if gone is not None:  # a late prepare of a retired version: legal after its abort (below), else an anomaly
+        if gone.status != UpdateStatus.ABORTED:
+            anomaly(s, e, f"rank {p.rank} prepared v{p.version} while the update is {gone.status}")
+        return
     u = find_update(s, e, p.version)
     if u is None:
         return
@@ -70,11 +110,15 @@ def _rank_prepared(s: RunState, e: ev.Event, p: ev.RankPrepared) -> None:
         return
     if u.status != UpdateStatus.PREPARING:
         anomaly(s, e, f"rank {p.rank} prepared v{p.version} while the update is {u.status}")
+        if not u.open:
+            return  # a closed transaction keeps no progress (forget_progress)
     u.prepared[p.rank] = p.staged_digest
 
 
 @handlers.on(ev.RankPrepareFailed)
 def _rank_prepare_failed(s: RunState, e: ev.Event, p: ev.RankPrepareFailed) -> None:
+    if p.version in s.retired_updates:
+        return  # a late failure of a retired version: its record, where it would be noted, left the state
     u = find_update(s, e, p.version)
     if u is not None:
         u.failed[p.rank] = f"{p.phase}: {p.reason}"
@@ -109,17 +153,19 @@ def _update_aborted(s: RunState, e: ev.Event, p: ev.UpdateAborted) -> None:
     for r in u.ranks:
         if (rank := s.ranks.get(r)) is not None and rank.status is EngineStatus.ASLEEP:
             rank.wake_on_abort, rank.abort_event = True, e.event_id
+    retire_updates(s)
 
 
 @handlers.on(ev.RankCommitted)
 def _rank_committed(s: RunState, e: ev.Event, p: ev.RankCommitted) -> None:
-    u = find_update(s, e, p.version)
+    u = find_update(s, e, p.version)  # a retired version is an anomaly: no rank swaps in weights that old
     if u is None:
         return
     if not u.status.is_decided_commit:
         anomaly(s, e, f"rank {p.rank} swapped in v{p.version}, which is {u.status}")
         return
-    u.committed[p.rank] = p.weights_digest
+    if u.open:  # a closed transaction keeps no progress (forget_progress)
+        u.committed[p.rank] = p.weights_digest
     rank = s.ranks.get(p.rank)
     if rank is None:
         anomaly(s, e, f"unknown rank {p.rank}")
@@ -140,7 +186,7 @@ def _cache_invalidated(s: RunState, e: ev.Event, p: ev.CacheInvalidated) -> None
     else:
         rank.cache_generation = p.generation
     u = s.updates.get(p.version)
-    if u is not None and not p.kind.is_graph:
+    if u is not None and u.open and not p.kind.is_graph:  # (a closed transaction keeps no progress)
         u.invalidated[p.rank] = p.generation
         if u.status == UpdateStatus.COMMITTED and all(r in u.invalidated for r in u.ranks):
             u.status = UpdateStatus.INVALIDATED
@@ -149,7 +195,7 @@ def _cache_invalidated(s: RunState, e: ev.Event, p: ev.CacheInvalidated) -> None
 @handlers.on(ev.HealthPassed)
 def _health_passed(s: RunState, e: ev.Event, p: ev.HealthPassed) -> None:
     u = s.updates.get(p.version)
-    if u is None:  # a probe outside an update (a rank joining): nothing to track
+    if u is None or not u.open:  # a probe outside an update (a rank joining), or a late one: nothing to track
         return
     if p.rank not in u.healthy:
         u.healthy.append(p.rank)
@@ -179,3 +225,4 @@ def _policy_published(s: RunState, e: ev.Event, p: ev.PolicyPublished) -> None:
     u.status, u.published_event = UpdateStatus.PUBLISHED, e.event_id
     _step_done(s, e, u)
     s.policy_version, s.weights_digest = p.version, p.weights_digest
+    retire_updates(s)

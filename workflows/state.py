@@ -12,6 +12,10 @@ RETIRED_KEPT of them, so a late event for it is judged as before), the counters 
 `admission.gone_before_training`, the trainer's), and its canonical record folded into `retired_digest`, a hash
 chain in retirement order. So the state, its digest and a snapshot cost O(open work), not O(run), while the digest
 still covers every group the run ever had. The archive (the log) keeps the groups themselves.
+
+Closed weight updates leave `updates` the same way (workflows/reducer_update.retire_updates): a record stays while a
+decider may read it (see there), the others leave a `RetiredUpdate` tombstone in `retired_updates` (the newest
+UPDATE_TOMBSTONES_KEPT), and `updates_published` / `updates_aborted` count every transaction that ever closed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from rolledger.schemas.statuses import (
 from rolledger.schemas.trajectory import trajectory_nbytes
 
 RETIRED_KEPT: Final = 1024  # tombstones of retired groups kept (the oldest is dropped first)
+UPDATES_KEPT: Final = 8  # closed update records kept beside those a decider reads (reducer_update.retire_updates)
+UPDATE_TOMBSTONES_KEPT: Final = 256  # tombstones of retired update records kept (the oldest is dropped first)
 PROMPT_STATS_KEPT: Final = 4096  # prompts whose observed completion lengths the scheduler keeps (newest observed)
 
 
@@ -125,6 +131,15 @@ class UpdateState:
     def open(self) -> bool:
         """Neither aborted nor published: the transaction is still in flight."""
         return UpdateStatus(self.status).is_open
+
+
+@dataclass(slots=True)
+class RetiredUpdate:
+    """What stays of a closed update record that left `updates`: its outcome (a late event for it is judged by it) and
+    the event that closed it (what a rank discarding weights it staged for it answers)."""
+
+    status: UpdateStatus
+    closing_event: str
 
 
 @dataclass(slots=True)
@@ -220,7 +235,10 @@ class RunState:
     retired_digest: str = ""  # hash chain over the canonical record of each retired group, in retirement order
     after_retired: int = 0  # sample events for a retired group that raced its closure (counted, otherwise ignored)
     raced: dict[str, str] = field(default_factory=dict)  # sample id -> group id: started on a retired group, not ended
-    updates: dict[int, UpdateState] = field(default_factory=dict)
+    updates: dict[int, UpdateState] = field(default_factory=dict)  # the open ones and the closed ones still read
+    retired_updates: OrderedDict[int, RetiredUpdate] = field(default_factory=OrderedDict)  # newest, oldest first
+    updates_published: int = 0  # update transactions ever closed by PolicyPublished ...
+    updates_aborted: int = 0  # ... and by UpdateAborted (their records may have left `updates`)
     ranks: dict[int, RankState] = field(default_factory=dict)
     admission: AdmissionState = field(default_factory=AdmissionState)
     scheduler: SchedulerState = field(default_factory=SchedulerState)
@@ -252,6 +270,12 @@ class RunState:
         return None
 
     @property
+    def updates_committed(self) -> int:
+        """Update transactions whose commit was decided: every published one, and an open one past its commit."""
+        open_committed = sum(1 for u in self.updates.values() if u.open and UpdateStatus(u.status).is_decided_commit)
+        return self.updates_published + open_committed
+
+    @property
     def lag(self) -> int:
         """Current version minus the oldest version among untrained groups (0 when nothing is untrained). Untrained
         groups are live, so this scans the live groups only."""
@@ -276,6 +300,9 @@ class RunState:
             _observe_groups(state)
         if "retired_groups" not in data:  # a snapshot taken before the live state was bounded (issue 12)
             _bound(state)
+        if "updates_published" not in data:  # a snapshot taken before update records retired: every one is there
+            state.updates_published = sum(1 for u in state.updates.values() if u.status == UpdateStatus.PUBLISHED)
+            state.updates_aborted = sum(1 for u in state.updates.values() if u.status == UpdateStatus.ABORTED)
         _legacy_sample_bytes(state)
         return state
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import RunStatus, UpdateStatus
+from rolledger.schemas.statuses import RunStatus
 from rolledger.workflows.admission import throttle_bound
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.figures import reward_edges
@@ -285,8 +285,8 @@ def summarize(state: RunState, events: Iterable[ev.Event], dead_letters: Iterabl
         reward_last=last,
         max_lag=state.trainer.max_lag,
         max_queued_bytes=state.admission.max_queued_bytes,
-        updates_committed=sum(1 for u in state.updates.values() if u.status.is_decided_commit),
-        updates_aborted=sum(1 for u in state.updates.values() if u.status == UpdateStatus.ABORTED),
+        updates_committed=state.updates_committed,
+        updates_aborted=state.updates_aborted,
         engine_idle_fraction=1.0 - statistics.fmean(busy),
         handoff_tax=statistics.fmean(handed) if colocated else None,
         logprob_agreement=statistics.median(state.trainer.logprob_gaps) if state.trainer.logprob_gaps else 0.0,

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import UpdateStatus
 from rolledger.workflows.lineage import lineage
 from rolledger.workflows.reducer import fold
-from rolledger.workflows.state import RunState
+from rolledger.workflows.state import RunState, UpdateState
 from rolledger.workflows.timeline import Timeline, build_timeline
 
 GROUP_LABEL = "group "  # build_timeline labels a generate span "group <group id>"
@@ -132,10 +131,15 @@ class RunView:
     facts: list[EventFacts] = field(default_factory=list)
     finish_reason: str = ""
     undecodable: int = 0  # entries of the log that are not events (counted by whoever reads the log)
+    # every closed update's row as it closed: the state keeps only the records a decider still reads
+    closed_updates: dict[int, dict[str, Any]] = field(default_factory=dict)
     _timeline: tuple[int, Timeline] | None = None  # (events folded, the timeline of them)
 
     def add(self, stream_id: str, e: ev.Event) -> None:
         fold(self.state, e)
+        p = e.payload
+        if isinstance(p, ev.UpdateAborted | ev.PolicyPublished) and (u := self.state.updates.get(p.version)):
+            self.closed_updates[p.version] = _update_row(u)
         self.events.append(e)
         self.stream_ids.append(stream_id)
         self.facts.append(event_facts(e))
@@ -156,16 +160,8 @@ class RunView:
         cfg = s.config
         gaps = s.trainer.logprob_gaps
         rewards = s.trainer.rewards
-        updates = [
-            {
-                "version": u.version,
-                "status": str(u.status),
-                "reason": u.abort_reason,
-                "failed_ranks": sorted(u.failed),
-                "ranks": list(u.ranks),
-            }
-            for _, u in sorted(s.updates.items())
-        ]
+        rows = {**self.closed_updates, **{v: _update_row(u) for v, u in s.updates.items()}}
+        updates = [rows[v] for v in sorted(rows)]
         return {
             "run_id": s.run_id or (self.events[0].run_id if self.events else ""),
             "status": str(s.status),
@@ -191,8 +187,8 @@ class RunView:
             "groups_admitted": s.admission.admitted,
             "groups_inflight": s.admission.inflight,
             "updates": updates,
-            "published": sum(1 for u in s.updates.values() if u.status == UpdateStatus.PUBLISHED),
-            "aborted": sum(1 for u in s.updates.values() if u.status == UpdateStatus.ABORTED),
+            "published": s.updates_published,
+            "aborted": s.updates_aborted,
             "events": len(self.events),
             "undecodable": self.undecodable,
             "anomalies": [{"event_id": a.event_id, "type": a.event_type, "message": a.message} for a in s.anomalies],
@@ -305,6 +301,16 @@ class RunView:
             "lineage": chain.to_dict(),
             "text": chain.render(),
         }
+
+
+def _update_row(u: UpdateState) -> dict[str, Any]:
+    return {
+        "version": u.version,
+        "status": str(u.status),
+        "reason": u.abort_reason,
+        "failed_ranks": sorted(u.failed),
+        "ranks": list(u.ranks),
+    }
 
 
 def view_of(entries: Iterable[tuple[str, ev.Event]]) -> RunView:
