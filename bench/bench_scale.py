@@ -482,13 +482,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trips.uninstall()
         roles.uninstall()
         cpu, rcpu, calls = own_cpu() - cpu0, redis_cpu(client) - rcpu0, command_calls(client)
-        collector.__exit__(None, None, None)
         events = log.length()
         delta = {k: v - calls0.get(k, 0) for k, v in calls.items() if v - calls0.get(k, 0) > 0}
         state = RunState()
         for stored in log.read():
             fold(state, stored.event)
-        post = after_the_run(client, args.steps)
+        post = after_the_run(client, args.steps)  # snapshots timed under the collector the run had, as a process does
+        collector.__exit__(None, None, None)
     coordinator_module.decide = real_decide  # type: ignore[assignment]
     return {
         "events": events,
