@@ -56,10 +56,12 @@ def retire_updates(s: RunState) -> None:
     if len(closed) <= UPDATES_KEPT:
         return
     needed = {r.committed_version for r in s.ranks.values()}
-    for rank in s.ranks:
-        took_part = [v for v in closed if rank in s.updates[v].ranks]
-        if took_part:
-            needed.add(took_part[-1])
+    seen: set[int] = set()  # ranks whose newest closed update is found (newest first: one pass, O(records x ranks))
+    for v in reversed(closed):
+        for rank in s.updates[v].ranks:
+            if rank not in seen:
+                seen.add(rank)
+                needed.add(v)
     for v in closed[: len(closed) - UPDATES_KEPT]:
         if v >= s.policy_version or v in needed:
             continue
