@@ -447,7 +447,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trips = RoundTrips()
     roles = RoleCpu()
     roles.install()  # before any worker exists: some start threads as they are made
-    with redis_server(aof=True) as (url, _), tempfile.TemporaryDirectory(prefix="rl-scale-") as tmp:
+    with (
+        redis_server(aof=True) as (url, _),
+        tempfile.TemporaryDirectory(prefix="rl-scale-") as tmp,
+        contextlib.ExitStack() as collector,
+    ):
         client = connect(url)
         log = EventLog(client, RUN_ID)
         prompts = prompt_items(cfg, tokenizer)
@@ -457,8 +461,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             workers.append(RankWorker(client, RUN_ID, r, engine, initial_weights=lambda: tiny_weights(0)))  # type: ignore[arg-type]
         workers.append(RewardWorker(client, RUN_ID, "reward", tokenizer))
         workers.append(SimulatedTrainer(client, RUN_ID, Path(tmp) / "staging", cfg))
-        collector = gc_policy.serving() if args.gc == "serving" else contextlib.nullcontext()
-        collector.__enter__()  # as `rolledger run` does: the roles as built are frozen (workers/gc_policy.py)
+        if args.gc == "serving":  # as `rolledger run` does: the roles as built are frozen (workers/gc_policy.py)
+            collector.enter_context(gc_policy.serving())
         calls0, rcpu0, cpu0 = command_calls(client), redis_cpu(client), own_cpu()
         trips.install()
         t0 = time.perf_counter()
@@ -488,7 +492,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for stored in log.read():
             fold(state, stored.event)
         post = after_the_run(client, args.steps)  # snapshots timed under the collector the run had, as a process does
-        collector.__exit__(None, None, None)
+        collector.close()
     coordinator_module.decide = real_decide  # type: ignore[assignment]
     return {
         "events": events,

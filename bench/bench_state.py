@@ -14,8 +14,8 @@ previous step's, so one step's groups are always live), is folded event by event
 - bounded: the reducer as it is (terminal groups that owe nothing retire, and closed update records no decider reads;
   workflows/state.py, workflows/reducer_update.retire_updates).
 
-At step `--early` and at the last step each prints: live groups held, update records held, the state's size (msgpack of `to_dict()`, what
-a snapshot stores), a decision tick (best of `--ticks`: every decider of `coordinator.decide`, each in full), `digest()`, and a
+At step `--early` and at the last step each prints: live groups held, update records held, the state's size (msgpack
+of `to_dict()`, what a snapshot stores), a decision tick (best of `--ticks`: every decider of `coordinator.decide`, each in full), `digest()`, and a
 snapshot's work (`to_dict` + msgpack + digest, what events.snapshots.take_snapshot computes before its one XADD),
 then the last/early ratio of each. The aim: every ratio of the bounded state <= 1.2. Timings are best-of, CPU-bound,
 on whatever machine runs it (a shared machine's load moves them).

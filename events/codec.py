@@ -25,8 +25,8 @@ are rebuilt as enums, tuples as tuples, packed arrays as lists, nested models re
 anyway, pydantic-core being as fast as a hand-built model there (`_heavy`). The trust is in the *writer*, not the
 bytes' shape: an entry whose shape is not exactly what `encode` writes (a missing or extra field, an older schema
 version, a type the plans cannot build, anything the build trips on) falls back to full validation, so a malformed
-entry still becomes a DecodeError (and a dead-letter entry) under either trust. What OWN_LOG does not re-check is field *values* (ranges, cross-field
-checks): a caller must pass OWN_LOG only for a log no one but this project writes.
+entry still becomes a DecodeError (and a dead-letter entry) under either trust. What OWN_LOG does not re-check is
+field *values* (ranges, cross-field checks): a caller must pass OWN_LOG only for a log no one but this project writes.
 """
 
 from __future__ import annotations

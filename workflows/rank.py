@@ -211,11 +211,6 @@ def rejoin_version(state: RunState) -> int:
     return max([*decided, state.policy_version])
 
 
-def _closing_event(u: UpdateState) -> str:
-    """The command that closed a transaction: its PolicyPublished, else its UpdateAborted (or UpdateCommitted)."""
-    return u.published_event or u.decided_event
-
-
 def _version_cause(state: RunState, version: int) -> str:
     """The command that made `version` the one to hold: its UpdateCommitted, or RunStarted for the initial weights."""
     u = state.updates.get(version)
@@ -224,8 +219,8 @@ def _version_cause(state: RunState, version: int) -> str:
 
 def _resume_cause(state: RunState, rank: int) -> str:
     """What releases a paused rank: the close of the newest update it took part in (else the run's start)."""
-    closed = [u for v, u in sorted(state.updates.items()) if not u.open and rank in u.ranks and _closing_event(u)]
-    return _closing_event(closed[-1]) if closed else state.started_event
+    closed = [u for v, u in sorted(state.updates.items()) if not u.open and rank in u.ranks and u.closing_event]
+    return closed[-1].closing_event if closed else state.started_event
 
 
 def _discard_cause(state: RunState, rank: int, version: int) -> str:
@@ -236,7 +231,7 @@ def _discard_cause(state: RunState, rank: int, version: int) -> str:
         gone = state.retired_updates.get(version)  # closed, and its record retired
         return gone.closing_event if gone is not None else state.started_event
     if not u.open:
-        return _closing_event(u)
+        return u.closing_event
     me = state.ranks.get(rank)
     if rank in u.quarantined and me is not None and me.quarantined_event:
         return me.quarantined_event

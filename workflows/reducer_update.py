@@ -12,6 +12,7 @@ from rolledger.workflows.state import (
     RetiredUpdate,
     RunState,
     UpdateState,
+    keep_newest,
 )
 
 handlers: Handlers[RunState, None] = Handlers("reducer: weight update")
@@ -66,9 +67,7 @@ def retire_updates(s: RunState) -> None:
         if v >= s.policy_version or v in needed:
             continue
         u = s.updates.pop(v)
-        s.retired_updates[v] = RetiredUpdate(u.status, u.published_event or u.decided_event)
-        if len(s.retired_updates) > UPDATE_TOMBSTONES_KEPT:
-            s.retired_updates.popitem(last=False)
+        keep_newest(s.retired_updates, v, RetiredUpdate(u.status, u.closing_event), UPDATE_TOMBSTONES_KEPT)
 
 
 def forget_progress(u: UpdateState) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgpack
 import xxhash
@@ -46,6 +46,9 @@ RETIRED_KEPT: Final = 1024  # tombstones of retired groups kept (the oldest is d
 UPDATES_KEPT: Final = 8  # closed update records kept beside those a decider reads (reducer_update.retire_updates)
 UPDATE_TOMBSTONES_KEPT: Final = 256  # tombstones of retired update records kept (the oldest is dropped first)
 PROMPT_STATS_KEPT: Final = 4096  # prompts whose observed completion lengths the scheduler keeps (newest observed)
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @dataclass(slots=True)
@@ -131,6 +134,12 @@ class UpdateState:
     def open(self) -> bool:
         """Neither aborted nor published: the transaction is still in flight."""
         return UpdateStatus(self.status).is_open
+
+    @property
+    def closing_event(self) -> str:
+        """The command that closed the transaction: its PolicyPublished, else its UpdateAborted (or UpdateCommitted);
+        "" while nothing has."""
+        return self.published_event or self.decided_event
 
 
 @dataclass(slots=True)
@@ -429,14 +438,19 @@ def _bound(state: RunState) -> None:
 _GONE_BEFORE_TRAINING = frozenset({GroupStatus.CANCELLED, GroupStatus.DROPPED})
 
 
+def keep_newest(window: OrderedDict[K, V], key: K, value: V, kept: int) -> None:
+    """Add to a bounded tombstone window (oldest first): past `kept` entries the oldest leaves, in O(1)."""
+    window[key] = value
+    if len(window) > kept:
+        window.popitem(last=False)
+
+
 def retire_if_done(state: RunState, g: GroupState) -> None:
     """Move a group that owes nothing out of the live state: a tombstone, the counters, the hash chain."""
     if not owes_nothing(g) or state.groups.get(g.group_id) is not g:
         return
     del state.groups[g.group_id]
-    state.retired[g.group_id] = g.status
-    if len(state.retired) > RETIRED_KEPT:
-        state.retired.popitem(last=False)
+    keep_newest(state.retired, g.group_id, g.status, RETIRED_KEPT)
     state.retired_groups += 1
     state.retired_digest = xxhash.xxh3_128_hexdigest(
         msgpack.packb([state.retired_digest, group_record(g)], use_bin_type=True)
