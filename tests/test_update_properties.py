@@ -33,6 +33,7 @@ from rolledger.schemas.trajectory import Trajectory
 from rolledger.workflows.audit import audit
 from rolledger.workflows.audit_report import Violation
 from rolledger.workflows.groups import decide_groups
+from rolledger.workflows.rank import may_serve
 from rolledger.workflows.reducer import fold, replay
 from rolledger.workflows.state import RunState
 from rolledger.workflows.update import about_to_be_quarantined, decide_update
@@ -368,8 +369,8 @@ class Sim:
                 v,
             )
             return
-        if not r.serving or about_to_be_quarantined(r.state, r.rank, self.now):
-            return  # (the second as workers/rollout.py: a rank the open update will quarantine starts nothing)
+        if not r.serving or not may_serve(r.state, r.rank) or about_to_be_quarantined(r.state, r.rank, self.now):
+            return  # (the last two as workers/rollout.py `_may_generate`, on the rank's folded state)
         waiting = [g for g in self.state.groups.values() if g.status == "admitted" and g.group_id not in self.taken]
         if not waiting or waiting[0].group_id not in r.state.groups:
             return  # nothing queued, or the rank's follower has not seen the group yet (the rollout thread waits)
@@ -590,6 +591,10 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 @example(
     plan=Plan(2, 1, {}, None, 1), schedule=[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 30, 0, 0], jumps={14}
 )  # a rank starts a group before it folds its quarantine for an aborted update: on untouched weights, benign
+@example(
+    plan=Plan(2, 2, {1: (0, "prepare")}, None, 5), schedule=[1], jumps=set()
+)  # rank 0 rejoins on v0 during v2's update without it; after v2 publishes, its rollout may not start a group on the
+# v0 it still holds (may_serve: behind the published), before or after it folds its quarantine for being behind
 @given(
     plan=plans(),
     schedule=st.lists(st.integers(0, 63), max_size=MAX_DRAWN),
