@@ -9,15 +9,17 @@ engine's local facts, execute each action against the engine and append its even
 next decision, so the decider always sees its own results and never repeats an action. It keeps no copy of what the
 reducer knows; the only facts it holds are the engine's own (groups running, the version staged, a failed load).
 
-The rollout slots (workers/rollout.py: `rank_slots` threads, one group each) generate the groups taken from the
-`rollout` consumer group; the control thread starts them once joined and replaces any that died. One lock guards the
-folded state and the running-group count (the groups of all slots): the control thread folds under it, the slots
+The ranks of one process share one fold of the log (`runtime.shared_follower`: with 16 ranks in `rolledger run`,
+each folding every event was half of the control plane's CPU) and its lock. The lock guards the folded state and each
+rank's running-group count (the groups of all its slots): every control thread folds and decides under it, the slots
 read the state under it, and "may I start a group" (a slot) and "report drained / sleep" (control) are decided under
-it on the same state, so a group can never start after this rank reported EnginePaused, and a drain (but a `keep`
-pause, which parks them) waits until no slot runs a group. A `keep` drain still waits until every running group's
-SampleStarted is in the log (`announcing`), so the log never shows a group starting after the rank paused. Faults are
-not here: a FaultyEngine (workers/faults.py)
-wraps the engine when the run has injections for this rank.
+it on the same state. Since other ranks' threads fold the shared state too, it can move on between a rank's decision
+and its report; so the report holds the rank's starts (`starts_held_through`) from the check that no group runs until
+the follower has folded the report itself: a group can never start after this rank reported EnginePaused (or
+EngineSlept), and a drain (but a `keep` pause, which parks them) waits until no slot runs a group. A `keep` drain
+still waits until every running group's SampleStarted is in the log (`announcing`), so the log never shows a group
+starting after the rank paused. Faults are not here: a FaultyEngine (workers/faults.py) wraps the engine when the run
+has injections for this rank.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus
 from rolledger.workers.engine import CommitReport, Engine, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.rollout import Rollout
-from rolledger.workers.runtime import Follower, Worker
+from rolledger.workers.runtime import Worker, shared_follower
 from rolledger.workers.staging_format import StagingError
 from rolledger.workers.transport import read_manifest
 from rolledger.workflows import rank as rd
@@ -61,12 +63,13 @@ class RankWorker(Worker):
         self.engine = engine
         self.incarnation = uuid.uuid4().hex[:12]  # this rank process; announced in its RankJoined
         self.initial_weights = initial_weights
-        self.lock = threading.Condition()  # guards follower.state and running; notified after every fold
-        self.follower = Follower(self.log, self.lock)
+        self.follower = shared_follower(self.log)  # the process's ranks share one fold and its lock
+        assert self.follower.lock is not None
+        self.lock = self.follower.lock  # notified after every fold; guards the state, running and announcing
         self.running = 0  # groups the rollout slots are generating (written under the lock)
         self.announcing = 0  # of those, started but their SampleStarted not yet in the log (written under the lock)
         # no group starts until the follower has folded this stream id ("" : until it is set; None: no hold); set
-        # around this rank's own RankPrepareFailed, which the coordinator answers by quarantining the rank
+        # around this rank's own reports that stop generation (`_emit_holding_starts`)
         self.starts_held_through: str | None = None
         self._staged: int | None = None  # the version the engine holds staged
         self._failed_load: int | None = None  # the version a rejoin/reload last failed on
@@ -74,7 +77,7 @@ class RankWorker(Worker):
 
     @property
     def state(self) -> RunState:
-        """The folded state; read it under `lock` from any thread but the control thread."""
+        """The folded state (shared by the process's ranks); read it under `lock`."""
         return self.follower.state
 
     # ------------------------------------------------------------------ the loop
@@ -93,7 +96,7 @@ class RankWorker(Worker):
                     break
                 me = self.state.ranks.get(self.rank)
                 joined = me is not None and me.incarnation == self.incarnation  # the log holds our own RankJoined
-            actions = rd.decide_rank(self.state, self.rank, self.local())  # only this thread mutates the state
+                actions = rd.decide_rank(self.state, self.rank, self.local())
             acted = False
             for action in actions:
                 acted = self.execute(action) or acted
@@ -130,14 +133,15 @@ class RankWorker(Worker):
             case rd.Pause(mode=mode):
                 self.engine.pause(mode)
             case rd.ReportDrained(mode=mode):
-                with self.lock:  # may_serve is false on this state, and it cannot change before we fold again
+                with self.lock:
                     if self.running and mode != "keep":
                         return False
                     if self.announcing:  # keep parks running groups, but each must be in the log before the pause
                         return False
+                    self.starts_held_through = ""  # from this check until the report is folded (the module's doc)
                 if not self.engine.is_paused:
                     self.engine.pause(mode)
-                self.emit(ev.EnginePaused(rank=self.rank, mode=mode), cause=action.cause)
+                self._emit_holding_starts(ev.EnginePaused(rank=self.rank, mode=mode), cause=action.cause)
             case rd.Commit():
                 self._commit(action)
             case rd.Probe(version=version):
@@ -146,10 +150,15 @@ class RankWorker(Worker):
                 with self.lock:
                     if self.running:
                         return False
-                if not self.engine.is_paused:
-                    self.engine.pause(mode)
-                report = self.engine.sleep(level)
-                self.emit(
+                    self.starts_held_through = ""  # from this check until the report is folded (the module's doc)
+                try:
+                    if not self.engine.is_paused:
+                        self.engine.pause(mode)
+                    report = self.engine.sleep(level)
+                except BaseException:
+                    self._release_starts()
+                    raise
+                self._emit_holding_starts(
                     ev.EngineSlept(
                         rank=self.rank, level=level, bytes_freed=report.bytes_freed, verified=report.verified
                     ),
@@ -254,12 +263,22 @@ class RankWorker(Worker):
             deadline = time.monotonic() + _ANNOUNCE_WITHIN_S
             while self.announcing and time.monotonic() < deadline:
                 self.lock.wait(timeout=0.05)  # woken by each announcement
+        self._emit_holding_starts(failed, cause=cause)
+
+    def _emit_holding_starts(self, *payloads: ev.Payload, cause: str) -> None:
+        """Append a report that stops this rank's generation, its caller having set `starts_held_through` to ""
+        (no start) under the lock: afterwards starts stay held until the follower has folded the report, whoever
+        folds it, so no slot starts a group on a state that does not hold it yet."""
         try:
-            self.emit(failed, cause=cause)
+            self.emit(*payloads, cause=cause)
         finally:
-            with self.lock:
-                self.starts_held_through = self.emitter.last_id
-                self.lock.notify_all()
+            self._release_starts()
+
+    def _release_starts(self) -> None:
+        """Hold starts only until the follower has folded this rank's newest append (already folded: no hold)."""
+        with self.lock:
+            self.starts_held_through = self.emitter.last_id
+            self.lock.notify_all()
 
     def _commit(self, a: rd.Commit) -> None:
         started = time.perf_counter()

@@ -2,7 +2,9 @@
 
 A `Follower` tails the run's log from its first entry and folds every event through the reducer, so a process that
 restarts rebuilds exactly the state it had; the followers of one process share one read and one decode of the log
-(workers/shared_tail.py). An `Emitter` wraps payloads into envelopes (id, producer, causation,
+(workers/shared_tail.py). `shared_follower` is one fold for several roles of a process that decide on the same
+state under one lock (the rank workers: `rolledger run` holds all ranks in one process, and 16 ranks folding every
+event 16 times was half of the control plane's CPU, bench/bench_scale.py). An `Emitter` wraps payloads into envelopes (id, producer, causation,
 policy version in force) and appends them; after the run's RunFinished the store refuses appends (RunClosed) and the
 emitter drops them with one log line, so a worker still finishing its last action when the run ends stops cleanly
 on its next fold instead of crashing. `Worker` is the small base class with the stop flag and the loop; a Redis
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Sequence
 
 import redis
@@ -36,7 +39,10 @@ class Follower:
     Every follower of a process reads through the process's one tail of the run (workers/shared_tail.py): the log
     is read and decoded once per process, whatever the number of roles following it.
 
-    `lock`: for a state other threads read (a rank's rollout thread): `catch_up` folds under it and notifies it."""
+    `lock`: for a state other threads read (a rank's rollout thread) or fold (the ranks of `shared_follower`):
+    `catch_up` places and folds under it and notifies it. Two threads may fetch overlapping entries from the tail;
+    under the lock each event is folded once, by whichever comes first (the other skips what the state already
+    holds)."""
 
     def __init__(self, log: EventLog, lock: threading.Condition | None = None) -> None:
         self.log = log
@@ -67,12 +73,29 @@ class Follower:
 
     def poll(self, block_ms: int = 100) -> list[StoredEvent]:
         """Fold what has arrived after our position, waiting up to `block_ms` for a first entry."""
-        self._place()
+        with self._guard():
+            self._place()
         got = self.tail.after(self.last_id, block_ms=block_ms)
-        for stored in got:
-            fold(self.state, stored.event)
-            self.last_id = stored.stream_id
-        return got
+        return self._fold(got)
+
+    def _guard(self) -> contextlib.AbstractContextManager[object]:
+        return self.lock if self.lock is not None else contextlib.nullcontext()
+
+    def _fold(self, got: list[StoredEvent]) -> list[StoredEvent]:
+        """Fold the fetched entries the state does not hold yet (under the lock; notified); returns them."""
+        if not got:
+            return got
+        with self._guard():
+            last, skip = order(self.last_id), 0
+            while skip < len(got) and order(got[skip].stream_id) <= last:  # folded by another thread meanwhile
+                skip += 1
+            new = got[skip:]
+            for stored in new:
+                fold(self.state, stored.event)
+                self.last_id = stored.stream_id
+            if self.lock is not None:
+                self.lock.notify_all()
+        return new
 
     def catch_up(self, block_ms: int = 0, *, through: str | None = None) -> list[StoredEvent]:
         """Fold everything appended so far (waiting up to `block_ms` for the first new entry; 0: do not wait): the
@@ -81,18 +104,30 @@ class Follower:
         `through`: fold at least up to this stream id instead of the log's end as of this call (one round trip
         less): a worker that must see its own appends passes its emitter's `last_id`, and takes what other
         processes appended as the process's tail brings it ("0-0": only what the tail already has)."""
-        self._place()
+        with self._guard():
+            self._place()
         target = through if through is not None else self.log.last_id()
         got = self.tail.after(self.last_id, block_ms=block_ms, through=target)
-        if not got:
-            return got
-        with self.lock if self.lock is not None else contextlib.nullcontext():
-            for stored in got:
-                fold(self.state, stored.event)
-                self.last_id = stored.stream_id
-            if self.lock is not None:
-                self.lock.notify_all()
-        return got
+        return self._fold(got)
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[int, str], Follower] = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_follower(log: EventLog) -> Follower:
+    """This process's one fold of `log`'s run on `log`'s connection pool, with its lock (a Condition), for roles
+    that share it (made on first use, kept while one of them holds it).
+
+    What sharing asks of its users: the state changes whenever any of them folds, so they read it under `lock` only
+    (decisions included), and a role that must see its own report folded before it acts again (a rank's
+    EnginePaused) waits for it by its stream id, not by "nobody folds until I do"."""
+    key = (id(getattr(log.client, "connection_pool", log.client)), log.run_id)  # a cluster client has no pool
+    with _SHARED_LOCK:
+        follower = _SHARED.get(key)
+        if follower is None:
+            follower = _SHARED[key] = Follower(log, threading.Condition())
+        return follower
 
 
 class Emitter:
