@@ -31,8 +31,9 @@ Three gates, each a pause reason the controller owns (the update and handoff coo
 Transitions only: AdmissionPaused when a gate closes, AdmissionResumed when it opens; while every gate is open,
 GroupAdmitted for the next prompts up to `max_inflight_groups`, in the order workflows/scheduler.py picks them.
 
-Cost: O(open work). The gates scan the live groups only (retired ones are terminal and count through
-`admission.gone_before_training`), and the candidates are the `window` prompts from the scheduler's frontier.
+Cost: O(open work). One scan of the live groups per decision (`live_totals`; retired ones are terminal and count
+through `admission.gone_before_training`), whatever the number of groups it admits, and the candidates are the
+`window` prompts from the scheduler's frontier.
 """
 
 from __future__ import annotations
@@ -105,19 +106,38 @@ def settled_version(state: RunState) -> int:
     return max([state.policy_version, *closed])
 
 
-def gates(state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int) -> Gates:
-    """The three gates, as if `extra_groups` more groups of `extra_bytes` in all were admitted now."""
-    adm = cfg.admission
+@dataclass(frozen=True, slots=True)
+class LiveTotals:
+    """What the live groups hold: the bytes the open ones reserved, and how many are untrained."""
+
+    inflight_bytes: int
+    untrained: int
+
+
+def live_totals(state: RunState) -> LiveTotals:
+    """One scan of the live groups: O(open work). A decision sums them once and asks the gates for each group it
+    admits on the same totals (the groups it admits count as `extra_groups`)."""
     inflight_bytes = untrained = 0
-    for g in state.groups.values():  # the live groups: O(open work)
+    for g in state.groups.values():
         if g.status.is_open:
             inflight_bytes += g.est_bytes
         if g.untrained:
             untrained += 1
-    projected_bytes = state.admission.queued_bytes + inflight_bytes + extra_bytes
+    return LiveTotals(inflight_bytes, untrained)
+
+
+def gates(
+    state: RunState, cfg: RunConfig, extra_groups: int, extra_bytes: int, live: LiveTotals | None = None
+) -> Gates:
+    """The three gates, as if `extra_groups` more groups of `extra_bytes` in all were admitted now. `live`: the
+    state's `live_totals`, when the caller has them."""
+    adm = cfg.admission
+    totals = live if live is not None else live_totals(state)
+    untrained = totals.untrained
+    projected_bytes = state.admission.queued_bytes + totals.inflight_bytes + extra_bytes
     # every group ever admitted but those cancelled or dropped (consumed ones included: they set the trainer's pace)
-    live = state.admission.admitted - state.admission.gone_before_training + extra_groups
-    projected_lag = (live - 1) // cfg.trainer.groups_per_step - settled_version(state) if live else 0
+    counted = state.admission.admitted - state.admission.gone_before_training + extra_groups
+    projected_lag = (counted - 1) // cfg.trainer.groups_per_step - settled_version(state) if counted else 0
     untrained += extra_groups
     cap = throttle_cap(state, cfg)
     return Gates(
@@ -158,10 +178,11 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
 
     out: list[ev.Payload] = []
     paused = list(state.admission.paused)
+    live = live_totals(state)  # once per decision, not once per group admitted
     # Pause/resume on the owned gates as they stand for the next group.
     first = pick_next(state, cfg, pool, admitted_now)
     first_bytes = group_bytes(cfg, first, state.admission.admitted) if first else 0
-    for reason, ok, detail in gates(state, cfg, 1, first_bytes).verdicts(cfg):
+    for reason, ok, detail in gates(state, cfg, 1, first_bytes, live).verdicts(cfg):
         if not ok and reason not in paused:
             out.append(
                 ev.AdmissionPaused(
@@ -181,7 +202,7 @@ def decide_admission(state: RunState, inputs: AdmissionInputs) -> list[ev.Payloa
         if state.admission.inflight + len(admitted_now) >= cfg.admission.max_inflight_groups:
             break
         nbytes = group_bytes(cfg, item, seq + len(admitted_now))
-        g = gates(state, cfg, len(admitted_now) + 1, admitted_bytes + nbytes)
+        g = gates(state, cfg, len(admitted_now) + 1, admitted_bytes + nbytes, live)
         if not (g.bytes_ok and g.lag_ok and g.rate_ok):
             break  # the next tick pauses on the gate that closed
         out.append(

@@ -92,25 +92,34 @@ def _cancel_if_stale(state: RunState, g: GroupState) -> ev.GroupCancelled | None
 
 
 def decide_group(g: GroupState, now: float, deadline: float | None) -> ev.Payload | None:
-    finished = [s for s in sorted(g.samples.values(), key=lambda s: s.index) if s.status == SampleStatus.FINISHED]
-    terminal = sum(1 for s in g.samples.values() if s.status.is_terminal)
-    lost = terminal - len(finished)  # failed or cancelled
+    done = terminal = 0  # counted first: most open groups decide nothing, and only a completion needs the samples
+    for s in g.samples.values():
+        if s.status == SampleStatus.FINISHED:
+            done += 1
+        if s.status.is_terminal:
+            terminal += 1
+    lost = terminal - done  # failed or cancelled
     k = g.required
-    if g.policy_kind == PolicyKind.FIRST_K and len(finished) >= k:
-        return _complete(g, finished[:k], GroupOutcome.COMPLETE if k == g.n else GroupOutcome.PARTIAL)
-    if g.policy_kind == PolicyKind.ALL and len(finished) == g.n:
-        return _complete(g, finished, GroupOutcome.COMPLETE)
-    if g.policy_kind == PolicyKind.AT_LEAST and terminal == g.n and len(finished) >= k:
-        return _complete(g, finished, GroupOutcome.COMPLETE if len(finished) == g.n else GroupOutcome.PARTIAL)
+    if g.policy_kind == PolicyKind.FIRST_K and done >= k:
+        return _complete(g, _finished(g)[:k], GroupOutcome.COMPLETE if k == g.n else GroupOutcome.PARTIAL)
+    if g.policy_kind == PolicyKind.ALL and done == g.n:
+        return _complete(g, _finished(g), GroupOutcome.COMPLETE)
+    if g.policy_kind == PolicyKind.AT_LEAST and terminal == g.n and done >= k:
+        return _complete(g, _finished(g), GroupOutcome.COMPLETE if done == g.n else GroupOutcome.PARTIAL)
     if g.n - lost < k:
         return ev.GroupCancelled(
             group_id=g.group_id, reason=f"only {g.n - lost} of the {k} required samples can finish"
         )
     if deadline is not None and now >= deadline:
-        if len(finished) >= k and g.policy_kind != PolicyKind.ALL:
-            return _complete(g, finished, GroupOutcome.PARTIAL)
-        return ev.GroupCancelled(group_id=g.group_id, reason=f"deadline passed with {len(finished)} of {k} finished")
+        if done >= k and g.policy_kind != PolicyKind.ALL:
+            return _complete(g, _finished(g), GroupOutcome.PARTIAL)
+        return ev.GroupCancelled(group_id=g.group_id, reason=f"deadline passed with {done} of {k} finished")
     return None
+
+
+def _finished(g: GroupState) -> list[SampleState]:
+    """The group's finished samples in index order."""
+    return [s for s in sorted(g.samples.values(), key=lambda s: s.index) if s.status == SampleStatus.FINISHED]
 
 
 def _complete(g: GroupState, accepted: list[SampleState], status: GroupOutcome) -> ev.GroupCompleted:

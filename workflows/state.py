@@ -94,7 +94,7 @@ class GroupState:
     @property
     def untrained(self) -> bool:
         """Admitted and neither consumed, dropped nor cancelled."""
-        return GroupStatus(self.status).is_untrained
+        return self.status.is_untrained
 
 
 @dataclass(slots=True)
