@@ -1,7 +1,7 @@
 """The control plane at scale (run by hand): what the control plane costs per event, with simulated engines.
 
     python bench/bench_scale.py [--prompts 512] [--samples 16] [--ranks 16 | --ranks64] [--steps 20] [--gen-ms 200]
-                                [--gc serving | default | both]
+                                [--gc serving | default | both] [--fold shared | own | both]
 
 What runs, all in this process (as `rolledger run` runs it) against a real redis-server on loopback (AOF on,
 appendfsync no, as rolledger runs it):
@@ -37,6 +37,10 @@ The machine may be shared: the load average is printed with the numbers.
 `--gc`: the roles run inside `workers.gc_policy.serving()` as in `rolledger run` (serving, the default), or under
 CPython's collector defaults (default, the baseline), or both, one whole run after the other (a fresh redis-server
 each), each printed, then their ratio of control-plane CPU per event.
+
+`--fold`: the ranks and the reward worker share the process's one fold of the log, as in `rolledger run`
+(`workers.runtime.shared_follower`; shared, the default), or each folds it itself (own, the baseline: as before the
+fold was shared, and as ranks in processes of their own do), or both, compared the same way.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_replay import redis_server
 
 import rolledger.workers.coordinator as coordinator_module
+import rolledger.workers.rank as rank_module
+import rolledger.workers.reward as reward_module
 from rolledger.events.connection import connect
 from rolledger.events.envelope import make_event
 from rolledger.events.snapshots import take_snapshot
@@ -92,7 +98,7 @@ from rolledger.workers.local_run import prompt_items
 from rolledger.workers.policy_model import build_tokenizer
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
-from rolledger.workers.runtime import Worker
+from rolledger.workers.runtime import Follower, Worker
 from rolledger.workers.staging_loader import load_verified
 from rolledger.workers.trainer_client import RunOver, TrainerClient
 from rolledger.workers.transport import open_trainer_store
@@ -429,6 +435,11 @@ def after_the_run(client: redis.Redis, steps: int) -> dict[str, Any]:
     return out
 
 
+def own_follower(log: EventLog) -> Follower:
+    """`--fold own`: a fold of the log for one role alone (as a role in a process of its own has)."""
+    return Follower(log, threading.Condition())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = config(args)
     tokenizer = build_tokenizer()
@@ -444,6 +455,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             decide_ms.append((time.perf_counter() - started) * 1e3)
 
     coordinator_module.decide = timed_decide  # type: ignore[assignment]
+    shared = rank_module.shared_follower
+    if args.fold == "own":  # the baseline: every rank and the reward worker fold the log themselves
+        rank_module.shared_follower = reward_module.shared_follower = own_follower  # type: ignore[assignment]
     trips = RoundTrips()
     roles = RoleCpu()
     roles.install()  # before any worker exists: some start threads as they are made
@@ -494,6 +508,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         post = after_the_run(client, args.steps)  # snapshots timed under the collector the run had, as a process does
         collector.close()
     coordinator_module.decide = real_decide  # type: ignore[assignment]
+    rank_module.shared_follower = reward_module.shared_follower = shared  # type: ignore[assignment]
     return {
         "events": events,
         "status": str(state.status),
@@ -525,32 +540,44 @@ def main() -> None:
         help="the collector as `rolledger run` sets it (workers/gc_policy.py), CPython's defaults (the baseline), "
         "or both, one run after the other, with their ratio",
     )
+    p.add_argument(
+        "--fold",
+        choices=("shared", "own", "both"),
+        default="shared",
+        help="the ranks and the reward worker share the process's fold (workers/runtime.py shared_follower), each "
+        "folds the log itself (the baseline), or both, one run after the other, with their ratio",
+    )
     p.add_argument("--deadline-s", type=float, default=1800.0, help="the run's deadline")
     args = p.parse_args()
     if args.ranks64:
         args.ranks = 64
+    if args.gc == "both" and args.fold == "both":
+        p.error("--gc both and --fold both: compare one thing at a time")
+    key, pair = ("gc", ["default", "serving"]) if args.gc == "both" else ("fold", ["own", "shared"])
+    variants = pair if getattr(args, key) == "both" else [getattr(args, key)]
     results = []
-    for collector in ("default", "serving") if args.gc == "both" else (args.gc,):
-        r = run(argparse.Namespace(**{**vars(args), "gc": collector}))
-        report(args, r, collector)
-        results.append((collector, (r["cpu_s"] + r["redis_cpu_s"]) / r["events"] * 1e6))
+    for variant in variants:
+        run_args = argparse.Namespace(**{**vars(args), key: variant})
+        r = run(run_args)
+        report(run_args, r)
+        results.append((r["cpu_s"] + r["redis_cpu_s"]) / r["events"] * 1e6)
     if len(results) == 2:
-        (_, base), (_, tuned) = results
+        base, tuned = results
         print(
-            f"collector: serving {tuned:.1f} vs default {base:.1f} us/event of control-plane CPU "
+            f"{key}: {variants[1]} {tuned:.1f} vs {variants[0]} {base:.1f} us/event of control-plane CPU "
             f"({tuned / base:.2f}x, same machine, one run after the other)"
         )
 
 
-def report(args: argparse.Namespace, r: dict[str, Any], collector: str) -> None:
+def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
     events, steps = r["events"], args.steps
     total_cpu = r["cpu_s"] + r["redis_cpu_s"]
     per_step_cpu = total_cpu / steps
     load = os.getloadavg()
     print(
         f"bench_scale: {args.prompts} prompts x {args.samples} samples, {args.ranks} ranks, {steps} steps, "
-        f"gen {args.gen_ms:g} ms/group, collector {collector} (simulated engines and trainer, real control plane and "
-        "redis-server)"
+        f"gen {args.gen_ms:g} ms/group, collector {args.gc}, fold {args.fold} (simulated engines and trainer, real "
+        "control plane and redis-server)"
     )
     print(
         f"  run ended {r['status']} after {r['wall_s']:.1f} s; {events} events ({events / steps:.0f}/step); "

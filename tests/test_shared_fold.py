@@ -1,4 +1,4 @@
-"""One fold for the ranks of a process (workers/runtime.py `shared_follower`), against the real redis-server: the
+"""One fold for the ranks (and the reward worker) of a process (workers/runtime.py `shared_follower`), against the real redis-server: the
 rank workers of one process and run share one folded state and its lock; threads folding it at once fold each event
 exactly once; and a rank's report that stops its generation (EnginePaused) holds its starts until the shared state
 holds that report, whichever thread folds it."""
@@ -18,6 +18,7 @@ from rolledger.schemas.config import RunConfig
 from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer
 from rolledger.workers.rank import RankWorker
+from rolledger.workers.reward import RewardWorker
 from rolledger.workers.runtime import shared_follower
 from rolledger.workers.shared_tail import order
 from rolledger.workflows import rank as rd
@@ -41,9 +42,11 @@ def test_the_ranks_of_one_process_share_one_fold_and_one_lock(redis_url: str, ru
     client, other = redis.Redis.from_url(redis_url), redis.Redis.from_url(redis_url)
     a, b = RankWorker(client, run_id, 0, _engine(0)), RankWorker(client, run_id, 1, _engine(1))
     assert a.follower is b.follower and a.lock is b.lock
+    assert RewardWorker(client, run_id, "reward", build_tokenizer()).follower is a.follower  # and the reward worker
     assert RankWorker(other, run_id, 2, _engine(2)).follower is not a.follower  # another pool: another process
     assert RankWorker(client, run_id + "-b", 0, _engine(0)).follower is not a.follower  # another run
-    client.close(), other.close()
+    client.close()
+    other.close()
 
 
 def test_a_batch_another_thread_folded_first_is_not_folded_again(redis_client: redis.Redis, run_id: str) -> None:

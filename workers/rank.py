@@ -24,7 +24,6 @@ has injections for this rank.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable

@@ -1,8 +1,9 @@
 """The reward worker: scores every finished sample with the task's reward functions (SampleFinished -> SampleScored,
 or SampleFailed with stage "reward" naming the function when they cannot score it).
 
-Stateless apart from a follower used to skip samples already scored (a reclaimed entry is never scored twice), and
-the task it loads once the run's config is folded: the prompts by id (their rows are the reward functions' columns)
+Stateless apart from a follower used to skip samples already scored (a reclaimed entry is never scored twice; the
+process's one fold, shared with its ranks, `runtime.shared_follower`: read under its lock), and the task it loads
+once the run's config is folded: the prompts by id (their rows are the reward functions' columns)
 and the functions imported from their paths (workers/rewards.py, workers/task_plugins.py). Each read's finished
 samples are scored as one batch. Faults wrap `scorer` (workers/faults.py).
 """
@@ -18,7 +19,7 @@ from rolledger.events.consumer import GroupConsumer
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import SampleStatus
 from rolledger.workers.rewards import Rewards, resolve
-from rolledger.workers.runtime import Follower, Worker
+from rolledger.workers.runtime import Worker, shared_follower
 from rolledger.workers.shared_tail import order
 from rolledger.workers.task_plugins import load_prompts
 from rolledger.workers.tasks import Prompt
@@ -48,7 +49,9 @@ class RewardWorker(Worker):
         self.consumer = GroupConsumer.work(
             client, run_id, "reward", name, claim_idle_ms=claim_idle_ms if claim_idle_ms is not None else 30_000
         )
-        self.follower = Follower(self.log)
+        self.follower = shared_follower(self.log)
+        assert self.follower.lock is not None
+        self.lock = self.follower.lock
         self.scored = 0
 
     def respawn(self) -> RewardWorker:
@@ -80,11 +83,12 @@ class RewardWorker(Worker):
             cfg = self.follower.state.config
             if self.claim_idle_ms is None and cfg is not None:
                 self.consumer.claim_idle_ms = cfg.recovery.lost_after_ms
-            finished = [
-                p
-                for p in (d.event.payload for d in deliveries)
-                if isinstance(p, ev.SampleFinished) and not self._already_scored(p)
-            ]
+            with self.lock:
+                finished = [
+                    p
+                    for p in (d.event.payload for d in deliveries)
+                    if isinstance(p, ev.SampleFinished) and not self._already_scored(p)
+                ]
             out = self.scorer(finished) if finished else []
             self.emitter.emit(out, policy_version=self.follower.state.policy_version)
             self.consumer.ack(*(d.stream_id for d in deliveries))
@@ -130,7 +134,8 @@ class RewardWorker(Worker):
         return out
 
     def _already_scored(self, p: ev.SampleFinished) -> bool:
-        """Scored already, or not finished in the log (a late result of a rank that lost the sample's group)."""
+        """Scored already, or not finished in the log (a late result of a rank that lost the sample's group). Under
+        the lock."""
         state = self.follower.state
         if state.group_gone(p.trajectory.group_id) is not None:
             return True  # retired: every finished sample of it was scored (or it is a late result)

@@ -3,8 +3,9 @@
 A `Follower` tails the run's log from its first entry and folds every event through the reducer, so a process that
 restarts rebuilds exactly the state it had; the followers of one process share one read and one decode of the log
 (workers/shared_tail.py). `shared_follower` is one fold for several roles of a process that decide on the same
-state under one lock (the rank workers: `rolledger run` holds all ranks in one process, and 16 ranks folding every
-event 16 times was half of the control plane's CPU, bench/bench_scale.py). An `Emitter` wraps payloads into envelopes (id, producer, causation,
+state under one lock (the rank workers and the reward worker: `rolledger run` holds all ranks in one process, and 16
+ranks folding every event 16 times was half of the control plane's CPU, bench/bench_scale.py). The coordinator and
+the trainer keep their own fold: their decisions are long scans of the state, which would hold the ranks' fold. An `Emitter` wraps payloads into envelopes (id, producer, causation,
 policy version in force) and appends them; after the run's RunFinished the store refuses appends (RunClosed) and the
 emitter drops them with one log line, so a worker still finishing its last action when the run ends stops cleanly
 on its next fold instead of crashing. `Worker` is the small base class with the stop flag and the loop; a Redis
