@@ -4,7 +4,10 @@
                                  [--update-every 4] [--ranks 2] [--no-maps]
 
 Starts its own redis-server (events.embedded.find_redis_server) on a free loopback port, no persistence, and writes
-`--events` synthetic events of one run, pipelined (EventLog.append_many, batches of 500). The mix is a real run's,
+`--events` synthetic events of one run, pipelined, one entry per event (`one_entry_each`: the entry the store writes
+for an append of one event; a run's appends of several events are one entry each, events/store.py, which reads
+faster per event: this is the per-event worst case, and keeps the phases comparable with the numbers taken before
+entries held batches). The mix is a real run's,
 produced by tests/logbuilder.py's LogBuilder: per group GroupAdmitted, n x SampleStarted, n x SampleFinished (a
 32-token prompt and 10-30 generated tokens), n x SampleScored, GroupCompleted; per step BatchConsumed and
 TrainStepFinished; every `--update-every` steps a whole weight-update transaction (staged, prepare, pause, commit,
@@ -50,10 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgpack
 import redis
 
-from rolledger.events.codec import Trust, named_form
+from rolledger.events.codec import Trust, encode, named_form
 from rolledger.events.connection import connect
 from rolledger.events.embedded import find_redis_server, server_version
-from rolledger.events.store import PAYLOAD_FIELD, EventLog
+from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD, EventLog
 from rolledger.schemas.config import AdmissionConfig, RunConfig
 from rolledger.schemas.events import Event
 from rolledger.workflows.replay import rebuild
@@ -225,6 +228,18 @@ def measure(name: str, fn: Any) -> Phase:
     return Phase(name, n, time.perf_counter() - w, time.process_time() - c)
 
 
+def one_entry_each(client: Any, key: str) -> Callable[[list[Event]], object]:
+    """A RunWriter sink writing each event as its own entry, in the store's one-event form (`e`, `t`), pipelined."""
+
+    def sink(events: list[Event]) -> object:
+        pipe = client.pipeline(transaction=False)
+        for e in events:
+            pipe.xadd(key, {PAYLOAD_FIELD: encode(e), TYPE_FIELD: e.type})
+        return pipe.execute()
+
+    return sink
+
+
 def raw_xrange(client: Any, key: str) -> int:
     start, got = "-", 0
     while True:
@@ -291,7 +306,8 @@ def main() -> None:
         )
 
         t = time.perf_counter()
-        writer = RunWriter(log.append_many, run_id=log.run_id, group_size=args.group_size, ranks=args.ranks)
+        sink = one_entry_each(client, log.key)
+        writer = RunWriter(sink, run_id=log.run_id, group_size=args.group_size, ranks=args.ranks)
         writer.write(args.events, groups_per_step=args.groups_per_step, update_every=args.update_every)
         setup = time.perf_counter() - t
         n = log.length()

@@ -500,24 +500,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trips.uninstall()
         roles.uninstall()
         cpu, rcpu, calls = own_cpu() - cpu0, redis_cpu(client) - rcpu0, command_calls(client)
-        events = log.length()
+        entries = log.length()
         delta = {k: v - calls0.get(k, 0) for k, v in calls.items() if v - calls0.get(k, 0) > 0}
         state = RunState()
         for stored in log.read():
             fold(state, stored.event)
+        events = int(state.events_applied)  # an entry holds one append's events
         post = after_the_run(client, args.steps)  # snapshots timed under the collector the run had, as a process does
         collector.close()
     coordinator_module.decide = real_decide  # type: ignore[assignment]
     rank_module.shared_follower = reward_module.shared_follower = shared  # type: ignore[assignment]
     return {
         "events": events,
+        "entries": entries,
         "status": str(state.status),
         "steps_done": state.step if hasattr(state, "step") else None,
         "wall_s": wall,
         "cpu_s": cpu,
         "redis_cpu_s": rcpu,
         "commands": sum(delta.values()),
-        "top_commands": sorted(delta.items(), key=lambda kv: -kv[1])[:8],
+        "top_commands": sorted(delta.items(), key=lambda kv: -kv[1])[:14],
         "round_trips": trips.count,
         "decide_ms": decide_ms,
         "roles": roles.totals(),
@@ -580,8 +582,8 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> None:
         "control plane and redis-server)"
     )
     print(
-        f"  run ended {r['status']} after {r['wall_s']:.1f} s; {events} events ({events / steps:.0f}/step); "
-        f"load average {load[0]:.2f} {load[1]:.2f}"
+        f"  run ended {r['status']} after {r['wall_s']:.1f} s; {events} events ({events / steps:.0f}/step) in "
+        f"{r['entries']} log entries ({events / r['entries']:.1f} events/entry); load average {load[0]:.2f} {load[1]:.2f}"
     )
     print(
         f"  control-plane CPU      {total_cpu:8.2f} s = {total_cpu / events * 1e6:9.1f} us/event "

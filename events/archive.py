@@ -46,7 +46,7 @@ import structlog
 import xxhash
 
 from rolledger.events.keys import archive_key, dedupe_key, log_key
-from rolledger.events.scan import LogScan, Undecodable, scan_entry, scan_log
+from rolledger.events.scan import LogScan, add_entry, scan_log
 from rolledger.events.snapshots import latest_snapshot
 from rolledger.events.store import StoredEvent, as_str
 
@@ -512,8 +512,7 @@ def scan_run(
         for raw_id, fields in entries:
             if not _after(raw_id, start):
                 continue
-            item = scan_entry(raw_id, fields)
-            (out.undecodable if isinstance(item, Undecodable) else out.entries).append(item)  # type: ignore[arg-type]
+            add_entry(out, raw_id, fields)
     lo = start
     if manifest.last_id is not None and _after(manifest.last_id, start):
         lo = "(" + manifest.last_id

@@ -48,8 +48,8 @@ import redis
 from rolledger.events.codec import DecodeError, decode
 from rolledger.events.connection import outages
 from rolledger.events.keys import log_key, work_key
-from rolledger.events.store import PAYLOAD_FIELD, PAYLOAD_LOST, as_str, dead_letter
-from rolledger.events.work import GROUPS, LOG_ID_FIELD
+from rolledger.events.store import PAYLOAD_LOST, MalformedEntry, as_str, dead_letter, entry_payloads
+from rolledger.events.work import GROUPS, LOG_ID_FIELD, LOG_INDEX_FIELD
 from rolledger.schemas.events import Event
 
 # For each id: refresh it if this consumer owns it (XPENDING names the owner), else leave it. Returns the owned ids.
@@ -226,33 +226,46 @@ class GroupConsumer:
         return counts
 
     def _deliver(self, entries: Sequence[Any], counts: dict[str, int]) -> list[Delivery]:
+        """The entries' events as deliveries. An entry may hold several events (a log entry, events/store.py
+        `entry_payloads`; a reward work entry, events/work.py BATCHED): each is a delivery of the same entry (one
+        `ack` takes them all). Dead letters are keyed per event: its log entry's id and its place in it."""
         out: list[Delivery] = []
         for raw_id, fields in entries:
             stream_id = as_str(raw_id)
             n = counts.get(stream_id, 1)
-            data = fields.get(PAYLOAD_FIELD) if fields else None
             in_log = fields.get(LOG_ID_FIELD) if fields else None
-            log_id = as_str(in_log) if in_log is not None else stream_id  # a dead letter names the log's entry
-            if n > self.max_deliveries:
-                self._dead_letter(stream_id, log_id, data, f"delivered {n} times", once=f"{self.group}/{log_id}")
-                continue
-            if data is None:
-                reason = PAYLOAD_LOST if not fields else f"entry has no {PAYLOAD_FIELD!r} field"
-                self._dead_letter(stream_id, log_id, None, reason, once=log_id)
-                continue
+            log_id = as_str(in_log) if in_log is not None else stream_id  # a dead letter names the log's entry ...
+            place = fields.get(LOG_INDEX_FIELD) if fields else None
+            places = as_str(place).split(",") if place is not None else None  # ... and each event's place in it
             try:
-                event = decode(data)
-            except DecodeError as exc:
-                self._dead_letter(stream_id, log_id, data, exc.reason, once=log_id)
+                payloads = entry_payloads(fields)
+            except MalformedEntry as exc:
+                self._dead_letter(stream_id, log_id, None, exc.reason, once=log_id if places is None else stream_id)
+                self.ack(stream_id)
                 continue
-            out.append(Delivery(stream_id, event, n, log_id))
+            delivered = len(out)
+            for k, data in enumerate(payloads):
+                if places is not None and len(places) == len(payloads):
+                    once = f"{log_id}#{places[k]}"  # a work entry: the event's place in its log entry
+                else:
+                    once = log_id if len(payloads) == 1 else f"{log_id}#{k}"
+                if n > self.max_deliveries:
+                    self._dead_letter(stream_id, log_id, data, f"delivered {n} times", once=f"{self.group}/{once}")
+                    continue
+                try:
+                    event = decode(data)
+                except DecodeError as exc:
+                    self._dead_letter(stream_id, log_id, data, exc.reason, once=once)
+                    continue
+                out.append(Delivery(stream_id, event, n, log_id))
+            if len(out) == delivered:  # nothing of it to process: acknowledged here (else by whoever processes it)
+                self.ack(stream_id)
         return out
 
     def _dead_letter(self, stream_id: str, log_id: str, raw: bytes | None, reason: str, *, once: str) -> None:
         dead_letter(
             self.client, self.run_id, stream_id=log_id, raw=raw, reason=reason, consumer=self.name, once_key=once
         )
-        self.ack(stream_id)
 
     # ------------------------------------------------------------------ acknowledging
     def ack(self, *stream_ids: str) -> None:

@@ -47,11 +47,6 @@ def fence_key(run_id: str, role: str) -> str:
     return _k(run_id, f"fence:{role}")
 
 
-def finished_key(run_id: str) -> str:
-    """Set (to the RunFinished's stream id) by the script that appends the run's RunFinished: appends refused after."""
-    return _k(run_id, "finished")
-
-
 def work_key(run_id: str, group: str) -> str:
     """Work stream of a consumer group (events/work.py): the events it must act on, deleted once acknowledged."""
     return _k(run_id, f"work:{group}")

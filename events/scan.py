@@ -2,9 +2,10 @@
 
 `EventLog.read` (events/store.py) is the reader of live workers: it dead-letters an undecodable entry into the run's
 Redis as it passes it, once. `audit` and `replay` must not change the run they look at, so they read through this
-module instead: `scan_log` pages XRANGE over the log and returns the decoded entries in log order plus, for every
-entry that could not be decoded, its stream id, the type its `t` field names (if any) and the reason. It issues only
-XRANGE/XLEN/EXISTS (reads), never XADD, EVAL or HSET.
+module instead: `scan_log` pages XRANGE over the log and returns the decoded events in log order plus, for every
+event (or whole entry) that could not be decoded, its stream id, the type its `t` field names (if any) and the
+reason. An entry may hold several events (events/store.py `entry_payloads`). It issues only XRANGE/XLEN/EXISTS
+(reads), never XADD, EVAL or HSET.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import redis
 
 from rolledger.events.codec import DecodeError, decode
 from rolledger.events.keys import log_key
-from rolledger.events.store import PAYLOAD_FIELD, PAYLOAD_LOST, TYPE_FIELD, DeadLetter, StoredEvent, as_str
+from rolledger.events.store import (
+    DeadLetter,
+    MalformedEntry,
+    StoredEvent,
+    as_str,
+    entry_payloads,
+    entry_types,
+)
 from rolledger.events.store import read_dead_letters as _read_dead_letters
 
 
@@ -35,27 +43,42 @@ class LogScan:
 
     entries: list[StoredEvent] = field(default_factory=list)
     undecodable: list[Undecodable] = field(default_factory=list)
+    scanned: int = 0  # stream entries looked at
 
     @property
     def length(self) -> int:
-        """How many entries the log holds (decoded or not)."""
-        return len(self.entries) + len(self.undecodable)
+        """How many stream entries the scan looked at, decoded or not (an entry holds one append's events)."""
+        return self.scanned
 
 
-def scan_entry(raw_id: Any, fields: Any) -> StoredEvent | Undecodable:
-    """One XRANGE entry as an event or as the reason it is none."""
+def scan_entry(raw_id: Any, fields: Any) -> list[StoredEvent | Undecodable]:
+    """One XRANGE entry as its events, each decoded or the reason it is none (the whole entry's, when it holds no
+    event bytes at all)."""
     stream_id = as_str(raw_id)
-    fields = fields or {}
-    type_field = fields.get(TYPE_FIELD)
-    event_type = as_str(type_field) if type_field is not None else None
-    data = fields.get(PAYLOAD_FIELD)
-    if data is None:
-        reason = PAYLOAD_LOST if not fields else f"entry has no {PAYLOAD_FIELD!r} field"
-        return Undecodable(stream_id, event_type, reason)
+    types = entry_types(fields)
     try:
-        return StoredEvent(stream_id, decode(data))
-    except DecodeError as exc:
-        return Undecodable(stream_id, event_type or exc.event_type, exc.reason)
+        payloads = entry_payloads(fields)
+    except MalformedEntry as exc:
+        return [Undecodable(stream_id, ",".join(types) or None, exc.reason)]
+    out: list[StoredEvent | Undecodable] = []
+    for k, data in enumerate(payloads):
+        try:
+            out.append(StoredEvent(stream_id, decode(data)))
+        except DecodeError as exc:
+            named = types[k] if len(types) == len(payloads) else None
+            reason = exc.reason if len(payloads) == 1 else f"event {k} of the entry: {exc.reason}"
+            out.append(Undecodable(stream_id, named or exc.event_type, reason))
+    return out
+
+
+def add_entry(scan: LogScan, raw_id: Any, fields: Any) -> None:
+    """Add one XRANGE entry's events (decoded or reported) to `scan`."""
+    scan.scanned += 1
+    for item in scan_entry(raw_id, fields):
+        if isinstance(item, Undecodable):
+            scan.undecodable.append(item)
+        else:
+            scan.entries.append(item)
 
 
 def scan_log(client: redis.Redis, run_id: str, start: str = "-", end: str = "+", *, batch: int = 1000) -> LogScan:
@@ -68,11 +91,7 @@ def scan_log(client: redis.Redis, run_id: str, start: str = "-", end: str = "+",
     while True:
         page: Any = client.xrange(key, lo, end, count=batch)
         for raw_id, fields in page or []:
-            item = scan_entry(raw_id, fields)
-            if isinstance(item, Undecodable):
-                out.undecodable.append(item)
-            else:
-                out.entries.append(item)
+            add_entry(out, raw_id, fields)
         if not page or len(page) < batch:
             return out
         lo = "(" + as_str(page[-1][0])

@@ -2,17 +2,25 @@
 
 Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.py):
 
-- `log_key(run)`: the stream of events, the source of truth. Each entry holds `e` = codec bytes and `t` = the event
-  type (for cheap peeking without decoding). Never trimmed by length: XTRIM/MAXLEN deletes entries no consumer has
-  read (reference notes, section 1.4). events/archive.py trims it by MINID behind verified archive segments; `read`
-  and `tail` see only the live stream, `archive.scan_run` / `iter_run` the whole log.
+- `log_key(run)`: the stream of events, the source of truth. One entry per append call (`entry_payloads`): an
+  entry of one event holds `e` = codec bytes and `t` = the event type; an entry of several (a rank's SampleStarted
+  of a group, a reward batch's SampleScored, a decision's GroupAdmitted) holds `b` = a msgpack array of each event's
+  codec bytes, in order, and `t` = their types joined by commas (for cheap peeking without decoding). Every event of
+  an entry has the entry's stream id: a position in the log is an entry id, and a reader folds an entry whole. One
+  XADD per append instead of one per event is what keeps Redis near half a command per event (bench_scale). Never
+  trimmed by length: XTRIM/MAXLEN deletes entries no consumer has read (reference notes, section 1.4).
+  events/archive.py trims it by MINID behind verified archive segments; `read` and `tail` see only the live stream,
+  `archive.scan_run` / `iter_run` the whole log.
 - `dedupe_key(run)`: hash event id -> stream id, written by every append in the same Lua call as the XADD, so a
   retried append (a reply lost to a dropped connection, then redis-py's retry) returns the original stream id
   instead of writing a duplicate. Redis 7.0 has no idempotent XADD (IDMP arrived in 8.6), hence the scripts.
   `append_once` records its batch key there as `once:<key>`. The archiver (events/archive.py) deletes the event ids
   whose stream id it trimmed; `once:` keys stay.
-- `finished_key(run)`: set by the script that appends the run's RunFinished (to its stream id). Any later append of
-  an event not already recorded is refused (`RunClosed`) and nothing of its batch is written.
+- the run's end: field `once:run-finished` (FINISHED_FIELD) of the dedupe hash, set by the script that appends the
+  run's RunFinished (to its stream id). Any later append of an event not already recorded is refused (`RunClosed`)
+  and nothing of its batch is written. It sits in the dedupe hash so that the HMGET each append makes of its ids
+  reads it too (a GET per append was a tenth of Redis's commands, bench_scale); the archiver's pruning keeps every
+  `once:` field.
 - `work_key(run, group)`: for each consumer group of events/work.py, the events it must act on, written by the same
   append script as the log entry (a copy, with the log stream id); its consumer deletes an entry once acknowledged.
 - `dead_letter_key(run)`: entries nobody could process, each with `source` (stream id), `raw` (the bytes), `reason`,
@@ -31,6 +39,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import msgpack
 import redis
 
 from rolledger.events.codec import DecodeError, Trust, decode, encode
@@ -40,16 +49,51 @@ from rolledger.events.keys import (
     dead_letter_seen_key,
     dedupe_key,
     durable_probe_key,
-    finished_key,
     log_key,
     work_key,
 )
-from rolledger.events.work import GROUPS, ROUTES
+from rolledger.events.work import BATCHED, GROUPS, ROUTES
 from rolledger.schemas.events import Event
 
-PAYLOAD_FIELD = b"e"
-TYPE_FIELD = b"t"
+FINISHED_FIELD = "once:run-finished"  # the dedupe hash's field marking the run's end (the RunFinished's stream id)
+PAYLOAD_FIELD = b"e"  # an entry of one event: its codec bytes
+BATCH_FIELD = b"b"  # an entry of several: a msgpack array of their codec bytes
+TYPE_FIELD = b"t"  # the event type, or the types of a batch joined by commas
 PAYLOAD_LOST = "payload lost: the entry was trimmed or deleted before it was processed"
+
+
+class MalformedEntry(ValueError):
+    """An entry of the log that holds no event bytes it can be read as (`reason` fit for a dead letter)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def entry_payloads(fields: dict[bytes, bytes] | None) -> list[bytes]:
+    """The codec bytes of each event of a log entry, in order. Raises MalformedEntry for an entry with neither an
+    event nor a batch of them (a deleted one included: redis-py shows its fields as `{}`)."""
+    if not fields:
+        raise MalformedEntry(PAYLOAD_LOST)
+    data = fields.get(PAYLOAD_FIELD)
+    if data is not None:
+        return [data]
+    batch = fields.get(BATCH_FIELD)
+    if batch is None:
+        raise MalformedEntry(f"entry has no {PAYLOAD_FIELD!r} or {BATCH_FIELD!r} field")
+    try:
+        items = msgpack.unpackb(batch, raw=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types for garbage
+        raise MalformedEntry(f"batch is not msgpack: {exc.__class__.__name__}: {exc}") from None
+    if type(items) is not list or not items or any(type(b) is not bytes for b in items):
+        raise MalformedEntry("batch is not a non-empty array of event bytes")
+    return items
+
+
+def entry_types(fields: dict[bytes, bytes] | None) -> list[str]:
+    """The event types an entry's `t` field names, one per event ([] when it has none)."""
+    t = (fields or {}).get(TYPE_FIELD)
+    return as_str(t).split(",") if t else []
 
 
 class StoredEvent(NamedTuple):
@@ -104,33 +148,57 @@ if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], id) end
 return id
 """
 
-# Every append script: KEYS = log, dedupe hash, finished marker, then the work stream of each group of
-# events.work.GROUPS. An event id already in the dedupe hash is not written again (its original stream id comes
-# back); the XADD of a RunFinished sets the marker in the same call; a batch with any event not yet recorded is
-# refused while the marker is set ({-1, marker}). An event whose type events.work.ROUTES names is also added to that
-# group's work stream (e = bytes, t = type, s = its log stream id) in the same call, so it is there exactly once.
+# Every append script: KEYS = log, dedupe hash, then the work stream of each group of events.work.GROUPS. An event id
+# already in the dedupe hash is not written again (its original stream id comes back); the append of a RunFinished
+# sets the marker (FINISHED_FIELD of the dedupe hash, read by the same HMGET as the batch's ids) in the same call; a
+# batch with any event not yet recorded is refused while the marker is set ({-1, marker}). The call's new events are one entry (see the module docstring).
+# An event whose type events.work.ROUTES names is also added to that group's work stream (e = bytes, t = type, s = its
+# log stream id, k = its place in a log entry of several; for a group of events.work.BATCHED, the events of the call
+# as one entry: b, t, s and k, as in the log) in the same call, so it is there exactly once.
 # The dedupe hash costs two commands per call, not two per event: one HMGET of the batch's ids, one HSET of the new.
 _ROUTE_TABLE_LUA = (
-    "local route = {" + ", ".join(f"[{t!r}] = {4 + GROUPS.index(g)}" for t, g in sorted(ROUTES.items())) + "}\n"
+    "local route = {" + ", ".join(f"[{t!r}] = {3 + GROUPS.index(g)}" for t, g in sorted(ROUTES.items())) + "}\n"
+    "local batched = {" + ", ".join(f"[{3 + GROUPS.index(g)}] = true" for g in sorted(BATCHED)) + "}\n"
+    f"local FINISHED = {FINISHED_FIELD!r}\n"
 )
 _APPEND_COMMON_LUA = (
     _ROUTE_TABLE_LUA
     + """
 local CHUNK = 1000  -- arguments per unpack (Lua's C stack bounds it)
-local function recorded(n, first)
+local function be(n, bytes)  -- n big-endian in `bytes` bytes
+  local out = {}
+  for i = bytes, 1, -1 do out[i] = string.char(n % 256); n = math.floor(n / 256) end
+  return table.concat(out)
+end
+local function bin(s)  -- a msgpack bin holding s
+  local len = #s
+  if len < 256 then return string.char(196) .. be(len, 1) .. s end
+  if len < 65536 then return string.char(197) .. be(len, 2) .. s end
+  return string.char(198) .. be(len, 4) .. s
+end
+local pairs_of = pairs  -- (the name `pairs` is a local list below)
+local function array_of(n)  -- a msgpack array header of n items
+  if n < 16 then return string.char(144 + n) end
+  if n < 65536 then return string.char(220) .. be(n, 2) end
+  return string.char(221) .. be(n, 4)
+end
+local function recorded(n, first)  -- each event's stream id if recorded (else false), how many are not, the marker
   local ids = {}
   local fresh = 0
+  local closed = false
   for lo = 1, n, CHUNK do
     local hi = math.min(n, lo + CHUNK - 1)
     local fields = {}
     for i = lo, hi do fields[#fields + 1] = ARGV[first + 3 * (i - 1)] end
+    if lo == 1 then fields[#fields + 1] = FINISHED end  -- the run's end, in the same HMGET
     local got = redis.call('HMGET', KEYS[2], unpack(fields))
     for i = lo, hi do
       local existing = got[i - lo + 1]
       if existing then ids[i] = existing else ids[i] = false; fresh = fresh + 1 end
     end
+    if lo == 1 then closed = got[#fields] end
   end
-  return ids, fresh
+  return ids, fresh, closed
 end
 local function remember(pairs)
   for lo = 1, #pairs, 2 * CHUNK do
@@ -138,20 +206,57 @@ local function remember(pairs)
   end
 end
 local function write(n, first, ids)
-  local pairs = {}
+  local fresh = {}
   for i = 1, n do
-    if not ids[i] then
-      local j = first + 3 * (i - 1)
-      local id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2])
-      pairs[#pairs + 1] = ARGV[j]
-      pairs[#pairs + 1] = id
-      local work = route[ARGV[j + 2]]
-      if work then redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id) end
-      if ARGV[j + 2] == 'RunFinished' and redis.call('EXISTS', KEYS[3]) == 0 then
-        redis.call('SET', KEYS[3], id)
-      end
-      ids[i] = id
+    if not ids[i] then fresh[#fresh + 1] = first + 3 * (i - 1) end
+  end
+  local id
+  if #fresh == 1 then
+    id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[fresh[1] + 1], 't', ARGV[fresh[1] + 2])
+  elseif #fresh > 1 then  -- one entry for the batch: the events' bytes as a msgpack array, their types
+    local parts, types = {array_of(#fresh)}, {}
+    for k, j in ipairs(fresh) do
+      parts[k + 1] = bin(ARGV[j + 1])
+      types[k] = ARGV[j + 2]
     end
+    id = redis.call('XADD', KEYS[1], '*', 'b', table.concat(parts), 't', table.concat(types, ','))
+  end
+  local pairs, held, finishing = {}, {}, false
+  for k, j in ipairs(fresh) do
+    pairs[#pairs + 1] = ARGV[j]
+    pairs[#pairs + 1] = id
+    local work = route[ARGV[j + 2]]
+    if work and batched[work] then  -- one entry per append, written below
+      held[work] = held[work] or {}
+      table.insert(held[work], {j, k - 1})
+    elseif work and #fresh == 1 then
+      redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id)
+    elseif work then  -- k: its place in the log entry, 0-based
+      redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id, 'k', k - 1)
+    end
+    if ARGV[j + 2] == 'RunFinished' and not finishing then  -- the marker (not set: the call would be refused)
+      finishing = true
+      pairs[#pairs + 1] = FINISHED
+      pairs[#pairs + 1] = id
+    end
+  end
+  for work, items in pairs_of(held) do
+    if #items == 1 and #fresh == 1 then
+      local j = items[1][1]
+      redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id)
+    else
+      local parts, types, places = {array_of(#items)}, {}, {}
+      for i, item in ipairs(items) do
+        parts[i + 1] = bin(ARGV[item[1] + 1])
+        types[i] = ARGV[item[1] + 2]
+        places[i] = item[2]
+      end
+      redis.call('XADD', KEYS[work], '*', 'b', table.concat(parts), 't', table.concat(types, ','), 's', id,
+        'k', table.concat(places, ','))
+    end
+  end
+  for i = 1, n do
+    if not ids[i] then ids[i] = id end
   end
   remember(pairs)
   table.insert(ids, 1, 1)
@@ -165,11 +270,8 @@ _APPEND_MANY_LUA = (
     _APPEND_COMMON_LUA
     + """
 local n = #ARGV / 3
-local ids, fresh = recorded(n, 1)
-if fresh > 0 then
-  local closed = redis.call('GET', KEYS[3])
-  if closed then return {-1, closed} end
-end
+local ids, fresh, closed = recorded(n, 1)
+if fresh > 0 and closed then return {-1, closed} end
 return write(n, 1, ids)
 """
 )
@@ -182,12 +284,11 @@ _APPEND_IF_LUA = (
     _APPEND_COMMON_LUA
     + """
 local n = (#ARGV - 1) / 3
-local ids, fresh = recorded(n, 2)
+local ids, fresh, closed = recorded(n, 2)
 if fresh == 0 then
   table.insert(ids, 1, 1)
   return ids
 end
-local closed = redis.call('GET', KEYS[3])
 if closed then return {-1, closed} end
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local last = ''
@@ -205,18 +306,26 @@ _APPEND_ONCE_LUA = (
     + """
 local k = tonumber(ARGV[1])
 local n = (#ARGV - 1 - k) / 3
-local ids, fresh = recorded(n, k + 2)
+local ids, fresh, closed = recorded(n, k + 2)
 if fresh == 0 then
   table.insert(ids, 1, 1)
   return ids
 end
-for i = 2, k + 1 do
-  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then return {0, ARGV[i]} end
+for lo = 2, k + 1, CHUNK do  -- one HMGET of the keys (a step's keys name every group it consumes)
+  local hi = math.min(k + 1, lo + CHUNK - 1)
+  local taken = redis.call('HMGET', KEYS[2], unpack(ARGV, lo, hi))
+  for i = lo, hi do
+    if taken[i - lo + 1] then return {0, ARGV[i]} end
+  end
 end
-local closed = redis.call('GET', KEYS[3])
 if closed then return {-1, closed} end
 ids = write(n, k + 2, ids)
-for i = 2, k + 1 do redis.call('HSET', KEYS[2], ARGV[i], ids[2]) end
+local claimed = {}
+for i = 2, k + 1 do
+  claimed[#claimed + 1] = ARGV[i]
+  claimed[#claimed + 1] = ids[2]
+end
+remember(claimed)
 return ids
 """
 )
@@ -280,7 +389,6 @@ class EventLog:
         self.run_id = run_id
         self.key = log_key(run_id)
         self.dedupe = dedupe_key(run_id)
-        self.finished = finished_key(run_id)
         self._append_many = client.register_script(_APPEND_MANY_LUA)
         self._append_if = client.register_script(_APPEND_IF_LUA)
         self._append_once = client.register_script(_APPEND_ONCE_LUA)
@@ -292,7 +400,7 @@ class EventLog:
     # nothing) and refused with RunClosed after the run's RunFinished, so redis-py may retry any of them.
     @property
     def _keys(self) -> list[str]:
-        return [self.key, self.dedupe, self.finished, *(work_key(self.run_id, g) for g in GROUPS)]
+        return [self.key, self.dedupe, *(work_key(self.run_id, g) for g in GROUPS)]
 
     def _ids(self, reply: Any) -> list[str]:
         if int(reply[0]) == -1:
@@ -311,8 +419,9 @@ class EventLog:
         return self.append_many([event])[0]
 
     def append_many(self, events: Sequence[Event]) -> list[str]:
-        """Append a batch atomically in one script (one round trip, one AOF write); ids in order. Events already
-        recorded keep their original ids and are not written again."""
+        """Append a batch atomically in one script (one round trip, one XADD, one AOF write): the batch's new events
+        are one entry, and each has its id. Events already recorded keep their original ids and are not written
+        again."""
         if not events:
             return []
         return self._ids(self._append_many(keys=self._keys, args=self._triples(events)))
@@ -353,7 +462,7 @@ class EventLog:
 
     def finished_at(self) -> str | None:
         """The stream id of the run's RunFinished once one was appended (appends are refused from then on)."""
-        got = self.client.get(self.finished)
+        got = self.client.hget(self.dedupe, FINISHED_FIELD)
         return as_str(got) if got is not None else None
 
     # ------------------------------------------------------------------ reads
@@ -363,6 +472,7 @@ class EventLog:
         return as_str(top[0][0]) if top else None
 
     def length(self) -> int:
+        """How many entries the live stream holds (an entry holds one append's events: fewer than the events)."""
         return int(self.client.xlen(self.key))
 
     def read(
@@ -434,27 +544,36 @@ class EventLog:
         types: Collection[str] | None = None,
         trust: Trust = Trust.VALIDATE,
     ) -> Iterator[StoredEvent]:
-        wanted = None if types is None else {t.encode() for t in types}
+        wanted = None if types is None else set(types)
         for raw_id, fields in entries:
-            self.last_scanned_id = as_str(raw_id)
-            if wanted is not None and fields and TYPE_FIELD in fields and fields[TYPE_FIELD] not in wanted:
-                continue
-            stream_id = as_str(raw_id)
-            data = fields.get(PAYLOAD_FIELD) if fields else None
-            if data is None:
-                reason = PAYLOAD_LOST if not fields else f"entry has no {PAYLOAD_FIELD!r} field"
-                dead_letter(self.client, self.run_id, stream_id=stream_id, raw=None, reason=reason, consumer=consumer)
+            stream_id = self.last_scanned_id = as_str(raw_id)
+            if wanted is not None and fields and TYPE_FIELD in fields and wanted.isdisjoint(entry_types(fields)):
                 continue
             try:
-                event = decode(data, trust)
-            except DecodeError as exc:
+                payloads = entry_payloads(fields)
+            except MalformedEntry as exc:
+                raw = (fields or {}).get(BATCH_FIELD)
                 dead_letter(
-                    self.client, self.run_id, stream_id=stream_id, raw=data, reason=exc.reason, consumer=consumer
+                    self.client, self.run_id, stream_id=stream_id, raw=raw, reason=exc.reason, consumer=consumer
                 )
                 continue
-            if types is not None and event.type not in types:  # entries written without a `t` field
-                continue
-            yield StoredEvent(stream_id, event)
+            for k, data in enumerate(payloads):
+                try:
+                    event = decode(data, trust)
+                except DecodeError as exc:
+                    dead_letter(
+                        self.client,
+                        self.run_id,
+                        stream_id=stream_id,
+                        raw=data,
+                        reason=exc.reason if len(payloads) == 1 else f"event {k} of the entry: {exc.reason}",
+                        consumer=consumer,
+                        once_key=None if len(payloads) == 1 else f"{stream_id}#{k}",
+                    )
+                    continue
+                if wanted is not None and event.type not in wanted:  # entries written without a `t` field
+                    continue
+                yield StoredEvent(stream_id, event)
 
     # ------------------------------------------------------------------ durability
     @property

@@ -49,12 +49,11 @@ def build_log(groups: int = 24) -> list[ev.Event]:
 
 
 def write_log(client: redis.Redis, run_id: str, events: list[ev.Event], snapshot_at: float = 0.75) -> list[str]:
-    """Append the events in batches; snapshot the state after the first `snapshot_at` of them (as the coordinator
-    does). Returns the stream ids."""
+    """Append the events one entry each (so that the tests count entries as events, and a snapshot may sit after any
+    event: a snapshot's position is an entry); snapshot the state after the first `snapshot_at` of them (as the
+    coordinator does). Returns the stream ids."""
     log = EventLog(client, run_id)
-    ids: list[str] = []
-    for i in range(0, len(events), 25):
-        ids += log.append_many(events[i : i + 25])
+    ids = [log.append(e) for e in events]
     k = int(len(events) * snapshot_at)
     if k:
         take_snapshot(client, run_id, replay(events[:k]), ids[k - 1])
@@ -312,7 +311,7 @@ def test_a_run_archives_as_it_goes_and_its_log_replays_and_audits(
 
     from rolledger.workers.local_run import LocalRun, RunOptions
 
-    cfg = small(steps=3, log={"keep_live": 60, "archive_every": 60})
+    cfg = small(steps=3, log={"keep_live": 15, "archive_every": 15})  # entries: one per append
     summary = LocalRun(RunOptions(config=cfg, redis_url=redis_url, run_id=run_id, runs_dir=tmp_path)).execute()
     assert summary.status == "completed"
     client = redis.Redis.from_url(redis_url)

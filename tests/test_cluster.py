@@ -123,7 +123,6 @@ def test_every_key_name_of_a_run_hashes_to_the_runs_one_slot(redis_cluster: Redi
         keys.snapshots_key(run),
         keys.lease_key(run, "coordinator"),
         keys.fence_key(run, "coordinator"),
-        keys.finished_key(run),
         keys.archive_key(run),
         *(keys.work_key(run, g) for g in WORK_GROUPS),
     ]
@@ -197,10 +196,10 @@ def test_the_logs_scripts_leases_groups_and_a_multi_block_work_on_a_cluster(
     assert snap is not None and snap.state_dict() == {"a": 1}
 
     pipe = cluster_client.pipeline(transaction=True)
-    pipe.set(keys.finished_key(run) + ":probe", b"1")
+    pipe.set(keys.fence_key(run, "probe") + ":set", b"1")
     pipe.incr(keys.fence_key(run, "probe"))
     assert pipe.execute()[1] == 1  # MULTI ... EXEC on the run's primary
-    assert client.get(keys.finished_key(run) + ":probe") == b"1"
+    assert client.get(keys.fence_key(run, "probe") + ":set") == b"1"
 
     primary = redis_cluster.primary_of(keys.log_key(run))
     on_primary = redis_cluster.node(primary)
@@ -217,7 +216,7 @@ def test_the_logs_scripts_leases_groups_and_a_multi_block_work_on_a_cluster(
         keys.lease_key(run, "coordinator"),
         keys.fence_key(run, "coordinator"),
         keys.fence_key(run, "probe"),
-        keys.finished_key(run) + ":probe",
+        keys.fence_key(run, "probe") + ":set",
         keys.work_key(run, "rollout"),  # the GroupAdmitted's work stream, empty once acknowledged, with its group
     }
     for port in redis_cluster.ports:  # nothing of the run anywhere else (replicas answer SCAN with their copy)

@@ -19,7 +19,7 @@ import redis
 from _consumer_proc import complete, completions_key, started_key
 from logbuilder import LogBuilder, payload_of
 
-from rolledger.events.codec import encode, named_form
+from rolledger.events.codec import decode, encode, named_form
 from rolledger.events.consumer import Delivery, GroupConsumer
 from rolledger.events.envelope import make_event
 from rolledger.events.keys import dead_letter_key, work_key
@@ -53,7 +53,7 @@ def drain(consumer: GroupConsumer, *, timeout_s: float = 20.0, count: int = 10) 
 
 def test_two_consumers_share_the_work(redis_client: redis.Redis, run_id: str) -> None:
     log = EventLog(redis_client, run_id)
-    ids = log.append_many([scored(i) for i in range(30)])
+    ids = [log.append(scored(i)) for i in range(30)]  # an entry each
     a = GroupConsumer(redis_client, run_id, "workers", "a")
     b = GroupConsumer(redis_client, run_id, "workers", "b")
     a.ensure_group()
@@ -77,7 +77,7 @@ def test_two_consumers_share_the_work(redis_client: redis.Redis, run_id: str) ->
 
 def test_restarted_consumer_gets_its_own_pending_first(redis_client: redis.Redis, run_id: str) -> None:
     log = EventLog(redis_client, run_id)
-    ids = log.append_many([scored(i) for i in range(8)])
+    ids = [log.append(scored(i)) for i in range(8)]  # an entry each
     first = GroupConsumer(redis_client, run_id, "g", "worker-1")
     first.ensure_group()
     assert [d.stream_id for d in first.read(count=3, block_ms=10)] == ids[:3]  # then "crashes": no ack
@@ -95,7 +95,7 @@ def test_sigkilled_consumer_process_is_reclaimed_exactly_once(
     redis_url: str, redis_client: redis.Redis, run_id: str
 ) -> None:
     log = EventLog(redis_client, run_id)
-    ids = log.append_many([scored(i) for i in range(40)])
+    ids = [log.append(scored(i)) for i in range(40)]  # an entry each
     GroupConsumer(redis_client, run_id, "workers", "x").ensure_group()
 
     proc = subprocess.Popen(
@@ -254,6 +254,8 @@ def test_work_groups_get_only_their_events_written_with_the_log_and_deleted_once
     assert log.append_many(built) == ids  # a retry (same event ids) writes nothing, to the log or a work stream
     by_type = Counter(e.type for e in built)
     assert by_type["GroupAdmitted"] == 1 and by_type["SampleFinished"] == 2 and len(by_type) > 2
+    # the reward work of one append is one entry (events/work.py BATCHED); a rank's work is one group per entry
+    assert redis_client.xlen(work_key(run_id, "reward")) == 1 and redis_client.xlen(work_key(run_id, "rollout")) == 1
     rollout = GroupConsumer.work(redis_client, run_id, "rollout", "r")
     reward = GroupConsumer.work(redis_client, run_id, "reward", "s")
     for c in (rollout, reward):
@@ -261,12 +263,12 @@ def test_work_groups_get_only_their_events_written_with_the_log_and_deleted_once
     log_ids = {e.event_id: sid for e, sid in zip(built, ids, strict=True)}
     got = {c.group: drain(c) for c in (rollout, reward)}
     assert [d.event.type for d in got["rollout"]] == ["GroupAdmitted"]
-    assert [d.event.type for d in got["reward"]] == ["SampleFinished"] * 2
+    assert [d.event for d in got["reward"]] == [e for e in built if e.type == "SampleFinished"]
     for d in got["rollout"] + got["reward"]:
         assert d.log_id == log_ids[d.event.event_id] and d.deliveries == 1
     assert redis_client.xlen(work_key(run_id, "rollout")) == 0 and redis_client.xlen(work_key(run_id, "reward")) == 0
     assert rollout.pending() == 0 and reward.pending() == 0
-    assert log.length() == len(built)  # the log is never trimmed by a work consumer
+    assert [s.event for s in log.read()] == built  # the log is never trimmed by a work consumer
 
 
 def test_a_refused_append_writes_no_work(redis_client: redis.Redis, run_id: str) -> None:
@@ -301,3 +303,31 @@ def test_reclaim_runs_on_a_timer_not_on_every_read(redis_client: redis.Redis, ru
 def test_work_consumer_refuses_a_group_without_a_work_stream(redis_client: redis.Redis, run_id: str) -> None:
     with pytest.raises(ValueError, match="not a work group"):
         GroupConsumer.work(redis_client, run_id, "workers", "c")
+
+
+def test_an_entry_of_several_events_is_delivered_as_each_of_them_and_acknowledged_once(
+    redis_client: redis.Redis, run_id: str
+) -> None:
+    """A log entry holds one append's events (events/store.py): a consumer of the log gets each of them, all with the
+    entry's id (one `ack` takes them all); a malformed event inside it is dead-lettered under its own place in the
+    entry while the others are delivered, and an entry of nothing but malformed events is acknowledged by the
+    consumer itself, after dead-lettering each once."""
+    log = EventLog(redis_client, run_id)
+    batch = [scored(i) for i in range(3)]
+    ids = log.append_many(batch)
+    good, bad = encode(scored(7)), b"\xc1 not msgpack"
+    mixed = as_str(
+        redis_client.xadd(
+            log.key, {b"b": msgpack.packb([good, bad], use_bin_type=True), b"t": b"SampleScored,SampleScored"}
+        )
+    )
+    hopeless = as_str(redis_client.xadd(log.key, {b"b": msgpack.packb([bad, bad], use_bin_type=True)}))
+    c = GroupConsumer(redis_client, run_id, "workers", "c")
+    c.ensure_group()
+    got = c.read(count=10, block_ms=10)
+    assert [(d.stream_id, d.event) for d in got] == [*zip(ids, batch), (mixed, decode(good))]
+    letters = read_dead_letters(redis_client, run_id)
+    assert [(d.source, d.raw) for d in letters] == [(mixed, bad), (hopeless, bad), (hopeless, bad)]
+    assert c.pending() == 2  # the two entries that were delivered; the hopeless one was acknowledged
+    c.ack(*{d.stream_id for d in got})
+    assert c.pending() == 0 and c.read(count=10, block_ms=10) == []

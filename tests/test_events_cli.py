@@ -139,6 +139,22 @@ def test_since_and_until_take_stream_ids_event_ids_and_iso_times(
     assert code == 2 and "no event with that id" in err
 
 
+def test_event_id_bounds_are_exact_inside_an_entry_of_several_events(
+    redis_client: redis.Redis, redis_url: str, run_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An entry holds one append's events, all at its stream id: --since/--until EVENT_ID still start and stop at
+    that event, while a stream-id bound takes the whole entry."""
+    from rolledger.events.store import EventLog
+
+    batch = [e for _, e in _events()[:4]]
+    sid = EventLog(redis_client, run_id).append_many([e.model_copy(update={"run_id": run_id}) for e in batch])[0]
+    ids = [e.event_id for e in batch]
+    _, inner, _ = _run(capsys, redis_url, run_id, "--since", ids[1], "--until", ids[2])
+    assert [line.split()[2] for line in inner.splitlines()] == [batch[1].type, batch[2].type]
+    _, whole, _ = _run(capsys, redis_url, run_id, "--since", sid, "--until", sid)
+    assert [line.split()[2] for line in whole.splitlines()] == [e.type for e in batch]
+
+
 def test_an_undecodable_entry_is_shown_not_skipped_and_nothing_is_written(
     redis_client: redis.Redis, redis_url: str, run_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

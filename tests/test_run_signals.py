@@ -18,7 +18,7 @@ import redis
 from rolledger.events.keys import log_key
 from rolledger.events.open_run import open_run
 from rolledger.events.scan import scan_log
-from rolledger.events.store import TYPE_FIELD
+from rolledger.events.store import entry_types
 from rolledger.schemas import events as ev
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def log_has(run_dir: Path, run_id: str, type_: str) -> bool:
     try:
         client = redis.Redis.from_url(url_file.read_text().strip())
         entries: Any = client.xrange(log_key(run_id))
-        found = any(fields.get(TYPE_FIELD) == type_.encode() for _, fields in entries)
+        found = any(type_ in entry_types(fields) for _, fields in entries)
         client.close()
         return found
     except (redis.RedisError, OSError):

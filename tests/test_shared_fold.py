@@ -63,6 +63,22 @@ def test_a_batch_another_thread_folded_first_is_not_folded_again(redis_client: r
     assert f.state.digest() == replay(events).digest()
 
 
+def test_a_batch_partly_folded_by_another_thread_folds_only_the_rest(redis_client: redis.Redis, run_id: str) -> None:
+    events = _log_events(run_id, 2)
+    half = len(events) // 2
+    log = EventLog(redis_client, run_id)
+    log.append_many(events[:half])  # two entries
+    log.append_many(events[half:])
+    last = log.last_id()
+    assert last is not None
+    f = shared_follower(log)
+    fetched = f.tail.after("0-0", through=last)  # one thread fetched the whole log ...
+    first = [s for s in fetched if s.stream_id == fetched[0].stream_id]
+    assert [s.event for s in f._fold(first)] == events[:half]  # ... another fetched and folded the first entry
+    assert [s.event for s in f._fold(fetched)] == events[half:]  # the first thread folds only the rest
+    assert f.state.anomalies == [] and f.state.digest() == replay(events).digest()
+
+
 def test_threads_folding_one_shared_state_while_the_log_grows_fold_each_event_once(
     redis_client: redis.Redis, run_id: str
 ) -> None:

@@ -43,13 +43,20 @@ def test_append_and_read_back_in_order(redis_client: redis.Redis, run_id: str) -
     assert log.key == log_key(run_id)
     assert log.last_id() is None and log.length() == 0
     events = [scored(i) for i in range(7)]
-    ids = [log.append(events[0])] + log.append_many(events[1:])
-    assert len(set(ids)) == 7 and ids == sorted(ids, key=lambda s: tuple(map(int, s.split("-"))))
-    assert log.length() == 7 and log.last_id() == ids[-1]
-    assert list(log.read(batch=3)) == [StoredEvent(i, e) for i, e in zip(ids, events)]  # pages of 3, 3, 1
-    assert [s.event for s in log.read(ids[2], ids[4])] == events[2:5]
+    ids = [log.append(events[0]), log.append(events[1])] + log.append_many(events[2:4]) + log.append_many(events[4:])
+    order = [tuple(map(int, s.split("-"))) for s in ids]
+    assert order == sorted(order) and len(set(ids)) == 4  # one entry per append call: 1, 1, 2 and 3 events
+    assert ids[2] == ids[3] and ids[4] == ids[5] == ids[6] and ids[3] != ids[4]
+    assert log.length() == 4 and log.last_id() == ids[-1]
+    assert list(log.read(batch=3)) == [StoredEvent(i, e) for i, e in zip(ids, events)]  # pages of 3 entries, then 1
+    assert [s.event for s in log.read(ids[1], ids[2])] == events[1:4]  # an entry is read whole
     fields = redis_client.xrange(log.key, ids[0], ids[0])[0][1]  # type: ignore[index]  # redis-py types replies Any | Awaitable
     assert fields == {b"e": encode(events[0]), b"t": b"SampleScored"}
+    fields = redis_client.xrange(log.key, ids[4], ids[4])[0][1]  # type: ignore[index]
+    assert fields == {
+        b"b": msgpack.packb([encode(e) for e in events[4:]], use_bin_type=True),  # the events' bytes, in order
+        b"t": b"SampleScored,SampleScored,SampleScored",
+    }
     assert log.append_many([]) == []
 
 
@@ -71,20 +78,20 @@ def test_conditional_append_conflict(redis_client: redis.Redis, run_id: str) -> 
     assert (info.value.expected, info.value.actual) == ("1-1", None)
 
     ids = log.append_if([scored(1), scored(2)], None)  # None = expect an empty log
-    assert log.last_id() == ids[-1]
+    assert log.last_id() == ids[-1] == ids[0]  # one entry
     # Two coordinators decided from the same state; only the first may append.
     winner, loser = [scored(3)], [scored(4)]
     won = log.append_if(winner, ids[-1])
     with pytest.raises(ConcurrencyConflict) as info:
         log.append_if(loser, ids[-1])
     assert info.value.expected == ids[-1] and info.value.actual == won[0]
-    assert log.length() == 3
+    assert log.length() == 2
 
     # A retry of the call that won (its reply was lost) gets the original ids back, without a conflict.
     assert log.append_if(winner, ids[-1]) == won
     # Deduped by event id: an already recorded event inside a new batch keeps its id, the new one is appended.
     mixed = log.append_if([winner[0], scored(5)], won[0])
-    assert mixed[0] == won[0] and log.length() == 4
+    assert mixed[0] == won[0] and log.length() == 3
     assert [payload_of(s.event, SampleScored).sample_id for s in log.read()] == ["g1/0", "g2/0", "g3/0", "g5/0"]
 
 
@@ -114,7 +121,7 @@ def test_read_dead_letters_malformed_entries_once(redis_client: redis.Redis, run
     assert reasons[0].startswith("not msgpack")
     assert "unknown event type 'Bogus'" in reasons[1]
     assert "newer than this rolledger" in reasons[2]
-    assert "no b'e' field" in reasons[3]
+    assert "no b'e' or b'b' field" in reasons[3]
     assert letters[0].raw == b"\xc1 not msgpack" and letters[0].consumer == "reader"
 
 
@@ -134,7 +141,8 @@ def test_tail_blocks_then_returns_new_entries(redis_client: redis.Redis, run_id:
     e2, e3 = scored(2), scored(3)
     ids = log.append_many([e2, e3])
     assert log.tail(first, block_ms=1000) == [StoredEvent(ids[0], e2), StoredEvent(ids[1], e3)]
-    assert log.tail(first, block_ms=1000, count=1) == [StoredEvent(ids[0], e2)]
+    assert ids[0] == ids[1]  # one entry: `count` counts entries, and an entry is read whole
+    assert log.tail(first, block_ms=1000, count=1) == [StoredEvent(ids[0], e2), StoredEvent(ids[1], e3)]
 
 
 def test_types_other_than_scored(redis_client: redis.Redis, run_id: str) -> None:
@@ -167,9 +175,9 @@ def test_wait_durable_false_without_aof(tmp_path: Path, run_id: str) -> None:
 def test_read_filters_by_type_before_decoding(redis_client: redis.Redis, run_id: str) -> None:
     log = EventLog(redis_client, run_id)
     paused = make_event(AdmissionPaused(reason="lag", lag=2), run_id=run_id, producer="adm", policy_version=1)
-    ids = log.append_many([scored(1), paused, scored(2)])
+    ids = [log.append(scored(1)), *log.append_many([paused, scored(2)])]  # the second entry holds both types
     garbage_typed = as_str(redis_client.xadd(log.key, {b"e": b"\xc1", b"t": b"SampleScored"}))
-    assert list(log.read(types={"AdmissionPaused"})) == [StoredEvent(ids[1], paused)]
+    assert list(log.read(types={"AdmissionPaused"})) == [StoredEvent(ids[1], paused)]  # one event of a batch
     assert read_dead_letters(redis_client, run_id) == []  # the skipped garbage was never decoded
     assert [s.stream_id for s in log.read(types=["SampleScored"])] == [ids[0], ids[2]]
     assert [d.source for d in read_dead_letters(redis_client, run_id)] == [garbage_typed]
@@ -201,13 +209,15 @@ def test_append_many_retried_after_a_lost_reply_writes_nothing_twice(redis_clien
     assert log.append_many(batch) == ids  # the retry: the original ids, nothing written
     assert log.append_many([batch[1], scored(4)])[0] == ids[1]  # a recorded event keeps its id in a mixed batch
     assert log.append(batch[0]) == ids[0]
-    assert log.length() == 4  # 1, 2, 3, 4: no copy of 1 or 2
+    assert [payload_of(s.event, SampleScored).sample_id for s in log.read()] == ["g1/0", "g2/0", "g3/0", "g4/0"]
+    assert log.length() == 3  # [1, 2], [3], [4]: no copy of 1 or 2
 
 
-def test_a_batch_of_any_size_costs_the_dedupe_hash_two_commands(redis_client: redis.Redis, run_id: str) -> None:
-    """One HMGET of the batch's event ids and one HSET of the new ones per call, however many events (issue 12: the
-    hash was two commands per event, most of what an event cost Redis). Above 1,000 events the script works in chunks
-    of 1,000 (Lua's stack), and a retry of that large batch still writes nothing twice."""
+def test_a_batch_of_any_size_costs_three_commands(redis_client: redis.Redis, run_id: str) -> None:
+    """One HMGET of the batch's event ids, one XADD of the batch as one entry and one HSET of the new ids per call,
+    however many events (issue 12: the hash was two commands per event and the log one XADD per event, most of what
+    an event cost Redis). Above 1,000 events the dedupe works in chunks of 1,000 (Lua's stack), and a retry of that
+    large batch still writes nothing twice."""
 
     def calls() -> dict[str, int]:
         stats: dict[str, dict[str, int]] = redis_client.info("commandstats")  # type: ignore[assignment]
@@ -219,12 +229,12 @@ def test_a_batch_of_any_size_costs_the_dedupe_hash_two_commands(redis_client: re
     ids = log.append_many(batch)
     after = calls()
     spent = {k: after.get(k, 0) - before.get(k, 0) for k in ("hget", "hmget", "hset", "xadd")}
-    assert spent == {"hget": 0, "hmget": 1, "hset": 1, "xadd": 50}
-    assert log.append_many(batch) == ids and log.length() == 50
+    assert spent == {"hget": 0, "hmget": 1, "hset": 1, "xadd": 1}
+    assert log.append_many(batch) == ids and log.length() == 1
 
     large = [scored(i) for i in range(100, 2600)]
     large_ids = log.append_many(large)
-    assert log.append_many(large) == large_ids and log.length() == 2550
+    assert log.append_many(large) == large_ids and log.length() == 2
     assert [s.event.event_id for s in log.read()][50:] == [e.event_id for e in large]
 
 
@@ -235,7 +245,11 @@ def test_append_once_retried_after_success_returns_the_original_ids(redis_client
     assert ids is not None and len(ids) == 2
     assert log.append_once(batch, ["step:1"]) == ids  # the same call again (its reply was lost): not None
     assert log.append_once([scored(3)], ["step:1"]) is None  # another batch under a taken key
-    assert log.length() == 2
+    assert [s.event for s in log.read()] == batch
+    many = [f"group:{i}" for i in range(2500)]  # a step's keys, one per group it consumes: looked up in chunks
+    assert log.append_once([scored(4)], many) is not None
+    assert log.append_once([scored(5)], ["group:new", many[-1]]) is None  # taken in the last chunk
+    assert log.append_once([scored(6)], ["group:new"]) is not None
 
 
 def test_appends_after_run_finished_are_refused(redis_client: redis.Redis, run_id: str) -> None:

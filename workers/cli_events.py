@@ -121,7 +121,7 @@ class Window:
                 sid = by_id.get(b.event_id)
                 if sid is None:
                     raise CliError(f"{name} {b.text!r}: no event with that id in the run's log")
-                setattr(self, attr, Bound(b.text, stream=_position(sid)))
+                setattr(self, attr, Bound(b.text, stream=_position(sid), event_id=b.event_id))
 
     @staticmethod
     def _places(b: Bound, stream_id: str, wall_time: float | None) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -171,12 +171,21 @@ class _Printer:
         self.as_json = as_json
         self.fold: EventLines = EventLines()
         self.past_until = False
+        self.since_met = window.since is None or window.since.event_id is None  # an event-id --since not yet seen
 
     def event(self, stored: StoredEvent) -> None:
         line = self.fold.line(stored.stream_id, stored.event)
-        if self.window.after(stored.stream_id, stored.event.wall_time):
+        if self.past_until or self.window.after(stored.stream_id, stored.event.wall_time):
             self.past_until = True
             return
+        w, event_id = self.window, stored.event.event_id
+        # an event-id bound is exact within its entry too (an entry may hold several events, all at its position)
+        if w.until is not None and w.until.event_id == event_id:
+            self.past_until = True  # this one is shown, nothing after it
+        if not self.since_met:
+            if w.since is None or w.since.event_id != event_id:
+                return
+            self.since_met = True
         if self.window.before(stored.stream_id, stored.event.wall_time) or not self.flt.matches(stored.event):
             return
         self._out(json.dumps(line.to_dict(), default=str) if self.as_json else line.render())
@@ -184,8 +193,10 @@ class _Printer:
     def undecodable(self, u: Undecodable) -> None:
         from rolledger.workflows.event_lines import undecodable_dict, undecodable_line
 
-        if self.window.after(u.stream_id, None):
+        if self.past_until or self.window.after(u.stream_id, None):
             self.past_until = True
+            return
+        if not self.since_met:
             return
         if self.window.before(u.stream_id, None) or not self.flt.may_match_undecodable(u.event_type):
             return
@@ -267,12 +278,12 @@ def _follow(client: redis.Redis, run_id: str, last: str, printer: _Printer, idle
         idle_until = time.monotonic() + idle_timeout_s
         for raw_id, fields in reply[0][1]:
             last = as_str(raw_id)
-            item = scan_entry(raw_id, fields)
-            if isinstance(item, StoredEvent):
-                printer.event(item)
-                if item.event.type == "RunFinished":
+            for item in scan_entry(raw_id, fields):
+                if isinstance(item, StoredEvent):
+                    printer.event(item)
+                    if item.event.type == "RunFinished":
+                        return
+                else:
+                    printer.undecodable(item)
+                if printer.past_until:
                     return
-            else:
-                printer.undecodable(item)
-            if printer.past_until:
-                return

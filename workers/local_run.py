@@ -343,11 +343,12 @@ class LocalRun:
                 self._cancel(client)
                 incidents.events(s.event for s in follower.catch_up())
                 break
-            got = [s.event for s in follower.poll(block_ms=200)]
+            polled = follower.poll(block_ms=200)
+            got = [s.event for s in polled]
             incidents.events(got)
             incidents.poll_dead_letters()
             metrics.observe(follower.state, got)
-            unarchived += len(got)
+            unarchived += len({s.stream_id for s in polled})  # entries (an entry holds one append's events)
             if archiver is not None and unarchived >= archiver.archive_every:
                 unarchived = 0
                 archiver.run_once()

@@ -72,7 +72,7 @@ class RewardWorker(Worker):
     def run(self) -> None:
         self.consumer.ensure_group()
         while not self.stop_event.is_set():
-            deliveries = self.consumer.read(count=64, block_ms=100)
+            deliveries = self.consumer.read(count=16, block_ms=100)  # entries: an append's samples each
             if not deliveries:
                 if self.follower.state.status.is_terminal:
                     break

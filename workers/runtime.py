@@ -88,7 +88,9 @@ class Follower:
             return got
         with self._guard():
             last, skip = order(self.last_id), 0
-            while skip < len(got) and order(got[skip].stream_id) <= last:  # folded by another thread meanwhile
+            if order(got[-1].stream_id) <= last:  # all folded by another thread meanwhile (the usual case: one check)
+                return []
+            while order(got[skip].stream_id) <= last:  # some of them
                 skip += 1
             new = got[skip:]
             for stored in new:

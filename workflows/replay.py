@@ -13,6 +13,7 @@ corrupted: Temporal's replay check. The three folds run in one pass over the ent
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ from rolledger.schemas import events as ev
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
 
-Entry = tuple[str, ev.Event]  # (stream id, event): one entry of the log
+Entry = tuple[str, ev.Event]  # (stream id, event): one event of the log and the id of its entry (which may hold more)
 
 
 class SnapshotLike(Protocol):
@@ -51,11 +52,16 @@ def position(stream_id: str) -> tuple[int, int]:
 
 
 def entries_until(entries: Iterable[Entry], until: str | None = None) -> Iterator[Entry]:
-    """The entries, stopping after the one whose event id or stream id is `until`."""
+    """The entries, stopping after the event whose event id is `until`, or after the last event of the stream entry
+    whose id is `until` (an entry may hold several events, all with its id)."""
+    in_last = False
     for stream_id, event in entries:
-        yield stream_id, event
-        if until is not None and until in (stream_id, event.event_id):
+        if in_last and stream_id != until:
             return
+        yield stream_id, event
+        if until is not None and until == event.event_id:
+            return
+        in_last = in_last or until == stream_id
 
 
 def rebuild(
@@ -103,15 +109,19 @@ def check_replay(entries: Iterable[Entry], snapshots: Iterable[SnapshotLike], un
     tail: RunState | None = None
     checks: list[tuple[str, str, str]] = []
     last = ""
-    for stream_id, event in entries_until(entries, until):
+    # entry by entry: a snapshot is taken after a whole entry (its events share the entry's stream id)
+    for stream_id, in_entry in itertools.groupby(entries_until(entries, until), key=lambda entry: entry[0]):
         here = position(stream_id)
         tail = _latest_before(pending, here, tail, inclusive=False)  # snapshots taken before this entry
-        state, again = fold(state, event), fold(again, event)
-        if tail is not None:
-            tail = fold(tail, event)
+        last_event = ""
+        for _, event in in_entry:
+            state, again = fold(state, event), fold(again, event)
+            if tail is not None:
+                tail = fold(tail, event)
+            last_event = event.event_id
         last = stream_id
         snap = at_entry.get(stream_id)
-        if snap is not None:
+        if snap is not None and not (until == last_event and snap.event_id != last_event):  # not cut short by until
             checks.append((snap.event_id, snap.digest, state.digest()))
         tail = _latest_before(pending, here, tail, inclusive=True)  # and those taken right after it
     return ReplayReport(state, state.digest(), again.digest(), last, checks, tail.digest() if tail else None)

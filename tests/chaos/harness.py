@@ -33,7 +33,7 @@ import redis
 
 from rolledger.events.codec import decode
 from rolledger.events.keys import log_key
-from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD
+from rolledger.events.store import MalformedEntry, entry_payloads, entry_types
 from rolledger.schemas import events as ev
 
 from .checks import Ack, Ending, Verdict, judge, parse_ack_log
@@ -250,11 +250,11 @@ class Harness:
                 page: Any = self.client().xrange(log_key(self.run_id), lo, "+", count=500)
                 if not page:
                     return
-                for sid, fields in page:
-                    kind = fields.get(TYPE_FIELD, b"?").decode()
-                    self.counts[kind] += 1
-                    if kind == "RunFinished":
-                        self.finished = True
+                for _, fields in page:
+                    for kind in entry_types(fields) or ["?"]:
+                        self.counts[kind] += 1
+                        if kind == "RunFinished":
+                            self.finished = True
                 self.last_id = page[-1][0].decode()
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             self._client = None
@@ -475,9 +475,15 @@ class Harness:
             page: Any = client.xrange(log_key(self.run_id), lo, "+", count=1000)
             for _, fields in page:
                 try:
-                    events.append(decode(fields[PAYLOAD_FIELD]))
-                except (ValueError, TypeError, KeyError):  # pydantic's and msgpack's errors are ValueErrors
+                    payloads = entry_payloads(fields)
+                except MalformedEntry:
                     bad += 1
+                    continue
+                for data in payloads:
+                    try:
+                        events.append(decode(data))
+                    except (ValueError, TypeError, KeyError):  # pydantic's and msgpack's errors are ValueErrors
+                        bad += 1
             if len(page) < 1000:
                 break
             lo = "(" + page[-1][0].decode()
