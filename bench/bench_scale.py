@@ -24,7 +24,8 @@ Printed, measured between RunStarted and the run's end (setup excluded):
   by waiting on events, which costs no CPU, so everything counted is control plane (the simulated trainer's
   staging of 16 bytes and the engines' verified reads of them included);
 - Redis commands per event: INFO commandstats calls delta (commands run inside Lua scripts are counted there
-  too) and client round trips (commands and pipelines/transactions sent by this process), each per event;
+  too) and client round trips (commands and pipelines/transactions sent by this process), each per event; and the
+  log's entries (an entry holds one append's events, events/store.py), events per entry;
 - log bytes per step (sum of the entries' field bytes, and MEMORY USAGE of the stream per step);
 - the coordinator's decision latency: time of each `decide()` call on its thread, p50/p99;
 - live state size (msgpack of the reducer state) and snapshot time (`take_snapshot`: digest + to_dict + msgpack +
