@@ -1,13 +1,15 @@
 """Benchmark of replay (run by hand): raw XRANGE vs read+decode (EventLog.read) vs read+decode+fold (rebuild).
 
     python bench/bench_replay.py [--events 1000000] [--repeats 1] [--group-size 8] [--groups-per-step 4]
-                                 [--update-every 4] [--ranks 2] [--no-maps]
+                                 [--update-every 4] [--ranks 2] [--no-maps] [--entry-events 1]
 
 Starts its own redis-server (events.embedded.find_redis_server) on a free loopback port, no persistence, and writes
-`--events` synthetic events of one run, pipelined, one entry per event (`one_entry_each`: the entry the store writes
-for an append of one event; a run's appends of several events are one entry each, events/store.py, which reads
-faster per event: this is the per-event worst case, and keeps the phases comparable with the numbers taken before
-entries held batches). The mix is a real run's,
+`--events` synthetic events of one run, pipelined, one entry per event by default (`one_entry_each`: the entry the
+store writes for an append of one event: the per-event worst case, comparable with the numbers taken before entries
+held batches). `--entry-events K` writes every K consecutive events as one entry in the form the store writes for an
+append of several (`batched_entries`: `b` = a msgpack array of their codec bytes, `t` = their types), as a run's
+appends do (bench_scale's run averages ~18 events per entry); the map baseline is then skipped. The mix is a real
+run's,
 produced by tests/logbuilder.py's LogBuilder: per group GroupAdmitted, n x SampleStarted, n x SampleFinished (a
 32-token prompt and 10-30 generated tokens), n x SampleScored, GroupCompleted; per step BatchConsumed and
 TrainStepFinished; every `--update-every` steps a whole weight-update transaction (staged, prepare, pause, commit,
@@ -15,9 +17,9 @@ per-rank commit/invalidate/health, publish, resume) over `--ranks` ranks.
 
 Then, on the same stream, one after the other in this process:
 
-- (a) raw XRANGE pages of 1000, no decoding: the transport floor;
-- (u) (a) + msgpack's unpack of every entry, no models built: the floor of any decode on this wire format (printed
-  with what it leaves for building models and folding);
+- (a) raw XRANGE pages of 1000 entries, no decoding: the transport floor;
+- (u) (a) + msgpack's unpack of every event (and of every batch around them), no models built: the floor of any
+  decode on this wire format (printed with what it leaves for building models and folding);
 - (b) EventLog.read: XRANGE + decode every entry to a validated Event (Trust.VALIDATE, the baseline);
 - (c) workflows.replay.rebuild: (b) + the reducer's fold into a RunState;
 - (b') EventLog.read(trust=Trust.OWN_LOG): XRANGE + the trusted decode (no re-validation, events.codec);
@@ -56,7 +58,7 @@ import redis
 from rolledger.events.codec import Trust, encode, named_form
 from rolledger.events.connection import connect
 from rolledger.events.embedded import find_redis_server, server_version
-from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD, EventLog
+from rolledger.events.store import BATCH_FIELD, PAYLOAD_FIELD, TYPE_FIELD, EventLog, entry_payloads
 from rolledger.schemas.config import AdmissionConfig, RunConfig
 from rolledger.schemas.events import Event
 from rolledger.workflows.replay import rebuild
@@ -240,7 +242,27 @@ def one_entry_each(client: Any, key: str) -> Callable[[list[Event]], object]:
     return sink
 
 
+def batched_entries(client: Any, key: str, k: int) -> Callable[[list[Event]], object]:
+    """A RunWriter sink writing every `k` consecutive events as one entry in the store's form for an append of several
+    (`b` = a msgpack array of their codec bytes, `t` = their types comma-joined), pipelined. The writer's batches are
+    multiples of `k` but for the last."""
+
+    def sink(events: list[Event]) -> object:
+        pipe = client.pipeline(transaction=False)
+        for i in range(0, len(events), k):
+            chunk = events[i : i + k]
+            if len(chunk) == 1:
+                pipe.xadd(key, {PAYLOAD_FIELD: encode(chunk[0]), TYPE_FIELD: chunk[0].type})
+                continue
+            batch = msgpack.packb([encode(e) for e in chunk], use_bin_type=True)
+            pipe.xadd(key, {BATCH_FIELD: batch, TYPE_FIELD: ",".join(e.type for e in chunk)})
+        return pipe.execute()
+
+    return sink
+
+
 def raw_xrange(client: Any, key: str) -> int:
+    """XRANGE pages, nothing decoded; returns the entries read."""
     start, got = "-", 0
     while True:
         page = client.xrange(key, start, "+", count=PAGE)
@@ -257,8 +279,9 @@ def raw_unpack(client: Any, key: str) -> int:
     while True:
         page = client.xrange(key, start, "+", count=PAGE)
         for _, fields in page:
-            msgpack.unpackb(fields[PAYLOAD_FIELD], raw=False, strict_map_key=False)
-        got += len(page)
+            for data in entry_payloads(fields):
+                msgpack.unpackb(data, raw=False, strict_map_key=False)
+                got += 1
         if len(page) < PAGE:
             return got
         start = "(" + page[-1][0].decode()
@@ -289,12 +312,22 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="rounds of (a, b, c); the best wall and cpu of each")
     ap.add_argument(
+        "--entry-events",
+        type=int,
+        default=1,
+        help="events per log entry (1: one entry each, the worst case; a run's appends average ~18)",
+    )
+    ap.add_argument(
         "--no-maps",
         dest="maps",
         action="store_false",
         help="skip the baseline: the same log in the map form entries had before the positional layout",
     )
     args = ap.parse_args()
+    if not 1 <= args.entry_events <= APPEND_BATCH or APPEND_BATCH % args.entry_events:
+        ap.error(f"--entry-events must divide {APPEND_BATCH}, got {args.entry_events}")
+    if args.entry_events > 1:
+        args.maps = False  # the map form is of one-event entries
 
     load_before = os.getloadavg()
     with redis_server() as (url, binary):
@@ -306,22 +339,27 @@ def main() -> None:
         )
 
         t = time.perf_counter()
-        sink = one_entry_each(client, log.key)
+        sink = (
+            one_entry_each(client, log.key)
+            if args.entry_events == 1
+            else batched_entries(client, log.key, args.entry_events)
+        )
         writer = RunWriter(sink, run_id=log.run_id, group_size=args.group_size, ranks=args.ranks)
         writer.write(args.events, groups_per_step=args.groups_per_step, update_every=args.update_every)
         setup = time.perf_counter() - t
-        n = log.length()
+        n, entries = writer.written, log.length()
         mem = client.info("memory")["used_memory_human"]
         print(
-            f"wrote {n:,} events in {setup:.1f} s ({n / setup:,.0f}/s: build + encode + pipelined append); "
+            f"wrote {n:,} events in {entries:,} entries ({n / entries:.1f} events each) in {setup:.1f} s "
+            f"({n / setup:,.0f}/s: build + encode + pipelined append); "
             f"redis memory {mem.decode() if isinstance(mem, bytes) else mem}"
         )
         mix = ", ".join(f"{k} {v / n:.1%}" for k, v in sorted(writer.by_type.items(), key=lambda kv: -kv[1])[:8])
         print(f"mix: {mix}")
-        sample: Any = client.xrange(log.key, "-", "+", count=2000)
-        sizes = [len(f[b"e"]) for _, f in sample]
+        sample: Any = client.xrange(log.key, "-", "+", count=2000 // args.entry_events)
+        sizes = [len(data) for _, f in sample for data in entry_payloads(f)]
         print(
-            f"encoded size: mean {sum(sizes) / len(sizes):.0f} B over the first {len(sizes)} entries; "
+            f"encoded size: mean {sum(sizes) / len(sizes):.0f} B over the first {len(sizes)} events; "
             f"largest {max(sizes)} B"
         )
 
@@ -365,7 +403,9 @@ def main() -> None:
         for _ in range(args.repeats):  # a, b, c in turn each round: load spikes hit all three alike
             for name, fn in runs:
                 p = measure(name, fn)
-                assert p.events == n, f"{name} saw {p.events} of {n} events"
+                expected = entries if name.startswith(("(a)", "(a-m)")) else n  # raw XRANGE counts entries
+                assert p.events == expected, f"{name} saw {p.events} of {expected}"
+                p = Phase(name, n, p.wall_s, p.cpu_s)
                 prev = best.get(name)
                 best[name] = p if prev is None else Phase(name, n, min(prev.wall_s, p.wall_s), min(prev.cpu_s, p.cpu_s))
         phases = [best[name] for name, _ in runs]
@@ -373,7 +413,7 @@ def main() -> None:
 
     state = state_box[0]
     a, u, b, c, bt, ct = phases[:6]
-    print(f"\nbest of {args.repeats} round(s) of the phases in turn")
+    print(f"\nbest of {args.repeats} round(s) of the phases in turn; {args.entry_events} event(s) per entry")
     print(f"{'phase':<38} {'wall s':>8} {'events/s':>11} {'cpu s':>8} {'us/event':>9}")
     for p in phases:
         print(f"{p.name:<38} {p.wall_s:>8.2f} {p.rate:>11,.0f} {p.cpu_s:>8.2f} {p.wall_s / n * 1e6:>9.2f}")
