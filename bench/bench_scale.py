@@ -99,7 +99,7 @@ from rolledger.workers.local_run import prompt_items
 from rolledger.workers.policy_model import build_tokenizer
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
-from rolledger.workers.runtime import Follower, Worker
+from rolledger.workers.runtime import LockedFollower, Worker
 from rolledger.workers.staging_loader import load_verified
 from rolledger.workers.trainer_client import RunOver, TrainerClient
 from rolledger.workers.transport import open_trainer_store
@@ -436,9 +436,9 @@ def after_the_run(client: redis.Redis, steps: int) -> dict[str, Any]:
     return out
 
 
-def own_follower(log: EventLog) -> Follower:
+def own_follower(log: EventLog) -> LockedFollower:
     """`--fold own`: a fold of the log for one role alone (as a role in a process of its own has)."""
-    return Follower(log, threading.Condition())
+    return LockedFollower(log)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -48,7 +48,15 @@ import redis
 from rolledger.events.codec import DecodeError, decode
 from rolledger.events.connection import outages
 from rolledger.events.keys import log_key, work_key
-from rolledger.events.store import PAYLOAD_LOST, MalformedEntry, as_str, dead_letter, entry_payloads
+from rolledger.events.store import (
+    PAYLOAD_LOST,
+    MalformedEntry,
+    as_str,
+    dead_letter,
+    entry_payloads,
+    event_key,
+    event_reason,
+)
 from rolledger.events.work import GROUPS, LOG_ID_FIELD, LOG_INDEX_FIELD
 from rolledger.schemas.events import Event
 
@@ -235,8 +243,8 @@ class GroupConsumer:
             n = counts.get(stream_id, 1)
             in_log = fields.get(LOG_ID_FIELD) if fields else None
             log_id = as_str(in_log) if in_log is not None else stream_id  # a dead letter names the log's entry ...
-            place = fields.get(LOG_INDEX_FIELD) if fields else None
-            places = as_str(place).split(",") if place is not None else None  # ... and each event's place in it
+            in_entry = fields.get(LOG_INDEX_FIELD) if fields else None
+            places = as_str(in_entry).split(",") if in_entry is not None else None  # ... and each event's place in it
             try:
                 payloads = entry_payloads(fields)
             except MalformedEntry as exc:
@@ -246,16 +254,17 @@ class GroupConsumer:
             delivered = len(out)
             for k, data in enumerate(payloads):
                 if places is not None and len(places) == len(payloads):
-                    once = f"{log_id}#{places[k]}"  # a work entry: the event's place in its log entry
+                    place: str | int | None = places[k]  # a work entry: the event's place in its log entry
                 else:
-                    once = log_id if len(payloads) == 1 else f"{log_id}#{k}"
+                    place = None if len(payloads) == 1 else k
+                once = event_key(log_id, place)
                 if n > self.max_deliveries:
                     self._dead_letter(stream_id, log_id, data, f"delivered {n} times", once=f"{self.group}/{once}")
                     continue
                 try:
                     event = decode(data)
                 except DecodeError as exc:
-                    self._dead_letter(stream_id, log_id, data, exc.reason, once=once)
+                    self._dead_letter(stream_id, log_id, data, event_reason(place, exc.reason), once=once)
                     continue
                 out.append(Delivery(stream_id, event, n, log_id))
             if len(out) == delivered:  # nothing of it to process: acknowledged here (else by whoever processes it)

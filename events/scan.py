@@ -24,6 +24,7 @@ from rolledger.events.store import (
     as_str,
     entry_payloads,
     entry_types,
+    event_reason,
 )
 from rolledger.events.store import read_dead_letters as _read_dead_letters
 
@@ -66,7 +67,7 @@ def scan_entry(raw_id: Any, fields: Any) -> list[StoredEvent | Undecodable]:
             out.append(StoredEvent(stream_id, decode(data)))
         except DecodeError as exc:
             named = types[k] if len(types) == len(payloads) else None
-            reason = exc.reason if len(payloads) == 1 else f"event {k} of the entry: {exc.reason}"
+            reason = event_reason(None if len(payloads) == 1 else k, exc.reason)
             out.append(Undecodable(stream_id, named or exc.event_type, reason))
     return out
 

@@ -90,6 +90,18 @@ def entry_payloads(fields: dict[bytes, bytes] | None) -> list[bytes]:
     return items
 
 
+def event_key(entry_id: str, place: int | str | None) -> str:
+    """How a dead letter names one event of a log entry: the entry's id for the sole event of an entry (`place`
+    None), else `<entry id>#<place>` (0-based). The log's readers and the work consumers name one bad event alike,
+    so it is dead-lettered once whoever finds it."""
+    return entry_id if place is None else f"{entry_id}#{place}"
+
+
+def event_reason(place: int | str | None, reason: str) -> str:
+    """A dead letter's reason for the event at `place` of its entry (None: the sole event)."""
+    return reason if place is None else f"event {place} of the entry: {reason}"
+
+
 def entry_types(fields: dict[bytes, bytes] | None) -> list[str]:
     """The event types an entry's `t` field names, one per event ([] when it has none)."""
     t = (fields or {}).get(TYPE_FIELD)
@@ -205,6 +217,14 @@ local function remember(pairs)
     redis.call('HSET', KEYS[2], unpack(pairs, lo, math.min(#pairs, lo + 2 * CHUNK - 1)))
   end
 end
+local function batch_of(js)  -- the events at ARGV[j + 1] (bytes), ARGV[j + 2] (type): a msgpack array, the types
+  local parts, types = {array_of(#js)}, {}
+  for i, j in ipairs(js) do
+    parts[i + 1] = bin(ARGV[j + 1])
+    types[i] = ARGV[j + 2]
+  end
+  return table.concat(parts), table.concat(types, ',')
+end
 local function write(n, first, ids)
   local fresh = {}
   for i = 1, n do
@@ -213,24 +233,21 @@ local function write(n, first, ids)
   local id
   if #fresh == 1 then
     id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[fresh[1] + 1], 't', ARGV[fresh[1] + 2])
-  elseif #fresh > 1 then  -- one entry for the batch: the events' bytes as a msgpack array, their types
-    local parts, types = {array_of(#fresh)}, {}
-    for k, j in ipairs(fresh) do
-      parts[k + 1] = bin(ARGV[j + 1])
-      types[k] = ARGV[j + 2]
-    end
-    id = redis.call('XADD', KEYS[1], '*', 'b', table.concat(parts), 't', table.concat(types, ','))
+  elseif #fresh > 1 then  -- one entry for the batch
+    local b, t = batch_of(fresh)
+    id = redis.call('XADD', KEYS[1], '*', 'b', b, 't', t)
   end
   local pairs, held, finishing = {}, {}, false
   for k, j in ipairs(fresh) do
     pairs[#pairs + 1] = ARGV[j]
     pairs[#pairs + 1] = id
     local work = route[ARGV[j + 2]]
-    if work and batched[work] then  -- one entry per append, written below
-      held[work] = held[work] or {}
-      table.insert(held[work], {j, k - 1})
-    elseif work and #fresh == 1 then
+    if work and #fresh == 1 then
       redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id)
+    elseif work and batched[work] then  -- one work entry per append, written below
+      held[work] = held[work] or {js = {}, places = {}}
+      table.insert(held[work].js, j)
+      table.insert(held[work].places, k - 1)
     elseif work then  -- k: its place in the log entry, 0-based
       redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id, 'k', k - 1)
     end
@@ -240,20 +257,9 @@ local function write(n, first, ids)
       pairs[#pairs + 1] = id
     end
   end
-  for work, items in pairs_of(held) do
-    if #items == 1 and #fresh == 1 then
-      local j = items[1][1]
-      redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id)
-    else
-      local parts, types, places = {array_of(#items)}, {}, {}
-      for i, item in ipairs(items) do
-        parts[i + 1] = bin(ARGV[item[1] + 1])
-        types[i] = ARGV[item[1] + 2]
-        places[i] = item[2]
-      end
-      redis.call('XADD', KEYS[work], '*', 'b', table.concat(parts), 't', table.concat(types, ','), 's', id,
-        'k', table.concat(places, ','))
-    end
+  for work, h in pairs_of(held) do
+    local b, t = batch_of(h.js)
+    redis.call('XADD', KEYS[work], '*', 'b', b, 't', t, 's', id, 'k', table.concat(h.places, ','))
   end
   for i = 1, n do
     if not ids[i] then ids[i] = id end
@@ -561,14 +567,15 @@ class EventLog:
                 try:
                     event = decode(data, trust)
                 except DecodeError as exc:
+                    place = None if len(payloads) == 1 else k
                     dead_letter(
                         self.client,
                         self.run_id,
                         stream_id=stream_id,
                         raw=data,
-                        reason=exc.reason if len(payloads) == 1 else f"event {k} of the entry: {exc.reason}",
+                        reason=event_reason(place, exc.reason),
                         consumer=consumer,
-                        once_key=None if len(payloads) == 1 else f"{stream_id}#{k}",
+                        once_key=None if place is None else event_key(stream_id, place),
                     )
                     continue
                 if wanted is not None and event.type not in wanted:  # entries written without a `t` field

@@ -328,6 +328,13 @@ def test_an_entry_of_several_events_is_delivered_as_each_of_them_and_acknowledge
     assert [(d.stream_id, d.event) for d in got] == [*zip(ids, batch), (mixed, decode(good))]
     letters = read_dead_letters(redis_client, run_id)
     assert [(d.source, d.raw) for d in letters] == [(mixed, bad), (hopeless, bad), (hopeless, bad)]
+    assert [d.reason.split(":")[0] for d in letters] == [
+        "event 1 of the entry",
+        "event 0 of the entry",
+        "event 1 of the entry",
+    ]
+    assert len(list(log.read())) == 4  # a reader of the log finds the same bad events: named alike, not again
+    assert read_dead_letters(redis_client, run_id) == letters
     assert c.pending() == 2  # the two entries that were delivered; the hopeless one was acknowledged
     c.ack(*{d.stream_id for d in got})
     assert c.pending() == 0 and c.read(count=10, block_ms=10) == []

@@ -20,9 +20,9 @@ from rolledger.workers.policy_model import build_model, build_tokenizer
 from rolledger.workers.rank import RankWorker
 from rolledger.workers.reward import RewardWorker
 from rolledger.workers.runtime import shared_follower
-from rolledger.workers.shared_tail import order
 from rolledger.workflows import rank as rd
 from rolledger.workflows.reducer import replay
+from rolledger.workflows.replay import position
 
 
 def _engine(rank: int) -> TorchEngine:
@@ -121,8 +121,8 @@ def test_a_drain_report_holds_the_ranks_starts_until_the_shared_state_holds_it(r
     assert worker.engine.is_paused
     # held through the report itself: not folded yet, so no slot may start a group (rollout.Rollout._admit)
     assert worker.starts_held_through == paused.stream_id
-    assert order(worker.follower.last_id) < order(paused.stream_id)
+    assert position(worker.follower.last_id) < position(paused.stream_id)
     # any thread's fold of the shared state releases it (here another rank of the process folds)
     RankWorker(client, run_id, 1, _engine(1)).follower.catch_up()
-    assert order(worker.follower.last_id) >= order(worker.starts_held_through)
+    assert position(worker.follower.last_id) >= position(worker.starts_held_through)
     client.close()

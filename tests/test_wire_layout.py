@@ -72,10 +72,6 @@ def _scored() -> list[Any]:
     [
         (lambda raw: [*raw[:3], [*raw[3], 1]], r"invalid SampleScored: payload has 5 fields where its layout has 4"),
         (lambda raw: [*raw[:3], raw[3][:3]], r"invalid SampleScored: payload has 3 fields"),
-        (
-            lambda raw: [*raw[:3], [raw[3][0], raw[3][1], "lots", False]],
-            r"invalid SampleScored: payload.SampleScored.reward",
-        ),
         (lambda raw: [raw[0], raw[1], raw[2][:6], raw[3]], r"envelope has 6 fields, not 7"),
         (lambda raw: [raw[0], raw[1], raw[2], {"reward": 1.0}], r"must be arrays"),
         (lambda raw: raw[:3], r"not an event envelope"),
@@ -88,6 +84,17 @@ def test_a_malformed_positional_entry_is_refused_under_either_trust(mutate: Any,
     for trust in Trust:
         with pytest.raises(DecodeError, match=reason):
             decode(data, trust)
+
+
+def test_a_wrong_value_in_the_right_shape_is_refused_only_when_validating() -> None:
+    """Trust.OWN_LOG trusts the writer for field values (events/codec.py): an entry of exactly the shape `encode`
+    writes with a value of the wrong type is built as it is; Trust.VALIDATE (audits, foreign logs, the work queues)
+    refuses it."""
+    raw = _scored()
+    data = msgpack.packb([*raw[:3], [raw[3][0], raw[3][1], "lots", False]], use_bin_type=True)
+    with pytest.raises(DecodeError, match=r"invalid SampleScored: payload.SampleScored.reward"):
+        decode(data)
+    assert decode(data, Trust.OWN_LOG).payload.__dict__["reward"] == "lots"
 
 
 def test_an_older_version_reads_by_its_own_locked_layout_and_is_upcast(monkeypatch: pytest.MonkeyPatch) -> None:

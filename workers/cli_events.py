@@ -103,8 +103,9 @@ def parse_bound(option: str, text: str, upper: bool) -> Bound:
 
 
 def _position(stream_id: str) -> tuple[int, int]:
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
+    from rolledger.workflows.replay import position  # here: `rolledger events` starts without loading the reducer
+
+    return position(stream_id)
 
 
 @dataclass

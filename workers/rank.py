@@ -63,7 +63,6 @@ class RankWorker(Worker):
         self.incarnation = uuid.uuid4().hex[:12]  # this rank process; announced in its RankJoined
         self.initial_weights = initial_weights
         self.follower = shared_follower(self.log)  # the process's ranks share one fold and its lock
-        assert self.follower.lock is not None
         self.lock = self.follower.lock  # notified after every fold; guards the state, running and announcing
         self.running = 0  # groups the rollout slots are generating (written under the lock)
         self.announcing = 0  # of those, started but their SampleStarted not yet in the log (written under the lock)

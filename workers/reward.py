@@ -20,9 +20,9 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import SampleStatus
 from rolledger.workers.rewards import Rewards, resolve
 from rolledger.workers.runtime import Worker, shared_follower
-from rolledger.workers.shared_tail import order
 from rolledger.workers.task_plugins import load_prompts
 from rolledger.workers.tasks import Prompt
+from rolledger.workflows.replay import position
 from rolledger.workflows.scheduler import dataset_prompt_id
 
 
@@ -50,7 +50,6 @@ class RewardWorker(Worker):
             client, run_id, "reward", name, claim_idle_ms=claim_idle_ms if claim_idle_ms is not None else 30_000
         )
         self.follower = shared_follower(self.log)
-        assert self.follower.lock is not None
         self.lock = self.follower.lock
         self.scored = 0
 
@@ -79,7 +78,7 @@ class RewardWorker(Worker):
                 self.follower.poll(block_ms=10)  # what the log brought meanwhile (the run's end)
                 continue
             # the delivered samples and this worker's own scores (a redelivered sample it scored is skipped)
-            self.follower.catch_up(through=max([*(d.log_id for d in deliveries), self.emitter.last_id], key=order))
+            self.follower.catch_up(through=max([*(d.log_id for d in deliveries), self.emitter.last_id], key=position))
             cfg = self.follower.state.config
             if self.claim_idle_ms is None and cfg is not None:
                 self.consumer.claim_idle_ms = cfg.recovery.lost_after_ms

@@ -57,8 +57,8 @@ from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.schemas.wire import encoded_size
 from rolledger.workers.engine import EngineCapabilities, GroupOutput, IllegalEngineOrder, SampleOutput, StaleRequest
 from rolledger.workers.runtime import Emitter, WorkerKilled
-from rolledger.workers.shared_tail import order
 from rolledger.workflows.rank import may_serve
+from rolledger.workflows.replay import position
 from rolledger.workflows.update import about_to_be_quarantined
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ class Rollout:
             return "wait", []
         held = self.w.starts_held_through
         if held is not None:
-            if held == "" or order(self.w.follower.last_id) < order(held):
+            if held == "" or position(self.w.follower.last_id) < position(held):
                 return "wait", []  # this rank reported a failed prepare that its follower has not folded yet
             self.w.starts_held_through = None
         need = kv_worst_case(p)

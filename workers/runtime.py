@@ -28,9 +28,9 @@ from rolledger.events.envelope import make_event
 from rolledger.events.snapshots import latest_snapshot
 from rolledger.events.store import ConcurrencyConflict, EventLog, RunClosed, StoredEvent
 from rolledger.schemas import events as ev
-from rolledger.workers.shared_tail import order, shared_tail
+from rolledger.workers.shared_tail import shared_tail
 from rolledger.workflows.reducer import fold
-from rolledger.workflows.replay import restore
+from rolledger.workflows.replay import position, restore
 from rolledger.workflows.state import RunState
 
 
@@ -87,10 +87,12 @@ class Follower:
         if not got:
             return got
         with self._guard():
-            last, skip = order(self.last_id), 0
-            if order(got[-1].stream_id) <= last:  # all folded by another thread meanwhile (the usual case: one check)
+            last, skip = position(self.last_id), 0
+            if (
+                position(got[-1].stream_id) <= last
+            ):  # all folded by another thread meanwhile (the usual case: one check)
                 return []
-            while order(got[skip].stream_id) <= last:  # some of them
+            while position(got[skip].stream_id) <= last:  # some of them
                 skip += 1
             new = got[skip:]
             for stored in new:
@@ -114,11 +116,21 @@ class Follower:
         return self._fold(got)
 
 
-_SHARED: weakref.WeakValueDictionary[tuple[int, str], Follower] = weakref.WeakValueDictionary()
+class LockedFollower(Follower):
+    """A Follower that always has its lock (a Condition notified after every fold): what roles sharing one fold read
+    the state under."""
+
+    lock: threading.Condition
+
+    def __init__(self, log: EventLog) -> None:
+        super().__init__(log, threading.Condition())
+
+
+_SHARED: weakref.WeakValueDictionary[tuple[int, str], LockedFollower] = weakref.WeakValueDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_follower(log: EventLog) -> Follower:
+def shared_follower(log: EventLog) -> LockedFollower:
     """This process's one fold of `log`'s run on `log`'s connection pool, with its lock (a Condition), for roles
     that share it (made on first use, kept while one of them holds it).
 
@@ -129,7 +141,7 @@ def shared_follower(log: EventLog) -> Follower:
     with _SHARED_LOCK:
         follower = _SHARED.get(key)
         if follower is None:
-            follower = _SHARED[key] = Follower(log, threading.Condition())
+            follower = _SHARED[key] = LockedFollower(log)
         return follower
 
 
@@ -152,7 +164,7 @@ class Emitter:
 
     def _appended(self, ids: Sequence[str]) -> None:
         with self._last_lock:  # check and set as one: a slower thread never moves last_id back
-            if ids and order(ids[-1]) > order(self.last_id):
+            if ids and position(ids[-1]) > position(self.last_id):
                 self.last_id = ids[-1]
         if self._parent is not None:
             self._parent._appended(ids)

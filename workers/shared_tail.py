@@ -32,17 +32,13 @@ from typing import Protocol
 
 from rolledger.events.codec import Trust
 from rolledger.events.store import EventLog, StoredEvent
+from rolledger.workflows.replay import position
 
 
 class Position(Protocol):
     """What the tail needs of a follower: how far it has folded."""
 
     last_id: str
-
-
-def order(stream_id: str) -> tuple[int, int]:
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class SharedTail:
@@ -69,13 +65,13 @@ class SharedTail:
         with self._lock:
             if self._start is None:
                 self._start = self._scanned = after_id
-            behind = order(after_id) < order(self._start)
+            behind = position(after_id) < position(self._start)
             start = self._start
         gap: list[StoredEvent] = []
         if behind:  # older than the buffer: read the gap directly (a follower created late)
             gap = list(self.log.read("(" + after_id if after_id != "0-0" else "-", start, trust=Trust.OWN_LOG))
             after_id = start
-        if through is not None and order(self._scanned) < order(through):
+        if through is not None and position(self._scanned) < position(through):
             self._read_until(through)
         got = self._buffered(after_id)
         if not got and not gap and block_ms > 0:
@@ -84,15 +80,15 @@ class SharedTail:
 
     def _buffered(self, after_id: str) -> list[StoredEvent]:
         with self._lock:
-            i = bisect.bisect_right(self._keys, order(after_id))
+            i = bisect.bisect_right(self._keys, position(after_id))
             return self._events[i:]
 
     def _append(self, got: list[StoredEvent], scanned: str | None) -> None:
         with self._lock:
             for stored in got:
                 self._events.append(stored)
-                self._keys.append(order(stored.stream_id))
-            if scanned is not None and order(scanned) > order(self._scanned):
+                self._keys.append(position(stored.stream_id))
+            if scanned is not None and position(scanned) > position(self._scanned):
                 self._scanned = scanned
             self._trim()
 
@@ -101,7 +97,7 @@ class SharedTail:
         readers = list(self._readers)
         if not readers or not self._events:
             return
-        low = min(min(order(r.last_id) for r in readers), order(self._scanned))
+        low = min(min(position(r.last_id) for r in readers), position(self._scanned))
         n = bisect.bisect_right(self._keys, low)
         if n:
             del self._events[:n], self._keys[:n]
@@ -109,7 +105,7 @@ class SharedTail:
 
     def _read_until(self, through: str) -> None:
         with self._fetch:
-            if order(self._scanned) >= order(through):
+            if position(self._scanned) >= position(through):
                 return  # another thread read it meanwhile
             self.reads += 1
             self.log.last_scanned_id = None

@@ -35,6 +35,7 @@ import redis
 import structlog
 
 from rolledger.events.redact import MASK, redact
+from rolledger.workflows.replay import position
 from rolledger.workflows.ui_view import RunView, parse_filter
 
 if TYPE_CHECKING:
@@ -48,11 +49,6 @@ Scan = Callable[["redis.Redis", str, str], "LogScan"]
 class UiRefused(ValueError):
     """The page cannot be served as asked: a --host that is not loopback (without allow_remote) or does not
     resolve, a busy port. One line, for the command line to print."""
-
-
-def _stream_key(stream_id: str) -> tuple[int, int]:
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 class LiveLog:
@@ -87,8 +83,8 @@ class LiveLog:
                 ids.append(entry.stream_id)
             self.view.undecodable += len(found.undecodable)
             if ids:
-                newest = max(ids, key=_stream_key)
-                if self.last_id is None or _stream_key(newest) > _stream_key(self.last_id):
+                newest = max(ids, key=position)
+                if self.last_id is None or position(newest) > position(self.last_id):
                     self.last_id = newest
 
 
