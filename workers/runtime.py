@@ -5,18 +5,19 @@ restarts rebuilds exactly the state it had; the followers of one process share o
 (workers/shared_tail.py). `shared_follower` is one fold for several roles of a process that decide on the same
 state under one lock (the rank workers and the reward worker: `rolledger run` holds all ranks in one process, and 16
 ranks folding every event 16 times was half of the control plane's CPU, bench/bench_scale.py). The coordinator and
-the trainer keep their own fold: their decisions are long scans of the state, which would hold the ranks' fold. An `Emitter` wraps payloads into envelopes (id, producer, causation,
-policy version in force) and appends them; after the run's RunFinished the store refuses appends (RunClosed) and the
-emitter drops them with one log line, so a worker still finishing its last action when the run ends stops cleanly
-on its next fold instead of crashing. `Worker` is the small base class with the stop flag and the loop; a Redis
-outage longer than the connection's deadline ends it with `RedisUnavailable` (workers/processes.py exits 3).
+the trainer keep their own fold: their decisions are long scans of the state, which would hold the ranks' fold. An
+`Emitter` wraps payloads into envelopes (id, producer, causation, policy version in force) and appends them; after
+the run's RunFinished the store refuses appends (RunClosed) and the emitter drops them with one log line, so a worker
+still finishing its last action when the run ends stops cleanly on its next fold instead of crashing. `Worker` is the
+small base class with the stop flag and the loop; a Redis outage longer than the connection's deadline ends it with
+`RedisUnavailable` (workers/processes.py exits 3).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
-import weakref
 from collections.abc import Sequence
 
 import redis
@@ -28,7 +29,7 @@ from rolledger.events.envelope import make_event
 from rolledger.events.snapshots import latest_snapshot
 from rolledger.events.store import ConcurrencyConflict, EventLog, RunClosed, StoredEvent
 from rolledger.schemas import events as ev
-from rolledger.workers.shared_tail import shared_tail
+from rolledger.workers.shared_tail import PerRun, shared_tail
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.replay import position, restore
 from rolledger.workflows.state import RunState
@@ -87,14 +88,10 @@ class Follower:
         if not got:
             return got
         with self._guard():
-            last, skip = position(self.last_id), 0
-            if (
-                position(got[-1].stream_id) <= last
-            ):  # all folded by another thread meanwhile (the usual case: one check)
-                return []
-            while position(got[skip].stream_id) <= last:  # some of them
-                skip += 1
-            new = got[skip:]
+            # another thread may have folded some or all of them meanwhile (they are in stream order)
+            new = got[bisect.bisect_right(got, position(self.last_id), key=lambda s: position(s.stream_id)) :]
+            if not new:
+                return new
             for stored in new:
                 fold(self.state, stored.event)
                 self.last_id = stored.stream_id
@@ -126,8 +123,7 @@ class LockedFollower(Follower):
         super().__init__(log, threading.Condition())
 
 
-_SHARED: weakref.WeakValueDictionary[tuple[int, str], LockedFollower] = weakref.WeakValueDictionary()
-_SHARED_LOCK = threading.Lock()
+_SHARED: PerRun[LockedFollower] = PerRun()
 
 
 def shared_follower(log: EventLog) -> LockedFollower:
@@ -137,12 +133,7 @@ def shared_follower(log: EventLog) -> LockedFollower:
     What sharing asks of its users: the state changes whenever any of them folds, so they read it under `lock` only
     (decisions included), and a role that must see its own report folded before it acts again (a rank's
     EnginePaused) waits for it by its stream id, not by "nobody folds until I do"."""
-    key = (id(getattr(log.client, "connection_pool", log.client)), log.run_id)  # a cluster client has no pool
-    with _SHARED_LOCK:
-        follower = _SHARED.get(key)
-        if follower is None:
-            follower = _SHARED[key] = LockedFollower(log)
-        return follower
+    return _SHARED.get(log, LockedFollower)
 
 
 class Emitter:

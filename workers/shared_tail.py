@@ -17,9 +17,9 @@ registered follower has folded leave the buffer. Decoded events are shared betwe
 models and the reducer copies what it keeps, so no follower can change another's.
 
 Trust: the tail reads the run's own live log, which only rolledger's processes write (every append goes through
-`events.codec.encode`, which takes validated models only), so it decodes with `Trust.OWN_LOG`: the heavy events
-(SampleFinished, GroupAdmitted) are built without running pydantic's validators a second time. An entry of any other
-shape is still validated, and a malformed one is still dead-lettered. `replay`, `audit` and `lineage` read with full
+`events.codec.encode`, which takes validated models only), so it decodes with `Trust.OWN_LOG`: the events (every
+type but RunStarted) are built without running pydantic's validators a second time. An entry of any other shape is
+still validated, and a malformed one is still dead-lettered. `replay`, `audit` and `lineage` read with full
 validation (they may be given a log from anywhere).
 """
 
@@ -28,11 +28,31 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from typing import Protocol
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 from rolledger.events.codec import Trust
 from rolledger.events.store import EventLog, StoredEvent
 from rolledger.workflows.replay import position
+
+T = TypeVar("T")
+
+
+class PerRun(Generic[T]):
+    """One object per run and Redis connection pool in this process (a shared tail, a shared fold): made on first
+    use, kept while someone holds it."""
+
+    def __init__(self) -> None:
+        self._made: weakref.WeakValueDictionary[tuple[int, str], T] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, log: EventLog, make: Callable[[EventLog], T]) -> T:
+        key = (id(getattr(log.client, "connection_pool", log.client)), log.run_id)  # a cluster client has no pool
+        with self._lock:
+            found = self._made.get(key)
+            if found is None:
+                found = self._made[key] = make(log)
+            return found
 
 
 class Position(Protocol):
@@ -130,15 +150,9 @@ class SharedTail:
         return self._buffered(after_id)
 
 
-_TAILS: weakref.WeakValueDictionary[tuple[int, str], SharedTail] = weakref.WeakValueDictionary()
-_TAILS_LOCK = threading.Lock()
+_TAILS: PerRun[SharedTail] = PerRun()
 
 
 def shared_tail(log: EventLog) -> SharedTail:
     """This process's tail of `log`'s run on `log`'s connection pool (made on first use)."""
-    key = (id(getattr(log.client, "connection_pool", log.client)), log.run_id)  # a cluster client has no pool
-    with _TAILS_LOCK:
-        tail = _TAILS.get(key)
-        if tail is None:
-            tail = _TAILS[key] = SharedTail(log)
-        return tail
+    return _TAILS.get(log, SharedTail)
