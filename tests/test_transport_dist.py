@@ -6,6 +6,7 @@ tensor; a receiver that dies mid-transfer ends only its own session."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -89,6 +90,15 @@ def test_several_receivers_at_once_each_get_the_version(staged) -> None:
         assert torch.equal(r["embed.weight"], want["embed.weight"])
 
 
+def _ends_the_abandoned_send_at_once(server: td.WeightServer) -> None:
+    """The receiver gave up while the server was sending it a bucket: its side of the group is torn down, so the
+    server's send fails on the closed connection and closing the server does not wait out the transfer's deadline."""
+    t0 = time.monotonic()
+    server.close()
+    assert time.monotonic() - t0 < server.timeout_s / 2
+    assert len(server.failed) == 1 and "Timed out" not in server.failed[0], server.failed  # closed or reset by peer
+
+
 def test_a_communicator_that_moves_nothing_is_caught_naming_the_tensor(staged) -> None:
     store, _, v2, _ = staged
     with td.WeightServer(store.root, timeout_s=60) as server:
@@ -99,6 +109,7 @@ def test_a_communicator_that_moves_nothing_is_caught_naming_the_tensor(staged) -
         out = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in manifest.tensors}
         with pytest.raises(StagingError) as e:
             td.receive_verified(uri, 2, manifest, timeout_s=60, communicator=td.NoOpCommunicatorFake, out=out)
+        _ends_the_abandoned_send_at_once(server)
     assert e.value.kind == "checksum"
     assert e.value.tensor == manifest.tensors[0].name
     assert "after the transfer" in str(e.value)
@@ -187,6 +198,8 @@ def test_a_receiver_dying_mid_transfer_ends_only_its_session(staged) -> None:
         assert e.value.kind == "transport"
         got = td.receive_verified(uri, 2, manifest, timeout_s=60)  # the next transfer: a fresh group
         assert torch.equal(got["embed.weight"], want["embed.weight"])
+        _ends_the_abandoned_send_at_once(server)
+    assert len(server.served) == 1
 
 
 def test_uri_round_trip_and_refusals() -> None:

@@ -200,6 +200,12 @@ class _Wire:
             wire.copy_(host)
         self.group.send([wire], 1, tag).wait(self.timeout)
 
+    def close(self) -> None:
+        """Drop this side's group: gloo closes its connections once the last reference goes, and a peer blocked on
+        this side fails at once (`abort()` and `shutdown()` leave a gloo peer waiting out its deadline)."""
+        del self.group
+        self.device_bucket = None
+
     def recv(self, host: torch.Tensor, tag: int) -> None:
         if self.device_bucket is None:
             self.group.recv([host], 0, tag).wait(self.timeout)
@@ -372,7 +378,8 @@ def _receive(
         raise StagingError(
             None, f"could not join the {backend} transfer from {uri}: {e}", kind="transport", version=version
         ) from e
-    comm = communicator(_Wire(group, device, min(bucket_bytes, max(manifest.total_bytes, 1)), timeout_s))
+    wire = _Wire(group, device, min(bucket_bytes, max(manifest.total_bytes, 1)), timeout_s)
+    comm = communicator(wire)
     t1 = time.perf_counter()
     flip = _flip_of(manifest, corrupt)
     try:
@@ -381,22 +388,28 @@ def _receive(
             read_s, checksum_s = _receive_delta(comm, uri, manifest, sizes, bucket_bytes, base, dests, hashers, flip)
         else:
             read_s, checksum_s = _receive_full(comm, uri, manifest, bucket_bytes, dests, hashers, flip)
+        delta = answer.get("mode") == "delta"
+        tensors: dict[str, torch.Tensor] = {}
+        for entry, dest, hasher in zip(manifest.tensors, dests, hashers, strict=True):
+            got = hasher.hexdigest()
+            if got != entry.checksum:
+                raise (DeltaMismatch if delta else StagingError)(
+                    entry.name,
+                    f"checksum mismatch after the {'delta ' if delta else ''}transfer from {uri}: "
+                    f"{manifest.checksum_algo} of the bytes is {got}, manifest says {entry.checksum}",
+                    kind="checksum",
+                    version=version,
+                )
+            tensors[entry.name] = dest
+    except BaseException:
+        # the sender may still be waiting on a bucket this side will never take: closing the group's connections
+        # (it goes with its last reference) fails that wait now instead of at its deadline
+        wire.close()
+        del group
+        raise
     finally:
         with contextlib.suppress(Exception):
             store.delete_key(f"answer/{session}")
-    delta = answer.get("mode") == "delta"
-    tensors: dict[str, torch.Tensor] = {}
-    for entry, dest, hasher in zip(manifest.tensors, dests, hashers, strict=True):
-        got = hasher.hexdigest()
-        if got != entry.checksum:
-            raise (DeltaMismatch if delta else StagingError)(
-                entry.name,
-                f"checksum mismatch after the {'delta ' if delta else ''}transfer from {uri}: "
-                f"{manifest.checksum_algo} of the bytes is {got}, manifest says {entry.checksum}",
-                kind="checksum",
-                version=version,
-            )
-        tensors[entry.name] = dest
     t2 = time.perf_counter()
     timings = LoadTimings(
         header_s=t1 - t0, read_s=read_s, checksum_s=checksum_s, total_s=t2 - t0, nbytes=manifest.total_bytes
