@@ -407,7 +407,7 @@ class LocalRun:
         keep = versions_to_keep(state)
         deleted = store.gc(keep)
         if deleted:
-            log.info("staged versions collected", deleted=len(deleted), kept=sorted(keep))
+            log.debug("staged versions collected", deleted=len(deleted), kept=sorted(keep))
 
     def _restart_dead(self) -> None:
         """A worker thread killed by an injection is replaced by a fresh one under a new name (a restarted process),

@@ -403,7 +403,7 @@ class TrainerClient:
             raise ClientError(f"step {batch.step}: call agreement() before publish()")
         collected = self.staging.gc(versions_to_keep(self.follower.state))  # at most three versions on disk
         if collected:
-            log.info("staged versions collected", versions=collected)
+            log.debug("staged versions collected", versions=collected)
         staged = self.staging.stage(plan.version, plan.base_version, weights, parent_digest=batch.parent_digest)
         done = ev.TrainStepFinished(
             step=plan.step,
