@@ -405,6 +405,23 @@ def test_no_rank_in_service_for_the_deadline_fails_the_run() -> None:
 
 
 # ---------------------------------------------------------------- late results after a reclaim (reducer_rollout.py)
+def test_an_update_staged_while_every_rank_is_quarantined_waits_for_one_to_rejoin_instead_of_aborting() -> None:
+    """Nobody failed it, so it is no abort (an abort would count towards update.max_consecutive_aborts: a rank that
+    failed two updates, rejoining between them, ended a one-rank run with 'v2: no rank in service')."""
+    b = LogBuilder(ranks=1).start_run().stage(1).request_prepare(1).prepare_fail(1, 0)
+    b.abort(1, "rank 0: transfer: checksum", failed_ranks=(0,)).quarantine(0, "v1 aborted").stage(2)
+    staged = replay(b.build())
+    assert not any(r.status.in_service for r in staged.ranks.values())
+    now = staged.last_wall_time + 1.0
+    assert decide_update(staged, now, 1) == []
+    assert not [
+        p for p in decide(staged, now, 1, AdmissionInputs(now=now, prompts=PROMPTS)) if isinstance(p, ev.UpdateAborted)
+    ]
+    rejoined = replay(b.join(0).build())
+    (request,) = decide_update(rejoined, now, 1)
+    assert isinstance(request, ev.PrepareRequested) and request.version == 2 and request.ranks == (0,)
+
+
 def reclaimed_log(late_from: int) -> LogBuilder:
     """g000001 started on rank 0, reclaimed by rank 1 (its samples failed "worker lost"), then a result from
     `late_from` for one of them."""

@@ -10,7 +10,8 @@ keeps v-1. The abort names the ranks that caused it (`failed_ranks`: those that 
 prepare or the drain deadline), and each of them still in service is quarantined in the same decision
 (RankQuarantined): the next update goes ahead on the ranks in service, so one dead rank cannot make every update
 abort. A quarantined rank that is alive rejoins by the Rejoin path (workflows/rank.py: it loads the published
-version through the verified path and announces itself with RankJoined) and takes part again from the next update. After the commit the decision stands (roll forward): a rank that fails its swap or health probe, reports
+version through the verified path and announces itself with RankJoined) and takes part again from the next update.
+A staged update with no rank in service waits for one to rejoin (it is not aborted: nobody failed it). After the commit the decision stands (roll forward): a rank that fails its swap or health probe, reports
 a digest other than the manifest's, or misses the commit deadline is quarantined, and v is published on the rest.
 Every decision carries the fencing token of the coordinator's lease. A coordinator that takes over (a larger token)
 finds an open transaction prepared under another token with no decision logged: it aborts it at its deadline, never
@@ -90,7 +91,10 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
     if u.status == UpdateStatus.STAGED:
         ranks = in_service(state)
         if not ranks:
-            return [ev.UpdateAborted(version=u.version, reason="no rank in service", fence=fence)]
+            # every rank is quarantined (a rank that failed the last update is rejoining): the update waits for one,
+            # and the run ends if none comes back within recovery.no_rank_in_service_s (workflows/coordinator.py).
+            # Aborting here would count towards update.max_consecutive_aborts a transaction nobody could take part in
+            return []
         return [
             ev.PrepareRequested(
                 version=u.version,
