@@ -1,7 +1,8 @@
 """Fault-injection specs (`--inject`), parsed into typed values: the one vocabulary of faults. Each fires once, at
 its first opportunity; the wrappers that make them happen live in `rolledger.workers.faults`.
 
-fail-rank=R@prepare|transfer|commit   rank R fails that phase of the next update
+fail-rank=R@prepare|transfer|commit   rank R fails that phase the next time it runs it: an update's, or for prepare
+                                      and transfer also the read-back of a rejoin or reload (whichever comes first)
 corrupt-rank=R                        rank R sees a checksum mismatch in the next staged file
 kill-worker=KIND@N                    the KIND worker (rollout|reward|trainer|coordinator) dies after N units
 delay-trainer=SECONDS                 the trainer sleeps SECONDS before each step
