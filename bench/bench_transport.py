@@ -14,6 +14,12 @@ trainer) to --ranks rank processes over loopback gloo, the ranks receiving concu
 
     python bench/bench_transport.py [--ranks 2] [--reps 3] [--layers 24] [--bucket-mb 64]
 
+It prints where each checked update's time went, per stage (the trainer's snapshot and checksums; its sends:
+filling buckets, blocked on the wire, holding the last bucket for the durable copy; each rank's join, wait for bytes,
+copy out of a bucket, hashing) and per bucket (rank 0), the delta row (its size, encode cost, whether it beats the
+full update, and the link speed below which it would), and the done-when line: checked with fsync off <= 1.5x raw,
+fsynced <= 2x, both from this one run.
+
 Ratios are checked / raw of the same reps (median of paired ratios). The first `--warmup` (2) full updates are not
 counted: a trainer in its steady state copies each new snapshot into the memory of a version it no longer serves, and
 writes its copy into page cache that the versions it collected freed; the first two versions of a run pay for fresh
@@ -147,6 +153,29 @@ def timed_all(fns: list[Callable[[], None]]) -> float:
     return time.perf_counter() - t0
 
 
+def _stage_parts(
+    results: dict[str, list[float]], store: DistStagingStore, fsync: bool, per_rank: list[Any], n_ranks: int
+) -> None:
+    """Where one checked update's time went, per stage: the trainer's snapshot and checksums, its sends (filling
+    buckets, blocked on the wire, holding the last bucket for the durable copy), each rank's manifest and join,
+    wait for bytes, copy out of the bucket and hashing."""
+    st = store.last_stage
+    assert st is not None
+    for key, value in (("snapshot", st.snapshot_s), ("checksum", st.checksum_s), ("offer", st.offer_s)):
+        results.setdefault(f"trainer {key} fsync={fsync}", []).append(value)
+    sends = list(store.server.transfers)[-n_ranks:]
+    for key in ("fill_s", "wait_s", "held_s", "total_s"):
+        results.setdefault(f"send {key} fsync={fsync}", []).append(statistics.median(getattr(x, key) for x in sends))
+    for key, get in (
+        ("join", lambda d: d.header_s),
+        ("wait", lambda d: sum(b.wait_s for b in d.buckets)),
+        ("copy", lambda d: sum(b.copy_s for b in d.buckets)),
+        ("hash", lambda d: sum(b.hash_s for b in d.buckets)),
+        ("total", lambda d: d.total_s),
+    ):
+        results.setdefault(f"rank {key} fsync={fsync}", []).append(statistics.median(get(d) for _, d in per_rank))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
@@ -194,6 +223,7 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
     ranks = Ranks(rank_main, [(r, raw_master.port, shapes) for r in range(args.ranks)], DEADLINE_S)
     try:
         version = 0
+        last_buckets: tuple[Any, ...] = ()
         for rep in range(-args.warmup, args.reps):  # negative reps warm up (not counted): see the docstring
             results = counted if rep >= 0 else {}
             # raw: the same bytes, same buckets, no checks
@@ -222,6 +252,9 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
                 results.setdefault(f"checked fsync={fsync}", []).append(total)
                 results.setdefault(f"receive+verify fsync={fsync}", []).append(total - stage_s)
                 results.setdefault("rank checksum s", []).extend(d.checksum_s for _, d in per_rank)
+                _stage_parts(results, store, fsync, per_rank, args.ranks)
+                if fsync is False:
+                    last_buckets = per_rank[0][1].buckets
         results = counted
         ranks.send("commit")
         ranks.collect("commit")
@@ -288,6 +321,21 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         f"{ratio('receive+verify fsync=False'):5.2f}x"
     )
     print(f"  per-rank hashing while receiving                 {med['rank checksum s']:7.3f} s")
+    print("\nper stage (median seconds; the trainer's parts are serial, then its sends and the ranks overlap):")
+    print("  fsync  snapshot checksum  offer | send: fill  wire  held  total | rank: join  wait  copy  hash  total")
+    for fsync in (False, True):
+        f = f"fsync={fsync}"
+        print(
+            f"  {fsync!s:<5}  {med[f'trainer snapshot {f}']:8.3f} {med[f'trainer checksum {f}']:8.3f} "
+            f"{med[f'trainer offer {f}']:6.3f} |      {med[f'send fill_s {f}']:5.3f} {med[f'send wait_s {f}']:5.3f} "
+            f"{med[f'send held_s {f}']:5.3f} {med[f'send total_s {f}']:6.3f} |       {med[f'rank join {f}']:5.3f} "
+            f"{med[f'rank wait {f}']:5.3f} {med[f'rank copy {f}']:5.3f} {med[f'rank hash {f}']:5.3f} "
+            f"{med[f'rank total {f}']:6.3f}"
+        )
+    print("\nper bucket, rank 0's last checked update with fsync=False (ms; wait overlaps the previous bucket's hash):")
+    print("  bucket    MiB   wait   copy   hash")
+    for i, b in enumerate(last_buckets):
+        print(f"  {i:6d} {b.nbytes / (1 << 20):6.1f} {b.wait_s * 1e3:6.1f} {b.copy_s * 1e3:6.1f} {b.hash_s * 1e3:6.1f}")
     frac = statistics.median(d.fraction for d in deltas)
     enc = statistics.median(d.encode_s for d in deltas)
     print(
@@ -296,6 +344,22 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
         f"{deltas[0].full_bytes / 1e6:.0f} MB); encode {enc:.3f} s on the trainer ({gb / enc:.2f} GB/s)\n"
         f"  update total {med['delta total']:.3f} s (ratio {ratio('delta total'):.2f}x raw full send); receive + apply "
         f"+ verify {med['delta receive+apply+verify']:.3f} s including the encode"
+    )
+    full = med["checked fsync=False"]
+    beats = "beats" if med["delta total"] < full else "does not beat"
+    print(
+        f"  delta row: {frac:.1%} of the bytes, encode {enc:.3f} s; the delta update {med['delta total']:.3f} s "
+        f"{beats} the full checked update {full:.3f} s"
+    )
+    saved = statistics.median(d.full_bytes - d.delta_bytes for d in deltas)
+    print(
+        f"  a delta pays on a link slower than {saved / enc / 1e9:.2f} GB/s per rank (the bytes it saves / its "
+        "encode, encoded once for every rank)"
+    )
+    off, on = ratio("checked fsync=False"), ratio("checked fsync=True")
+    print(
+        f"\ndone when: checked (fsync off) <= 1.5x raw: {off:.2f}x {'met' if off <= 1.5 else 'NOT met'}; "
+        f"fsynced <= 2x raw: {on:.2f}x {'met' if on <= 2.0 else 'NOT met'} (same run, raw {med['raw']:.3f} s)"
     )
 
 

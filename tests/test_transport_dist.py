@@ -181,11 +181,15 @@ class _DiesAfterFirstBucket:
         self.inner = td.GroupCommunicator(wire)
         self.n = 0
 
-    def recv(self, buf: torch.Tensor, tag: int) -> None:
+    def irecv(self, buf: torch.Tensor, tag: int) -> td.Wait:
         self.n += 1
-        if self.n > 1:
+        if self.n == 1:
+            return self.inner.irecv(buf, tag)
+
+        def killed() -> None:  # the second bucket never lands: the process died waiting for it
             raise RuntimeError("receiver killed mid-transfer")
-        self.inner.recv(buf, tag)
+
+        return killed
 
 
 def test_a_receiver_dying_mid_transfer_ends_only_its_session(staged) -> None:

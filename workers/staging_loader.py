@@ -37,12 +37,26 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in 
 
 
 @dataclass(frozen=True)
+class BucketTiming:
+    """One bucket of a transfer on the receiving side: seconds blocked waiting for its bytes (the wire, less what
+    overlapped the previous bucket's copy and hashing), copying them out of the bucket into their tensors (0 when
+    they were received in place: `in_place`), and hashing them."""
+
+    nbytes: int
+    wait_s: float
+    copy_s: float
+    hash_s: float
+    in_place: bool = False
+
+
+@dataclass(frozen=True)
 class LoadTimings:
     header_s: float  # header parsed and checked against the manifest (names, dtypes, shapes, extents)
     read_s: float  # bytes read into host memory
     checksum_s: float
     total_s: float
     nbytes: int
+    buckets: tuple[BucketTiming, ...] = ()  # the dist transport's, per bucket (empty for a file)
 
     @property
     def read_gbps(self) -> float:

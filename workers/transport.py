@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -71,6 +72,18 @@ def load_verified(
     return staging_loader.load_verified(uri, version, manifest, corrupt=corrupt, out=out)
 
 
+@dataclass(frozen=True)
+class SnapshotTimings:
+    """The parts of one `DistStagingStore.stage`, all on the update's path: waiting for the previous durable copy,
+    copying the weights into the snapshot served, checksumming it into the manifest, offering it."""
+
+    wait_previous_s: float
+    snapshot_s: float
+    checksum_s: float
+    offer_s: float
+    total_s: float
+
+
 class DistStagingStore:
     """The trainer's store under the dist transport: the directory store in the trainer's own directory, and a
     WeightServer that serves what it holds. URIs are the server's (`dist://host:port/<dir>`)."""
@@ -91,6 +104,7 @@ class DistStagingStore:
         self.local = DirectoryStagingStore(root, fsync=fsync)
         self._writer: threading.Thread | None = None
         self.last_copy: StageTimings | None = None  # how the last durable copy's write went (bench/bench_transport.py)
+        self.last_stage: SnapshotTimings | None = None  # how the last stage's parts went
         self.server = transport_dist.WeightServer(
             self.local.root,
             host,
@@ -130,6 +144,7 @@ class DistStagingStore:
         The record carries the server's URI; `timings.write_s` is 0 (the write is not on the update's path)."""
         t0 = time.perf_counter()
         self.wait_persisted()
+        t1 = time.perf_counter()
         prepared = staging_store.prepare_for_save(state_dict, version)
         snapshot = self.server.reusable(prepared)  # the trainer trains on: serve a copy
         if snapshot is None:
@@ -137,10 +152,13 @@ class DistStagingStore:
         else:
             for name, t in prepared.items():
                 snapshot[name].copy_(t)
+        t2 = time.perf_counter()
         manifest = staging_store.build_manifest(snapshot, version, base_version, checksum_algo, parent_digest)
+        t3 = time.perf_counter()
         dirname = version_dir(self.local.root, version, manifest.digest).name
         uri = self.server.offer(dirname, manifest, snapshot)
         took = time.perf_counter() - t0
+        self.last_stage = SnapshotTimings(t1 - t0, t2 - t1, t3 - t2, took - (t3 - t0), took)
         self._writer = threading.Thread(
             target=self._persist,
             args=(dirname, manifest, snapshot),

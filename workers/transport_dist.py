@@ -1,6 +1,8 @@
 """The torch.distributed weight transport: the trainer serves staged versions over gloo (or NCCL: the same code,
-with each bucket staged through a device buffer), ranks receive them into private memory and verify every byte
-against the manifest. The NCCL path is written against the same interface and is untested where no GPU is lent.
+with each bucket staged through a device buffer; `backend_for(device)` picks NCCL for CUDA weights), ranks receive
+them into private memory and verify every byte against the manifest. The NCCL path is written against the same
+interface; its device-bucket half runs on CPU in tests/test_transport_pipeline.py, a real NCCL transfer needs two
+GPUs and was not run here (no GPU was lent).
 
 No filesystem is shared. The trainer stages each version into its *own* directory (workers.staging_store, the same
 content-addressed, atomic layout; it is the trainer's durable copy and what a restarted trainer reloads) and a
@@ -16,6 +18,19 @@ content-addressed, atomic layout; it is the trainer's durable copy and what a re
   `session/<session>/`, through which the tensor bytes go, in manifest order, in buckets of `bucket_bytes`.
   One group per receiver and per transfer, rebuilt every time: a rank that joins late (a restarted rank reloading
   the published version) is served like the others, and a rank that dies mid-transfer only ends its own session.
+- A transfer is a pipeline of `SLOTS` buckets in flight on each side: the server fills bucket i+1 while bucket i
+  goes, and the receiver posts bucket i+SLOTS as soon as bucket i is out of its slot, so the wire moves while bucket
+  i is copied and hashed. A bucket that is one piece of one tensor is sent straight from the snapshot and received
+  straight into its destination (no copy either side). `SendStats` (server) and `LoadTimings.buckets` (receiver)
+  time every part, per bucket (bench/bench_transport.py prints them).
+- The durable copy and what recovery needs of it (decided by the server's record of the copy, never by timing): a
+  version offered from memory is hashed, offered and sent at once while the trainer's durable copy is written
+  beside the transfer; the ranks verify against the manifest from the wire, never against the file. The one thing
+  held back is each transfer's *last* bucket, until the trainer reports its copy complete and renamed into place
+  (`WeightServer.persisted`); a copy that failed fails every transfer of it. So no rank can verify, prepare or
+  commit a version, and none can be published, that a restarted trainer could not restore from its own directory;
+  a trainer killed mid-copy leaves a version nobody prepared, and resumes from the published one
+  (workers.trainer_client.restore). Everything else of the copy overlaps the transfer.
 - The receiver copies each bucket into its destination tensors and hashes them while the bytes are in cache
   (workers.staging_loader does the same for files); a tensor whose bytes do not match its manifest checksum is a
   `StagingError` naming it. So a communicator that silently did nothing (NCCL disabled, one rank: every collective a
@@ -33,6 +48,7 @@ content-addressed, atomic layout; it is the trainer's durable copy and what a re
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import json
@@ -41,7 +57,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, Self, cast
@@ -66,7 +82,7 @@ from rolledger.workers.staging_format import (
     parse_manifest,
     read_header,
 )
-from rolledger.workers.staging_loader import LoadTimings, VerifiedWeights, destination
+from rolledger.workers.staging_loader import BucketTiming, LoadTimings, VerifiedWeights, destination
 
 log = structlog.get_logger("rolledger.transport")
 
@@ -156,6 +172,13 @@ Backend = Literal["gloo", "nccl"]
 BACKENDS: tuple[Backend, ...] = ("gloo", "nccl")
 
 
+def backend_for(device: torch.device | str) -> Backend:
+    """The backend for weights that live on `device`: NCCL for CUDA (device buckets, GPU to GPU), gloo otherwise.
+    The protocol is the same either way (manifest, buckets, checksums); `wire_device` refuses NCCL where it cannot
+    run."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def wire_device(backend: Backend) -> torch.device | None:
     """Where a bucket must sit to go over `backend`: None for gloo (host memory), the current CUDA device for NCCL;
     ValueError when NCCL is asked for and this process cannot use it."""
@@ -184,35 +207,60 @@ def _group(store: dist.Store, rank: int, host: str, timeout_s: float, backend: B
     return cast("PointToPoint", dist.ProcessGroupGloo(store, rank, 2, opts))
 
 
+Wait = Callable[[], None]  # completes one posted send or receive (raises past its deadline)
+SLOTS = 2  # buckets in flight per transfer: bucket i+1 moves while bucket i is filled, or copied out and hashed
+
+
 class _Wire:
-    """The bucket as it goes over the group: host memory for gloo; for NCCL a device bucket the host bytes are copied
-    into before a send and out of after a receive (the checksums are always taken on host bytes)."""
+    """The bucket as it goes over the group: host memory for gloo; for NCCL one of `SLOTS` device buckets the host
+    bytes are copied into before a send and out of after a receive (the checksums are always taken on host bytes).
+    Sends and receives are posted (`isend`, `irecv`) and completed later, so a transfer keeps `SLOTS` buckets in
+    flight; a bucket's slot is `tag % SLOTS`, and a slot is reused only after the transfer two tags back completed
+    (NCCL: the copy into or out of a device bucket is ordered after it on the current stream)."""
 
     def __init__(self, group: PointToPoint, device: torch.device | None, nbytes: int, timeout_s: float) -> None:
         self.group = group
         self.timeout = _timeout(timeout_s)
-        self.device_bucket = None if device is None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.device_buckets = (
+            [] if device is None else [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SLOTS)]
+        )
+
+    def isend(self, host: torch.Tensor, tag: int) -> Wait:
+        wire = host
+        if self.device_buckets:
+            wire = self.device_buckets[tag % SLOTS][: host.numel()]
+            wire.copy_(host)
+        work = self.group.send([wire], 1, tag)
+        return lambda: _done(work, self.timeout)
 
     def send(self, host: torch.Tensor, tag: int) -> None:
-        wire = host
-        if self.device_bucket is not None:
-            wire = self.device_bucket[: host.numel()]
-            wire.copy_(host)
-        self.group.send([wire], 1, tag).wait(self.timeout)
+        self.isend(host, tag)()
+
+    def irecv(self, host: torch.Tensor, tag: int) -> Wait:
+        if not self.device_buckets:
+            work = self.group.recv([host], 0, tag)
+            return lambda: _done(work, self.timeout)
+        wire = self.device_buckets[tag % SLOTS][: host.numel()]
+        dev_work = self.group.recv([wire], 0, tag)
+
+        def done() -> None:
+            _done(dev_work, self.timeout)
+            host.copy_(wire)  # device to pageable host memory: synchronous, after the receive on the stream
+
+        return done
+
+    def recv(self, host: torch.Tensor, tag: int) -> None:
+        self.irecv(host, tag)()
 
     def close(self) -> None:
         """Drop this side's group: gloo closes its connections once the last reference goes, and a peer blocked on
         this side fails at once (`abort()` and `shutdown()` leave a gloo peer waiting out its deadline)."""
         del self.group
-        self.device_bucket = None
+        self.device_buckets = []
 
-    def recv(self, host: torch.Tensor, tag: int) -> None:
-        if self.device_bucket is None:
-            self.group.recv([host], 0, tag).wait(self.timeout)
-            return
-        wire = self.device_bucket[: host.numel()]
-        self.group.recv([wire], 0, tag).wait(self.timeout)
-        host.copy_(wire)
+
+def _done(work: dist.Work, timeout: datetime.timedelta) -> None:
+    work.wait(timeout)
 
 
 def _chunks(sizes: list[int], bucket_bytes: int) -> Iterator[list[tuple[int, int, int]]]:
@@ -238,9 +286,10 @@ def _chunks(sizes: list[int], bucket_bytes: int) -> Iterator[list[tuple[int, int
 
 
 class Communicator(Protocol):
-    """What moves one bucket from the server: receive exactly `len(buf)` bytes into `buf`, or raise."""
+    """What moves one bucket from the server: post the receive of exactly `len(buf)` bytes into `buf`; calling what
+    `irecv` returns waits for them, or raises."""
 
-    def recv(self, buf: torch.Tensor, tag: int) -> None: ...
+    def irecv(self, buf: torch.Tensor, tag: int) -> Wait: ...
 
 
 class GroupCommunicator:
@@ -250,8 +299,8 @@ class GroupCommunicator:
     def __init__(self, wire: _Wire) -> None:
         self.wire = wire
 
-    def recv(self, buf: torch.Tensor, tag: int) -> None:
-        self.wire.recv(buf, tag)
+    def irecv(self, buf: torch.Tensor, tag: int) -> Wait:
+        return self.wire.irecv(buf, tag)
 
 
 class NoOpCommunicatorFake:
@@ -262,8 +311,8 @@ class NoOpCommunicatorFake:
     def __init__(self, wire: _Wire | None = None) -> None:
         self.wire = wire
 
-    def recv(self, buf: torch.Tensor, tag: int) -> None:
-        return None
+    def irecv(self, buf: torch.Tensor, tag: int) -> Wait:
+        return lambda: None
 
 
 def read_manifest(
@@ -386,8 +435,9 @@ def _receive(
         if answer.get("mode") == "delta" and base is not None:
             sizes = [int(n) for n in answer["sizes"]]
             read_s, checksum_s = _receive_delta(comm, uri, manifest, sizes, bucket_bytes, base, dests, hashers, flip)
+            buckets: list[BucketTiming] = []
         else:
-            read_s, checksum_s = _receive_full(comm, uri, manifest, bucket_bytes, dests, hashers, flip)
+            read_s, checksum_s, buckets = _receive_full(comm, uri, manifest, bucket_bytes, dests, hashers, flip)
         delta = answer.get("mode") == "delta"
         tensors: dict[str, torch.Tensor] = {}
         for entry, dest, hasher in zip(manifest.tensors, dests, hashers, strict=True):
@@ -412,7 +462,12 @@ def _receive(
             store.delete_key(f"answer/{session}")
     t2 = time.perf_counter()
     timings = LoadTimings(
-        header_s=t1 - t0, read_s=read_s, checksum_s=checksum_s, total_s=t2 - t0, nbytes=manifest.total_bytes
+        header_s=t1 - t0,
+        read_s=read_s,
+        checksum_s=checksum_s,
+        total_s=t2 - t0,
+        nbytes=manifest.total_bytes,
+        buckets=tuple(buckets),
     )
     return VerifiedWeights(tensors=tensors, manifest=manifest, timings=timings)
 
@@ -437,32 +492,61 @@ def _receive_full(
     dests: list[torch.Tensor],
     hashers: list[Hasher],
     flip: dict[int, int],
-) -> tuple[float, float]:
-    """Receive the tensors' bytes bucket by bucket into `dests`, hashing each piece while it is in cache; returns the
-    seconds spent receiving and hashing."""
+) -> tuple[float, float, list[BucketTiming]]:
+    """Receive the tensors' bytes bucket by bucket into `dests` and hash each piece, pipelined: `SLOTS` receives are
+    posted at once, and bucket i+SLOTS is posted as soon as bucket i is out of its slot, so the wire moves while
+    bucket i is hashed. A bucket that is one piece of one tensor is received straight into it (no copy). Returns the
+    seconds spent waiting for and copying bytes, hashing, and per bucket."""
     views = [raw_bytes(d) for d in dests]
-    bucket = torch.empty(min(bucket_bytes, max(manifest.total_bytes, 1)), dtype=torch.uint8)
-    src = raw_bytes(bucket)
-    read_s = checksum_s = 0.0
-    for tag, pieces in enumerate(_chunks([e.nbytes for e in manifest.tensors], bucket_bytes)):
-        n = sum(p[2] for p in pieces)
+    flat = [d.reshape(-1).view(torch.uint8) for d in dests]
+    plan = list(_chunks([e.nbytes for e in manifest.tensors], bucket_bytes))
+    slots = [torch.empty(min(bucket_bytes, max(manifest.total_bytes, 1)), dtype=torch.uint8) for _ in range(SLOTS)]
+    srcs = [raw_bytes(b) for b in slots]
+
+    def post(tag: int) -> tuple[Wait, bool]:
+        pieces = plan[tag]
+        if len(pieces) == 1 and pieces[0][0] not in flip:
+            i, lo, length = pieces[0]
+            return comm.irecv(flat[i][lo : lo + length], tag), True
+        return comm.irecv(slots[tag % SLOTS][: sum(p[2] for p in pieces)], tag), False
+
+    def failed(e: Exception, tag: int) -> StagingError:
+        return _failed(e, uri, manifest, plan[tag][0][0], tag)
+
+    pending: collections.deque[tuple[Wait, bool]] = collections.deque()
+    timings: list[BucketTiming] = []
+    for tag in range(min(SLOTS, len(plan))):
+        try:
+            pending.append(post(tag))
+        except (dist.DistError, RuntimeError) as e:
+            raise failed(e, tag) from e
+    for tag, pieces in enumerate(plan):
+        wait, direct = pending.popleft()
         ta = time.perf_counter()
         try:
-            comm.recv(bucket[:n], tag)
+            wait()
         except (dist.DistError, RuntimeError) as e:
-            raise _failed(e, uri, manifest, pieces[0][0], tag) from e
-        at = 0
-        for i, lo, length in pieces:
-            views[i][lo : lo + length] = src[at : at + length]
-            if i in flip and lo <= flip[i] < lo + length:
-                views[i][flip[i]] ^= 0xFF
-            at += length
+            raise failed(e, tag) from e
         tb = time.perf_counter()
+        if not direct:
+            src, at = srcs[tag % SLOTS], 0
+            for i, lo, length in pieces:
+                views[i][lo : lo + length] = src[at : at + length]
+                if i in flip and lo <= flip[i] < lo + length:
+                    views[i][flip[i]] ^= 0xFF
+                at += length
+        tc = tb if direct else time.perf_counter()
+        if tag + SLOTS < len(plan):  # its slot is free: the next bucket for it moves while this one is hashed
+            try:
+                pending.append(post(tag + SLOTS))
+            except (dist.DistError, RuntimeError) as e:
+                raise failed(e, tag + SLOTS) from e
         for i, lo, length in pieces:
             hashers[i].update(views[i][lo : lo + length])
-        checksum_s += time.perf_counter() - tb
-        read_s += tb - ta
-    return read_s, checksum_s
+        td = time.perf_counter()
+        timings.append(BucketTiming(sum(p[2] for p in pieces), tb - ta, tc - tb, td - tc, direct))
+    read_s = sum(t.wait_s + t.copy_s for t in timings)
+    return read_s, sum(t.hash_s for t in timings), timings
 
 
 def _receive_delta(
@@ -491,7 +575,7 @@ def _receive_delta(
     for tag, pieces in enumerate(_chunks(sizes, bucket_bytes)):
         n = sum(p[2] for p in pieces)
         try:
-            comm.recv(blob[at : at + n], tag)
+            comm.irecv(blob[at : at + n], tag)()
         except (dist.DistError, RuntimeError) as e:
             raise _failed(e, uri, manifest, pieces[0][0], tag) from e
         at += n
@@ -551,6 +635,20 @@ class _Held:
     error: str | None = None
     readers: int = 0
     retired: bool = False
+
+
+@dataclass(frozen=True)
+class SendStats:
+    """One transfer on the sending side: its buckets, the seconds spent filling them, blocked on the wire (a slot's
+    previous bucket still going, and the last ones after the loop), holding the last bucket for the durable copy,
+    and in all."""
+
+    dirname: str
+    buckets: int
+    fill_s: float
+    wait_s: float
+    held_s: float
+    total_s: float
 
 
 @dataclass(frozen=True)
@@ -622,6 +720,7 @@ class WeightServer:
         self._senders_lock = threading.Lock()
         self.served: list[str] = []  # the directories sent, one entry per completed transfer
         self.failed: list[str] = []  # why a transfer failed, one entry per failed one
+        self.transfers: collections.deque[SendStats] = collections.deque(maxlen=256)  # the last completed sends
         if self.root.is_dir():
             for p in sorted(self.root.iterdir()):
                 if VERSION_DIR.match(p.name) and (p / MANIFEST_FILE).is_file():
@@ -805,19 +904,53 @@ class WeightServer:
             group = _group(dist.PrefixStore(f"session/{session}/", client), 0, self.host, self.timeout_s, self.backend)
             nbytes = min(self.bucket_bytes, max(sum(sizes), 1))
             wire = _Wire(group, self._device, nbytes, self.timeout_s)
-            bucket = torch.empty(nbytes, dtype=torch.uint8)
-            dst = raw_bytes(bucket)
-            buckets = list(_chunks(sizes, self.bucket_bytes))
-            for tag, pieces in enumerate(buckets):
-                if self._closed.is_set():
-                    raise RuntimeError(f"the weight server closed while sending {dirname}")
-                at = 0
+            stats = self._send_buckets(wire, dirname, list(_chunks(sizes, self.bucket_bytes)), pieces_of, nbytes, held)
+            self.transfers.append(stats)
+
+    def _send_buckets(
+        self,
+        wire: _Wire,
+        dirname: str,
+        plan: list[list[tuple[int, int, int]]],
+        pieces_of: list[memoryview],
+        nbytes: int,
+        held: _Held | None,
+    ) -> SendStats:
+        """Send the buckets of `plan`, `SLOTS` in flight: bucket i+1 is filled while bucket i goes. A bucket that is
+        one piece of one tensor in writable memory (a snapshot) goes without a copy. The last one waits for the
+        durable copy when the version is served from memory (`held`): see `offer`."""
+        slots = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(SLOTS)]
+        dsts = [raw_bytes(b) for b in slots]
+        pending: collections.deque[Wait] = collections.deque()
+        fill_s = wait_s = held_s = 0.0
+        t0 = time.perf_counter()
+        for tag, pieces in enumerate(plan):
+            if self._closed.is_set():
+                raise RuntimeError(f"the weight server closed while sending {dirname}")
+            ta = time.perf_counter()
+            if len(pending) == SLOTS:  # this slot's previous bucket must have gone
+                pending.popleft()()
+            tb = time.perf_counter()
+            i, lo, length = pieces[0]
+            if len(pieces) == 1 and not pieces_of[i].readonly:
+                out = torch.frombuffer(pieces_of[i][lo : lo + length], dtype=torch.uint8)
+            else:
+                dst, at = dsts[tag % SLOTS], 0
                 for i, lo, length in pieces:
                     dst[at : at + length] = pieces_of[i][lo : lo + length]
                     at += length
-                if tag == len(buckets) - 1 and held is not None:
-                    self._await_durable(dirname, held)
-                wire.send(bucket[:at], tag)
+                out = slots[tag % SLOTS][:at]
+            tc = time.perf_counter()
+            if tag == len(plan) - 1 and held is not None:
+                self._await_durable(dirname, held)
+            td = time.perf_counter()
+            pending.append(wire.isend(out, tag))
+            wait_s, fill_s, held_s = wait_s + tb - ta, fill_s + tc - tb, held_s + td - tc
+        tw = time.perf_counter()
+        while pending:
+            pending.popleft()()
+        wait_s += time.perf_counter() - tw
+        return SendStats(dirname, len(plan), fill_s, wait_s, held_s, time.perf_counter() - t0)
 
     def _await_durable(self, dirname: str, held: _Held) -> None:
         if not held.durable.wait(self.timeout_s):

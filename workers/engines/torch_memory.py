@@ -5,6 +5,11 @@ no bytes are copied; on CUDA it is pinned); level 2 drops them. Either way every
 replaced by an empty tensor, so the accounted bytes go to 0. Waking restores the host copy, or reallocates each
 parameter uninitialised (level 2: garbage until new weights are committed). The engine (workers.engines.torch_engine)
 decides when; it holds the model lock around every call here.
+
+On CUDA what the accounting says is checked against the device itself: `device_used_bytes` is what
+`torch.cuda.mem_get_info` says is taken on the device (by every process on it), so a release measured that way counts
+only memory the caching allocator really gave back (the engine empties its cache after a release), and a wake the
+memory really retaken. `bench/gpu_check.py` measures a sleep -> train -> wake cycle with it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
+
+def device_used_bytes(device: torch.device) -> int | None:
+    """Bytes taken on a CUDA device per the driver (`torch.cuda.mem_get_info`: total less free, every process's);
+    None on any other device, where there is no such figure."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total - free)
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
