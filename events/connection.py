@@ -19,9 +19,14 @@ Outages: every command (and every connect) is retried through `OutageRetry`, red
 `ExponentialBackoff` on ConnectionError / TimeoutError / BusyLoadingError (a server restarting over its AOF answers
 LOADING), for up to `retry_deadline_s` (argument, else `ROLLEDGER_REDIS_DEADLINE_S`, default 60 s) from the first
 failure. An outage logs one warning ("redis unavailable, retrying") and one line when Redis is back, whatever the
-number of threads and connections. When the deadline runs out the command raises `RedisUnavailable`. On a cluster the
+number of threads and connections. When the deadline runs out the command raises `RedisUnavailable`. A command line tool that
+reads a run says so at once instead (`waiting_notice`: one plain line naming the URL and the deadline). On a cluster the
 same deadline also covers CLUSTERDOWN, TRYAGAIN and a slot not covered yet (a failover in progress): each retry
 re-reads the layout first (redis-py's cluster client does that on the error), so a command lands on the new primary.
+Refusals are not outages and fail at once: refused credentials, an ACL denial (NOPERM), a TLS handshake that
+fails (a bad certificate or CA, a TLS client on a plain port: no TLS answer within the connect timeout).
+`refusal(error)` names which of these (or an outage past its deadline) an error is, `refusal_line` says it in one
+line naming the URL with its password redacted (the command line prints it and exits 3).
 Retrying is safe because every write the project makes is idempotent: appends dedupe by event id (events/store.py), XACK and
 lease scripts are idempotent, and a consumer re-reads its own pending entries after a reconnect (events/consumer.py).
 """
@@ -29,10 +34,14 @@ lease scripts are idempotent, and a consumer re-reads its own pending entries af
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from enum import StrEnum
 from typing import Any, TypeVar, cast
 
 import redis
@@ -40,15 +49,17 @@ import structlog
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
-from redis.connection import ConnectionPool, SSLConnection, UnixDomainSocketConnection, parse_url
+from redis.connection import Connection, ConnectionPool, SSLConnection, UnixDomainSocketConnection, parse_url
 from redis.exceptions import (
     AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
     AuthorizationError,
     BusyLoadingError,
     ClusterDownError,
     ClusterError,
     ExternalAuthProviderError,
     MaxConnectionsError,
+    NoPermissionError,
     NoScriptError,
     RedisClusterException,
     ResponseError,
@@ -57,6 +68,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+from rolledger.events.keys import every_run_key
 from rolledger.events.redact import redact
 
 HEALTH_CHECK_INTERVAL_S = 30
@@ -68,19 +80,124 @@ RETRY_ON = (redis.ConnectionError, redis.TimeoutError, BusyLoadingError)
 CLUSTER_RETRY_ON = (*RETRY_ON, ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError)
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
-# ConnectionError subclasses that no wait cures: credentials, permissions, the client's own pool limit
-NOT_TRANSIENT = (AuthenticationError, AuthorizationError, ExternalAuthProviderError, MaxConnectionsError)
+
+class TlsHandshakeFailed(redis.ConnectionError):
+    """The TCP connection was made but the TLS handshake over it failed: a certificate or CA the client refuses (or
+    the server refuses the client's), or no TLS answer at all (a rediss:// URL naming a plain port). No wait cures it."""
+
+
+# ConnectionError subclasses that no wait cures: credentials, permissions, TLS, the client's own pool limit
+NOT_TRANSIENT = (
+    AuthenticationError,
+    AuthorizationError,
+    ExternalAuthProviderError,
+    MaxConnectionsError,
+    TlsHandshakeFailed,
+)
 
 T = TypeVar("T")
 _log = structlog.get_logger("redis")
+
+# Where an outage is announced: None logs the warning "redis unavailable, retrying" (services); a command line tool
+# that reads a run sets a printer (`waiting_notice`) and the outage is one plain line on its stderr instead.
+_NOTICE: ContextVar[Callable[[str], None] | None] = ContextVar("redis_outage_notice", default=None)
+
+
+@contextmanager
+def waiting_notice(say: Callable[[str], None]) -> Iterator[None]:
+    """While inside, an outage of a client used in this thread is announced through `say` (one line: the URL, the
+    error, how long it will be waited out) instead of the log warning."""
+    token = _NOTICE.set(say)
+    try:
+        yield
+    finally:
+        _NOTICE.reset(token)
+
+
+def _tls_hint(url: str, cause: BaseException | None) -> str:
+    """A hint for a plain redis:// client whose server hangs up on it at once: a TLS-only port does just that."""
+    text = str(cause or "")
+    if url.startswith(("redis://", "redis+cluster://")) and ("reset by peer" in text or "closed by server" in text):
+        return "; if that port speaks TLS, use rediss://"
+    return ""
 
 
 class RedisUnavailable(redis.ConnectionError):
     """Redis stayed unreachable for the whole retry deadline."""
 
-    def __init__(self, seconds: float, cause: BaseException) -> None:
-        super().__init__(f"redis unreachable for {seconds:.0f} s ({type(cause).__name__}: {cause})")
+    def __init__(self, seconds: float, cause: BaseException, url: str = "") -> None:
+        at = f" at {url}" if url else ""
+        super().__init__(
+            f"redis unreachable for {seconds:.0f} s{at} ({type(cause).__name__}: {cause}){_tls_hint(url, cause)}"
+        )
         self.seconds = seconds
+        self.url = url
+
+
+class Refusal(StrEnum):
+    """Why Redis could not be used, when it is not a usage error: the first three fail at once."""
+
+    AUTH = "auth"  # refused credentials (WRONGPASS, NOAUTH)
+    NOPERM = "noperm"  # the ACL user may not run a command or touch a key
+    TLS = "tls"  # the TLS handshake failed
+    UNREACHABLE = "unreachable"  # an outage past the retry deadline
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
+def refusal(error: BaseException) -> Refusal | None:
+    """Which refusal `error` (or an error it was raised from) is; None for anything else."""
+    for e in _chain(error):
+        text = str(e)
+        if isinstance(e, RedisUnavailable):
+            return Refusal.UNREACHABLE
+        if isinstance(e, (AuthenticationError, AuthenticationWrongNumberOfArgsError, ExternalAuthProviderError)):
+            return Refusal.AUTH
+        if isinstance(e, redis.ResponseError) and text.startswith(("WRONGPASS", "NOAUTH")):
+            return Refusal.AUTH
+        if isinstance(e, (NoPermissionError, AuthorizationError)) or (
+            isinstance(e, redis.ResponseError) and text.startswith("NOPERM")
+        ):
+            return Refusal.NOPERM
+        if isinstance(e, (TlsHandshakeFailed, ssl.SSLError)) or (
+            isinstance(e, redis.ConnectionError) and ("SSL" in text or "certificate" in text)
+        ):
+            return Refusal.TLS
+    return None
+
+
+def refusal_line(error: BaseException, url: str | None) -> str | None:
+    """One line saying what Redis refused and what to check, naming `url` (redacted here); None when `error` is not
+    a refusal (see `refusal`)."""
+    kind = refusal(error)
+    if kind is None:
+        return None
+    where = redact(url) if url else "the run's Redis"
+    detail = " ".join(str(error).split())
+    if kind is Refusal.UNREACHABLE:
+        shown = detail if url is None or redact(url) in detail else f"{detail} (at {where})"
+        return f"{shown}; {DEADLINE_ENV} sets how long to wait"
+    if kind is Refusal.AUTH:
+        return (
+            f"redis {where} refused the credentials ({detail}): check the user and password in the URL or "
+            "REDIS_USERNAME/REDIS_PASSWORD"
+        )
+    if kind is Refusal.NOPERM:
+        return (
+            f"redis {where}: the ACL user is not allowed this ({detail}): it needs the keys {every_run_key()} and "
+            f"the commands a run uses (e.g. ACL SETUSER NAME on >PASSWORD ~{every_run_key()} +@all)"
+        )
+    return (
+        f"redis {where}: TLS handshake failed ({detail}): check rediss:// against the server's tls-port and the CA "
+        "that signed its certificate"
+    )
 
 
 def transient(error: BaseException) -> bool:
@@ -124,10 +241,12 @@ def retry_deadline_s(given: float | None = None) -> float:
 class _Outage:
     """One client's outage bookkeeping, shared by every connection of its pool (one warning per outage)."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str = "", deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> None:
         self.lock = threading.Lock()
         self.since: float | None = None  # monotonic time of the first failure of the current outage
         self.count = 0  # outages so far (a consumer re-reads its own pending entries after each)
+        self.url = url  # redacted
+        self.deadline_s = deadline_s
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Outage:  # redis-py deep-copies the retry per connection
         return self
@@ -137,7 +256,16 @@ class _Outage:
             if self.since is None:
                 self.since = time.monotonic()
                 self.count += 1
-                _log.warning("redis unavailable, retrying", error=f"{type(error).__name__}: {error}")
+                cause = f"{type(error).__name__}: {error}"
+                say = _NOTICE.get()
+                if say is None:
+                    _log.warning("redis unavailable, retrying", error=cause, url=self.url, deadline_s=self.deadline_s)
+                else:
+                    at = f" at {self.url}" if self.url else ""
+                    say(
+                        f"waiting for Redis{at} ({cause}){_tls_hint(self.url, error)}; giving up after "
+                        f"{self.deadline_s:g} s ({DEADLINE_ENV})"
+                    )
             return self.since
 
     def recovered(self) -> None:
@@ -157,10 +285,12 @@ class OutageRetry(Retry):
         cap_s: float = 2.0,
         base_s: float = 0.05,
         errors: tuple[type[Exception], ...] = RETRY_ON,
+        url: str = "",
     ) -> None:
         super().__init__(ExponentialBackoff(cap=cap_s, base=base_s), -1, errors)
         self.deadline_s = deadline_s
-        self.outage = _Outage()
+        self.url = redact(url) if url else ""
+        self.outage = _Outage(self.url, deadline_s)
 
     def call_with_retry(
         self,
@@ -185,12 +315,29 @@ class OutageRetry(Retry):
                 since = self.outage.failed(error)
                 waited = time.monotonic() - since
                 if waited >= self.deadline_s:
-                    raise RedisUnavailable(waited, error) from error
+                    raise RedisUnavailable(waited, error, self.url) from error
                 time.sleep(min(self._backoff.compute(failures), max(0.0, self.deadline_s - waited)))
                 continue
             if failures or self.outage.since is not None:
                 self.outage.recovered()
             return result
+
+
+class _TlsConnection(SSLConnection):
+    """redis-py's SSLConnection that tells the TCP connect (an outage when it fails: ridden out) from the TLS
+    handshake over it (`TlsHandshakeFailed` when it fails: refused at once, not waited out for the deadline)."""
+
+    def _connect(self) -> socket.socket:
+        sock = Connection._connect(self)
+        try:
+            return cast(socket.socket, self._wrap_socket_with_ssl(sock))
+        except (ssl.SSLError, TimeoutError) as exc:
+            sock.close()
+            why = "no TLS answer within the connect timeout" if not isinstance(exc, ssl.SSLError) else str(exc)
+            raise TlsHandshakeFailed(f"TLS handshake with {self.host}:{self.port} failed: {why}") from exc
+        except (OSError, redis.RedisError):
+            sock.close()
+            raise
 
 
 class RoleChanged(redis.ConnectionError):
@@ -363,7 +510,7 @@ def connect(
         if cluster:
             options["ssl"] = True
         else:
-            options["connection_class"] = SSLConnection
+            options["connection_class"] = _TlsConnection
         options["ssl_ca_certs"] = tls_ca
         options["ssl_certfile"] = tls_cert
         options["ssl_keyfile"] = tls_key
@@ -378,7 +525,7 @@ def connect(
     if scheme != "unix":
         options["socket_keepalive"] = True
     if cluster:
-        outage = OutageRetry(retry_deadline_s(retry_deadline), errors=CLUSTER_RETRY_ON)
+        outage = OutageRetry(retry_deadline_s(retry_deadline), errors=CLUSTER_RETRY_ON, url=url)
         startup = [ClusterNode(host, port) for host, port in nodes]
 
         def start() -> ClusterClient:
@@ -397,6 +544,6 @@ def connect(
 
         client = outage.call_with_retry(start, _ignore)
         return cast(redis.Redis, client)  # see the module docstring: the commands the project sends, routed by key
-    options["retry"] = OutageRetry(retry_deadline_s(retry_deadline))
+    options["retry"] = OutageRetry(retry_deadline_s(retry_deadline), url=url)
     options["retry_on_error"] = list(RETRY_ON)
     return redis.Redis(connection_pool=ConnectionPool(**options))

@@ -11,6 +11,11 @@ def _k(run_id: str, suffix: str) -> str:
     return f"rolledger:{{{run_id}}}:{suffix}"
 
 
+def every_run_key() -> str:
+    """The key pattern that covers every key of every run (what an ACL user of rolledger needs: `~rolledger:*`)."""
+    return "rolledger:*"
+
+
 def log_key(run_id: str) -> str:
     """The run's event log: the source of truth. Never trimmed by length; only the archiver (events/archive.py)
     trims it, by MINID, behind entries it has written to verified archive segments."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -447,3 +448,199 @@ def test_a_checkpoint_too_short_for_max_tokens_is_refused_naming_its_config(tmp_
         RunRefused, match=r"config\.json: max_position_embeddings=16: lower sampling\.max_tokens to at most 9"
     ):
         prepare_policy(RunConfig(sampling=SamplingParams(max_tokens=10)), tmp_path)
+
+
+# ---------------------------------------------------------------- Redis refusing, or away
+# Every command that takes --redis, against a real redis-server with `requirepass`, an ACL user limited to other keys
+# and a TLS port whose self-signed certificate no system store knows; and a closed loopback port. Each refusal is one
+# line naming the URL with its password masked, exit 3, no traceback, at once (no retry: the deadline is set long);
+# an outage (the closed port, a short deadline) is announced at once by the commands that read a run.
+SERVER_PW = "s3cret-cli-pw"
+READER_PW = "reader-pw-9"
+SECRETS = (SERVER_PW, READER_PW, "hunter2-wrong")
+
+
+class RefusingRedis:
+    """A redis-server on free loopback ports: `port` plain, `tls_port` TLS (None when it cannot be made here)."""
+
+    def __init__(self, workdir: Path) -> None:
+        import shutil
+
+        from rolledger.events.embedded import find_redis_server
+
+        self.port = _free_port()
+        self.tls_port: int | None = None
+        argv = [str(find_redis_server()), "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(workdir), "--requirepass", SERVER_PW]
+        if shutil.which("openssl") is not None:
+            made = subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "k.pem", "-out", "c.pem"]
+                + ["-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                cwd=workdir,
+                capture_output=True,
+                check=False,
+                timeout=60,
+            )
+            if made.returncode == 0:
+                self.tls_port = _free_port()
+                argv += ["--tls-port", str(self.tls_port), "--tls-cert-file", str(workdir / "c.pem")]
+                argv += ["--tls-key-file", str(workdir / "k.pem"), "--tls-auth-clients", "no"]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        admin = redis.Redis(port=self.port, password=SERVER_PW, socket_connect_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                admin.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                    raise RuntimeError(f"redis-server did not start: {err[-1500:]}") from None
+                time.sleep(0.02)  # polling readiness with a deadline
+        # a user of another application: every command, on its own keys only
+        admin.execute_command("ACL", "SETUSER", "reader", "on", f">{READER_PW}", "~other:*", "+@all")
+        admin.close()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def refusing_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RefusingRedis]:
+    server = RefusingRedis(tmp_path_factory.mktemp("refusing"))
+    yield server
+    server.stop()
+
+
+# (command, argv with URL for the Redis URL): every command that takes --redis
+REDIS_COMMANDS: dict[str, tuple[str, ...]] = {
+    "run": ("run", "--steps", "1", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "replay": ("replay", "r1", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "audit": ("audit", "r1", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "lineage": ("lineage", "r1", "g000001/0", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "timeline": ("timeline", "r1", "--out", "TMP/t.png", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "events": ("events", "r1", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "status": ("status", "r1", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "ui": ("ui", "r1", "--port", "0", "--runs-dir", "TMP/runs", "--redis", "URL"),
+    "coordinator": ("coordinator", "--run", "r1", "--redis", "URL"),
+    "worker": ("worker", "reward", "--run", "r1", "--redis", "URL"),
+}
+READ_ONLY = ("replay", "audit", "lineage", "timeline", "events", "status", "ui")
+
+# (kind, the URL for the server, what the line says, the deadline the command is given)
+FAILURES: dict[str, tuple[Callable[[RefusingRedis], str], str, float]] = {
+    "wrong-password": (lambda s: f"redis://:hunter2-wrong@127.0.0.1:{s.port}/0", "refused the credentials", 30.0),
+    "noperm": (lambda s: f"redis://reader:{READER_PW}@127.0.0.1:{s.port}/0", "the ACL user is not allowed", 30.0),
+    "bad-ca": (lambda s: f"rediss://:{SERVER_PW}@127.0.0.1:{s.tls_port}", "TLS handshake failed", 30.0),
+    "unreachable": (lambda s: f"redis://:{SERVER_PW}@127.0.0.1:{_free_port()}/0", "redis unreachable for", 0.5),
+}
+
+
+def _run_cli(argv: list[str], tmp: Path, deadline_s: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`python -m rolledger.workers.cli ARGV` as a user runs it, with ROLLEDGER_REDIS_DEADLINE_S set."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp)}
+    env["ROLLEDGER_REDIS_DEADLINE_S"] = str(deadline_s)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rolledger.workers.cli", *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp,
+        env=env,
+    )
+    return done, time.monotonic() - started
+
+
+def _check_one_line(done: subprocess.CompletedProcess[str], command: str, url: str, needle: str) -> list[str]:
+    """Exit 3, no traceback, no secret, and the last stderr line the error naming the redacted URL; the other
+    lines (returned) are for the caller to judge."""
+    from rolledger.events.redact import redact
+
+    assert done.returncode == EXIT_RUN_FAILED, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    for secret in SECRETS:
+        assert secret not in done.stderr and secret not in done.stdout, done.stderr
+    *before, last = done.stderr.strip().splitlines()
+    # (a worker process that gave up on Redis names itself: `rolledger reward reward: ...`, workers/processes.py)
+    named = ("rolledger worker", "rolledger reward") if command == "worker" else (f"rolledger {command}",)
+    assert last.startswith(named) and needle in last and redact(url) in last, last
+    return before
+
+
+@pytest.mark.parametrize("kind", list(FAILURES))
+@pytest.mark.parametrize("command", list(REDIS_COMMANDS))
+def test_redis_refusing_or_away_is_one_line_exit_3_for_every_command_that_takes_redis(
+    command: str, kind: str, refusing_redis: RefusingRedis, tmp_path: Path
+) -> None:
+    make_url, needle, deadline_s = FAILURES[kind]
+    if kind == "bad-ca" and refusing_redis.tls_port is None:
+        pytest.skip("no TLS port: openssl could not make a certificate here")
+    url = make_url(refusing_redis)
+    argv = [a.replace("TMP", str(tmp_path)).replace("URL", url) for a in REDIS_COMMANDS[command]]
+    done, took = _run_cli(argv, tmp_path, deadline_s)
+    before = _check_one_line(done, command, url, needle)
+    if kind != "unreachable":  # refused at once: no retry, no other line, well inside the (long) deadline
+        assert before == [] and took < deadline_s, (took, done.stderr)
+        return
+    if command in READ_ONLY:  # said at once, as one plain line naming the URL and how long it will wait
+        assert len(before) == 1 and before[0].startswith(f"rolledger {command}: waiting for Redis at "), before
+        assert "giving up after 0.5 s (ROLLEDGER_REDIS_DEADLINE_S)" in before[0], before
+        assert "ROLLEDGER_REDIS_DEADLINE_S sets how long to wait" in done.stderr.splitlines()[-1]
+    else:  # services log the outage as structured lines (JSON: stderr is not a terminal), with the deadline
+        logged = [json.loads(line) for line in before]
+        assert logged and logged[0]["event"] == "redis unavailable, retrying" and logged[0]["deadline_s"] == 0.5
+
+
+def test_a_plain_client_on_a_tls_port_and_a_tls_client_on_a_plain_port(
+    refusing_redis: RefusingRedis, tmp_path: Path
+) -> None:
+    """redis:// on the TLS port: the server hangs up on every command, an outage to ride out, whose lines say to try
+    rediss://. rediss:// on the plain port: no TLS answer, refused once the connect timeout (5 s) passes, not retried
+    for the deadline."""
+    if refusing_redis.tls_port is None:
+        pytest.skip("no TLS port: openssl could not make a certificate here")
+    url = f"redis://:{SERVER_PW}@127.0.0.1:{refusing_redis.tls_port}/0"
+    done, _ = _run_cli(["audit", "r1", "--runs-dir", str(tmp_path), "--redis", url], tmp_path, 0.5)
+    before = _check_one_line(done, "audit", url, "if that port speaks TLS, use rediss://")
+    assert len(before) == 1 and "waiting for Redis at" in before[0] and "use rediss://" in before[0], before
+    url = f"rediss://:{SERVER_PW}@127.0.0.1:{refusing_redis.port}"
+    done, took = _run_cli(["audit", "r1", "--runs-dir", str(tmp_path), "--redis", url], tmp_path, 60.0)
+    assert _check_one_line(done, "audit", url, "no TLS answer within the connect timeout") == []
+    assert took < 30, took
+
+
+def test_refusals_are_told_apart_and_other_errors_are_not_refusals() -> None:
+    """The classification the command line exits 3 on (events/connection.py), on the errors redis-py raises; a
+    wrapped one counts by its cause; anything else is left to raise (a bug shows its traceback)."""
+    import ssl
+
+    from rolledger.events.connection import RedisUnavailable, Refusal, TlsHandshakeFailed, refusal, refusal_line
+
+    assert refusal(redis.AuthenticationError("invalid username-password pair")) is Refusal.AUTH
+    assert refusal(redis.ResponseError("NOAUTH Authentication required.")) is Refusal.AUTH
+    assert refusal(redis.exceptions.NoPermissionError("No permissions to access a key")) is Refusal.NOPERM
+    assert refusal(TlsHandshakeFailed("TLS handshake failed")) is Refusal.TLS
+    assert refusal(RedisUnavailable(2.0, redis.ConnectionError("refused"), "redis://h:1")) is Refusal.UNREACHABLE
+    try:
+        try:
+            raise ssl.SSLError("wrong version number")
+        except ssl.SSLError as exc:
+            raise RuntimeError("while starting") from exc
+    except RuntimeError as wrapped:
+        assert refusal(wrapped) is Refusal.TLS
+    for other in (ValueError("x"), redis.ResponseError("WRONGTYPE Operation"), redis.ConnectionError("Error 111")):
+        assert refusal(other) is None and refusal_line(other, "redis://:pw@h:1") is None
+    line = refusal_line(redis.AuthenticationError("WRONGPASS"), "redis://u:hunter2-wrong@h:1/0")
+    assert line is not None and "redis://u:***@h:1/0" in line and "hunter2" not in line

@@ -267,7 +267,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
 
 def test_rediss_url_gives_an_ssl_connection_class() -> None:
     client = connect("rediss://127.0.0.1:1", tls_ca="/nonexistent-ca.pem")
-    assert client.connection_pool.connection_class is redis.connection.SSLConnection
+    assert issubclass(client.connection_pool.connection_class, redis.connection.SSLConnection)
     kw = client.connection_pool.connection_kwargs
     assert kw["ssl_ca_certs"] == "/nonexistent-ca.pem" and kw["ssl_cert_reqs"] == "required"
     assert kw["ssl_check_hostname"] is True

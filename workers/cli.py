@@ -52,15 +52,16 @@ if TYPE_CHECKING:  # the subcommands import what they use when they run: `rolled
 EXIT_OK = 0
 EXIT_VIOLATED = 1  # audit/replay: an invariant is violated (or a log entry does not decode)
 EXIT_USAGE = 2  # a bad option, config, run id or injection; a run or trajectory that does not exist
-EXIT_RUN_FAILED = 3  # the run ended failed or aborted, or Redis stayed away past its deadline
+EXIT_RUN_FAILED = 3  # the run ended failed or aborted, Redis stayed away past its deadline or refused us
 
 EXIT_CODES = f"""exit codes:
   {EXIT_OK}       ok
   {EXIT_VIOLATED}       an invariant is violated (audit, replay: the violating events are listed)
   {EXIT_USAGE}       a usage or input error: a bad option, config, run id or --inject; a run or trajectory that
           does not exist
-  {EXIT_RUN_FAILED}       the run ended failed or aborted, a worker process stopped on an error, or Redis stayed
-          away past ROLLEDGER_REDIS_DEADLINE_S (60 s)
+  {EXIT_RUN_FAILED}       the run ended failed or aborted, a worker process stopped on an error, Redis stayed
+          away past ROLLEDGER_REDIS_DEADLINE_S (60 s), or it refused the credentials, the ACL user (NOPERM)
+          or the TLS handshake (at once, not retried)
   128+N   `rolledger run` cancelled by signal N (130: SIGINT, 143: SIGTERM)
 
 runs: RUN is a run directory, or a run id looked up in the runs directory
@@ -480,7 +481,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from rolledger.workers.ui_server import UiRefused, run_ui
 
     try:
-        return run_ui(args.host, args.port, args.allow_remote, lambda: _open(args), _scan)
+        return run_ui(args.host, args.port, args.allow_remote, lambda: _open(args), _scan, token_file=args.token_file)
     except UiRefused as exc:
         raise CliError(str(exc)) from None
 
@@ -691,7 +692,14 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument(
         "--allow-remote",
         action="store_true",
-        help="serve on a non-loopback --host (the page has no authentication)",
+        help="serve on a non-loopback --host; every request then needs a token: --token-file's, else "
+        "$ROLLEDGER_UI_TOKEN, else one generated and printed in the URL at start",
+    )
+    ui.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the token requests must carry (first line; at least 16 characters), as `Authorization: Bearer TOKEN` "
+        "or a ?token=TOKEN link that sets a cookie; a file, not an option, so `ps` never shows it",
     )
     ui.set_defaults(func=cmd_ui)
 
@@ -731,7 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.error(f"unrecognized arguments: {' '.join(extras)}{_option_hint(command, extras)}")
     configure_logging(args.json_logs or not sys.stderr.isatty() and os.environ.get("ROLLEDGER_PRETTY_LOGS") is None)
     try:
-        code: int = args.func(args)
+        with _announce_waits(args.command):
+            code: int = args.func(args)
     except CliError as exc:
         print(f"rolledger {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
@@ -739,13 +748,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return EXIT_OK
     except Exception as exc:
-        from rolledger.events.connection import RedisUnavailable  # (imported late: `rolledger --help` stays fast)
+        from rolledger.events.connection import refusal_line  # (imported late: `rolledger --help` stays fast)
 
-        if not isinstance(exc, RedisUnavailable):
+        # refused credentials, NOPERM, a failed TLS handshake (each at once), an outage past the retry deadline
+        line = refusal_line(exc, _redis_where(args))
+        if line is None:
             raise
-        print(f"rolledger {args.command}: {exc}", file=sys.stderr)  # the outage outlasted the retry deadline
+        print(f"rolledger {args.command}: {line}", file=sys.stderr)
         return EXIT_RUN_FAILED
     return code
+
+
+# The commands that only read a run: an outage is one plain line at once ("waiting for Redis at URL ...; giving up
+# after N s"), not a log warning
+_READS_A_RUN = frozenset({"replay", "audit", "lineage", "timeline", "events", "status", "ui"})
+
+
+@contextmanager
+def _announce_waits(command: str) -> Iterator[None]:
+    if command not in _READS_A_RUN:
+        yield
+        return
+    from rolledger.events.connection import waiting_notice
+
+    with waiting_notice(lambda text: print(f"rolledger {command}: {text}", file=sys.stderr, flush=True)):
+        yield
+
+
+def _redis_where(args: argparse.Namespace) -> str | None:
+    """The URL of the Redis a command was using (for an error line; redacted where printed): --redis, REDIS_URL,
+    else the run directory's recorded server; None when unknown (an embedded server)."""
+    url = getattr(args, "redis", None) or os.environ.get("REDIS_URL")
+    if url:
+        return str(url)
+    if getattr(args, "run", None) and getattr(args, "runs_dir", None):
+        from rolledger.events.open_run import resolve
+
+        run_dir = resolve(args.run, Path(args.runs_dir)).run_dir
+        recorded = run_dir / "redis_url" if run_dir is not None else None
+        if recorded is not None and recorded.is_file():
+            return recorded.read_text().strip() or None
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover
