@@ -7,6 +7,8 @@ read, fresh policy versions, a prompt); pytest then runs every test below agains
 - tests/test_engine_contract.py: the torch engine (main suite);
 - tests/vllm_tier/test_engine_contract_vllm.py: the vLLM engine on real vLLM CPU servers (vLLM tier);
 - tests/sglang_tier/test_engine_contract_sglang.py: the SGLang engine on a real SGLang CPU server (SGLang tier).
+- tests/test_engine_contract_fake_vllm.py, tests/test_engine_contract_fake_sglang.py: the vLLM and SGLang clients
+  against the FAKE sleep servers of tests/fake_sleep_server.py, the only place their colocated cycle runs on CPU.
 
 Each test leaves the engine as it found it for the next one (serving, resumed, nothing staged), because the server
 engines are shared by a whole session; an update moves the engine to a version newer than any used before.
@@ -17,7 +19,9 @@ or a shape mismatch is refused naming the tensor; commit swaps the staged versio
 and invalidates the prefix cache; the logprobs it reports after a commit are what the committed weights give (checked
 against torch on the staged tensors); a discarded prepare commits nothing; the health probe is deterministic; illegal
 orders are refused; every pause mode stops generation until resume; sleep either works in the legal order or is
-refused saying so (GPU-only for the server engines: vLLM and SGLang cannot sleep on CPU).
+refused saying so (GPU-only for the server engines: vLLM and SGLang cannot sleep on CPU); the colocated cycle
+(sleep -> wake weights -> prepare -> commit -> wake kv_cache -> health -> generate) completes at every level the
+engine sleeps at, and each step out of that order is refused naming it.
 """
 
 from __future__ import annotations
@@ -347,3 +351,82 @@ class EngineContract:
             e.resume()
         assert e.asleep_level == 0
         assert (subject.served(), e.weights_digest()) == (before, digest)
+
+    def _sleepable(self, subject: ContractSubject, level: int) -> Engine:
+        e = subject.engine
+        if level not in e.capabilities.sleep_levels:
+            pytest.skip(f"{e.capabilities.name} cannot sleep at level {level} here ({e.capabilities.sleep_levels})")
+        return e
+
+    @staticmethod
+    def _wake_and_resume(e: Engine) -> None:
+        """After a colocated test, pass or fail: leave the engine awake, nothing staged, resumed."""
+        if e.asleep_level:
+            e.wake(["weights", "kv_cache"])
+        e.discard_weights()
+        e.resume()
+
+    @pytest.mark.parametrize("level", [1, 2])
+    def test_the_colocated_cycle_wakes_the_weights_for_the_update_and_the_kv_cache_after(
+        self, subject: ContractSubject, level: int
+    ) -> None:
+        """sleep(level) -> wake(weights) -> prepare -> commit -> wake(kv_cache) -> health -> generate, as a colocated
+        rank runs it (vLLM's documented RL order): "weights awake, KV cache asleep" is where the update is made."""
+        e = self._sleepable(subject, level)
+        v = subject.next_version()
+        staged = subject.stage(v, subject.other_state(v))
+        e.pause("wait")
+        try:
+            e.sleep(level)
+            assert e.asleep_level == level
+            e.wake(["weights"])
+            assert e.asleep_level == level  # the KV cache still sleeps
+            e.prepare(v, staged.uri, staged.manifest)  # weights awake, KV asleep: legal
+            report = e.commit_weights(v)
+            e.wake(["kv_cache"])
+            assert e.asleep_level == 0
+            health = e.health()
+        finally:
+            self._wake_and_resume(e)
+        assert health.ok, health.detail
+        assert report.policy_version == v == e.policy_version
+        assert report.weights_digest == staged.manifest.weights_digest == e.weights_digest()
+        out = e.generate(subject.prompt, 1, GREEDY)
+        assert (out.policy_version, out.weights_digest) == (v, staged.manifest.weights_digest)
+
+    @pytest.mark.parametrize("level", [1, 2])
+    def test_each_illegal_colocated_order_is_refused_naming_the_order(
+        self, subject: ContractSubject, level: int
+    ) -> None:
+        """On the way through the cycle every step out of order is refused (IllegalEngineOrder naming what to do
+        first), and the refusals leave the state as it was: the legal order still completes afterwards."""
+        e = self._sleepable(subject, level)
+        v = subject.next_version()
+        staged = subject.stage(v, subject.other_state(v))
+        e.pause("wait")
+        try:
+            e.sleep(level)
+            with pytest.raises(IllegalEngineOrder, match="already asleep"):
+                e.sleep(level)
+            with pytest.raises(IllegalEngineOrder, match=r"wake\(\['weights'\]\) first"):
+                e.prepare(v, staged.uri, staged.manifest)  # never send weights while they sleep
+            with pytest.raises(IllegalEngineOrder, match=r"wake\(\['weights'\]\) first"):
+                e.commit_weights(v)
+            with pytest.raises(IllegalEngineOrder, match=r"kv_cache.*before.*weights"):
+                e.wake(["kv_cache"])
+            with pytest.raises(IllegalEngineOrder):
+                e.generate(subject.prompt, 1, GREEDY)
+            e.wake(["weights"])
+            with pytest.raises(IllegalEngineOrder):
+                e.generate(subject.prompt, 1, GREEDY)  # the KV cache still sleeps
+            assert not e.health().ok  # no probe before the KV cache is back
+            with pytest.raises(IllegalEngineOrder, match="already asleep"):
+                e.sleep(level)
+            e.prepare(v, staged.uri, staged.manifest)
+            e.commit_weights(v)
+            e.wake(["kv_cache"])
+            assert e.asleep_level == 0
+        finally:
+            self._wake_and_resume(e)
+        assert e.policy_version == v
+        assert e.generate(subject.prompt, 1, GREEDY).policy_version == v

@@ -141,10 +141,19 @@ def server_dtype(engine: Any) -> str:
     return str((cfg.get("model_config") or {}).get("dtype", "unknown")).removeprefix("torch.")
 
 
+def check_level_2(engine: Any, where: str, cfg: RunConfig) -> None:
+    """Seed 004's level-2 rules: a colocated run at sleep_level 2 on a server with a speculative draft or an FP8 KV
+    cache is refused, one line saying why (workers.engines.sleep_state.level_2_refusal)."""
+    reason = getattr(engine, "level_2_refused", "")
+    if cfg.mode == "colocated" and cfg.sleep_level == 2 and reason:
+        raise EngineError(f"{where}: mode 'colocated' at sleep_level 2 is refused: {reason}; use sleep_level 1")
+
+
 def check_rank_engine(engine: Any, url: str, cfg: RunConfig, want_digest: str, want_dtype: str) -> None:
     """Refuse a server that cannot be rank `engine.rank` of a fresh run (clear errors naming the field)."""
     where = f"vLLM rank {engine.rank} at {url}"
     logprob_mode = cfg.sampling.logprob_mode
+    check_level_2(engine, where, cfg)
     if cfg.mode == "colocated" and cfg.sleep_level not in engine.capabilities.sleep_levels:
         raise EngineError(
             f"{where}: mode 'colocated' sleeps the rank at sleep_level {cfg.sleep_level}, but the server runs "
@@ -288,6 +297,7 @@ def build_vllm_engines(cfg: RunConfig, model_dir: Path, run_dir: Path) -> tuple[
 def check_sglang_rank(engine: Any, url: str, cfg: RunConfig, want_digest: str) -> None:
     """Refuse an SGLang server that cannot be rank `engine.rank` of a fresh run (clear errors naming the field)."""
     where = f"SGLang rank {engine.rank} at {url}"
+    check_level_2(engine, where, cfg)
     if cfg.mode == "colocated" and cfg.sleep_level not in engine.capabilities.sleep_levels:
         raise EngineError(
             f"{where}: mode 'colocated' sleeps the rank at sleep_level {cfg.sleep_level}, but the server cannot "

@@ -25,7 +25,9 @@ starts one; on CPU it runs with a stand-in for the CUDA-only `sgl_kernel`, see t
 - reset_prefix_cache: `/flush_cache`, retried until it succeeds (it answers 400 while requests run), with a deadline.
 - sleep/wake: `/release_memory_occupation` and `/resume_memory_occupation` with tags, only where the server runs on a
   GPU with `--enable-memory-saver`; elsewhere they raise EngineError saying so and `capabilities.sleep_levels == ()`
-  (on CPU SGLang's release crashes its scheduler). Weights are never sent while asleep.
+  (on CPU SGLang's release crashes its scheduler). The sleep state is kept per tag (workers.engines.sleep_state):
+  sleep releases `weights` and `kv_cache`, `wake(["weights"])` lets an update be prepared and committed while the
+  KV cache still sleeps, and weights are never sent while they sleep.
 
 The rank agent (this process) and the server must share a filesystem: the server reads the prepared directory
 (`staging_dir`, by default a private temporary directory) and, at connect, this engine reads the serving checkpoint
@@ -71,6 +73,7 @@ from rolledger.workers.engine import (
 )
 from rolledger.workers.engines import torch_weights
 from rolledger.workers.engines.sglang_weights import differing, expected_checksums, write_checkpoint
+from rolledger.workers.engines.sleep_state import TAGS, SleepState, level_2_refusal
 from rolledger.workers.engines.vllm_completions import PROBE_PROMPT
 from rolledger.workers.engines.vllm_http import JsonHttp
 from rolledger.workers.netguard import check_engine_address
@@ -105,7 +108,7 @@ class _RankState:
     staged: _Loaded | None = None
     cache_generation: int = 0
     paused: bool = False
-    asleep_level: int = 0
+    sleep: SleepState = field(default_factory=SleepState)  # per tag (workers/engines/sleep_state)
     inflight: int = 0
     stats: EngineStats = field(default_factory=EngineStats)
 
@@ -157,6 +160,11 @@ class SglangEngine:
         self.device = str(info.get("device", "unknown"))
         self.memory_saver = bool(info.get("enable_memory_saver", False))
         self.prefix_caching = not bool(info.get("disable_radix_cache", False))
+        # why this server must not sleep at level 2 ('' when it may): a speculative draft, an FP8 KV cache
+        self.level_2_refused = level_2_refusal(
+            speculative=str(info.get("speculative_algorithm") or ""),
+            kv_cache_dtype=str(info.get("kv_cache_dtype") or "auto"),
+        )
         total = info.get("max_total_num_tokens")  # the KV pool in tokens, where the server says
         self._kv_tokens = int(total) if isinstance(total, int) and total > 0 else None
         self.model_dir = Path(model_dir if model_dir is not None else str(info.get("model_path", ""))).absolute()
@@ -192,7 +200,7 @@ class SglangEngine:
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
             name="sglang",
-            sleep_levels=(1, 2) if self._can_sleep else (),
+            sleep_levels=((1,) if self.level_2_refused else (1, 2)) if self._can_sleep else (),
             prefix_cache=self.prefix_caching,
             logprob_mode="raw",
         )
@@ -256,8 +264,7 @@ class SglangEngine:
                 "logprobs (SGLANG_RETURN_ORIGINAL_LOGPROB=1)"
             )
         with self._cond:
-            if self._st.asleep_level:
-                raise IllegalEngineOrder(f"rank {self.rank}: generate while asleep (level {self._st.asleep_level})")
+            self._st.sleep.check_serving("generate", self.rank)
             if self._st.paused:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
             refuse_unless_serving(expect_version, self._st.live.version, self.rank)
@@ -372,33 +379,37 @@ class SglangEngine:
     def sleep(self, level: int) -> SleepReport:
         if not self._can_sleep:
             raise self._sleep_unavailable("sleep")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level == 2 and self.level_2_refused:
+            raise EngineError(f"rank {self.rank}: sleep(2) refused: {self.level_2_refused}; sleep at level 1")
         with self._cond:
+            after = self._st.sleep.slept(level, self.rank)  # ValueError / IllegalEngineOrder before the server
             if self._st.inflight:
                 raise IllegalEngineOrder(f"rank {self.rank}: sleep with {self._st.inflight} request(s) in flight")
             if self._st.staged is not None:
                 raise IllegalEngineOrder(f"rank {self.rank}: sleep with v{self._st.staged.version} staged")
-        self.http.post("/release_memory_occupation", json={"tags": None})
+        self.http.post("/release_memory_occupation", json={"tags": list(TAGS)})  # cuda_graph stays resident
         with self._cond:
-            self._st.asleep_level = level
+            self._st.sleep = after
         return SleepReport(level=level, bytes_before=0, bytes_after=0, verified=False)
 
     def wake(self, tags: Sequence[WakeTag]) -> WakeReport:
         if not self._can_sleep:
             raise self._sleep_unavailable("wake")
-        bad = [t for t in tags if t not in ("weights", "kv_cache")]
-        if bad or not tags:
-            raise ValueError(f"wake tags must be a non-empty subset of [weights, kv_cache], got {list(tags)}")
-        self.http.post("/resume_memory_occupation", json={"tags": list(tags)})
-        if set(tags) >= {"weights", "kv_cache"}:
-            with self._cond:
-                self._st.asleep_level = 0
-        return WakeReport(tags=tuple(tags), bytes_restored=0)
+        with self._cond:
+            after, woken = self._st.sleep.woken(tags, self.rank)
+        if woken:
+            self.http.post("/resume_memory_occupation", json={"tags": list(woken)})
+        with self._cond:
+            self._st.sleep = after
+        return WakeReport(tags=woken, bytes_restored=0)
 
     @property
     def asleep_level(self) -> int:
-        return self._st.asleep_level
+        return self._st.sleep.asleep_level
+
+    @property
+    def sleep_state(self) -> SleepState:
+        return self._st.sleep
 
     def kv_cache_tokens(self) -> int | None:
         """The server's KV pool in tokens (`max_total_num_tokens` of /server_info, read at connect), or None."""
@@ -453,8 +464,7 @@ class SglangEngine:
         return staged.digest
 
     def _check_awake(self, what: str) -> None:
-        if self._st.asleep_level:
-            raise IllegalEngineOrder(f"rank {self.rank}: weights must not be sent while asleep ({what}); wake first")
+        self._st.sleep.check_weights_awake(what, self.rank)
 
     def _load(self, target: _Loaded) -> None:
         """Make the server serve `target` (verified); on failure load and verify what served before, then raise."""
@@ -516,6 +526,7 @@ class SglangEngine:
         old = self._st.live
         with self._cond:
             self._st.previous, self._st.live = old, staged
+            self._st.sleep = self._st.sleep.committed()
         self._collect()
         return CommitReport(version, staged.digest, self._st.cache_generation, 0, False)
 
@@ -528,6 +539,7 @@ class SglangEngine:
         self._load(previous)
         with self._cond:
             self._st.previous, self._st.live = None, previous
+            self._st.sleep = self._st.sleep.committed()
         return CommitReport(previous.version, previous.digest, self._st.cache_generation, 0, False)
 
     def _collect(self) -> None:
@@ -577,7 +589,9 @@ class SglangEngine:
 
     def health(self) -> HealthReport:
         """Greedy 4-token probe through /generate. A rank probes after its commit while still paused; the server is
-        continued for the probe alone and paused again."""
+        continued for the probe alone and paused again. Not ok while a tag sleeps."""
+        if not self._st.sleep.serving:
+            return HealthReport(ok=False, detail=f"rank {self.rank}: not serving ({self._st.sleep.describe()})")
         paused = self.is_paused
         if paused:
             self.http.post("/continue_generation", json={})

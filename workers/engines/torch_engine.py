@@ -64,14 +64,13 @@ from rolledger.workers.engine import (
     refuse_unless_serving,
 )
 from rolledger.workers.engines import torch_memory, torch_weights
+from rolledger.workers.engines.sleep_state import TAGS, SleepState
 from rolledger.workers.engines.torch_batch import BatchRequest, GroupBatcher, wait_for
 from rolledger.workers.engines.torch_decode import Decoded, KVDecoder, validate_request
 from rolledger.workers.engines.torch_prefix_cache import PrefixCache
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.transport import DeltaBase, load_verified
 from rolledger.workers.weights import dtype_name, state_digest
-
-_WAKE_ORDER: tuple[WakeTag, ...] = ("weights", "kv_cache")
 
 
 class TorchEngine:
@@ -133,9 +132,7 @@ class TorchEngine:
         self._abort = threading.Event()
         self._inflight = 0
         self._parked = 0
-        self._asleep_tags: set[str] = set()
-        self._sleep_level = 0
-        self._weights_valid = True
+        self._sleep = SleepState()  # per-tag sleep state and its rules (workers/engines/sleep_state)
         self._host_copy: dict[str, torch.Tensor] | None = None
         self._staged: torch_weights.StagedWeights | None = None
         self._closed = False
@@ -199,7 +196,13 @@ class TorchEngine:
     @property
     def asleep_level(self) -> int:
         with self._state:
-            return self._sleep_level if self._asleep_tags else 0
+            return self._sleep.asleep_level
+
+    @property
+    def sleep_state(self) -> SleepState:
+        """Which tags sleep (an immutable snapshot)."""
+        with self._state:
+            return self._sleep
 
     # ------------------------------------------------------------------ generation
 
@@ -273,15 +276,7 @@ class TorchEngine:
 
     def _check_serving(self, what: str) -> None:
         """Caller holds self._state."""
-        if self._asleep_tags:
-            raise IllegalEngineOrder(
-                f"rank {self.rank}: {what} while asleep (level {self._sleep_level}, "
-                f"tags still asleep: {sorted(self._asleep_tags)})"
-            )
-        if not self._weights_valid:
-            raise IllegalEngineOrder(
-                f"rank {self.rank}: {what} before new weights were committed after a level-2 sleep"
-            )
+        self._sleep.check_serving(what, self.rank)
 
     def _decode(
         self,
@@ -377,7 +372,7 @@ class TorchEngine:
         if self._abort.is_set() or (self._policy_version != version and not self.interruptible):
             return False
         with self._state:
-            return not self._asleep_tags and self._weights_valid
+            return self._sleep.serving
 
     # ------------------------------------------------------------------ pause / resume
 
@@ -434,8 +429,7 @@ class TorchEngine:
             raise ValueError(f"sleep level must be 1 or 2 (got {level})")
         with self._model_lock, self._state:
             self._check_open()
-            if self._asleep_tags:
-                raise IllegalEngineOrder(f"rank {self.rank}: sleep({level}) while already asleep")
+            slept = self._sleep.slept(level, self.rank)
             if self._inflight:
                 raise IllegalEngineOrder(
                     f"rank {self.rank}: sleep({level}) with {self._inflight} generation(s) in flight; pause first"
@@ -455,40 +449,27 @@ class TorchEngine:
             if self.device.type != "cpu":
                 torch.cuda.empty_cache()
             verified = after == 0 and (host >= weight_bytes if level == 1 else self._host_copy is None)
-            self._asleep_tags = {"weights", "kv_cache"}
-            self._sleep_level = level
+            self._sleep = slept
             self._state.notify_all()
         return SleepReport(level=level, bytes_before=before, bytes_after=after, verified=verified)
 
     def wake(self, tags: Sequence[WakeTag]) -> WakeReport:
-        requested = set(tags)
-        unknown = requested - set(_WAKE_ORDER)
-        if not requested or unknown:
-            raise ValueError(f"wake tags must be a non-empty subset of {list(_WAKE_ORDER)} (got {list(tags)})")
         restored = 0
         with self._model_lock, self._state:
             self._check_open()
-            if "kv_cache" in requested and "weights" in self._asleep_tags and "weights" not in requested:
-                raise IllegalEngineOrder(f"rank {self.rank}: wake kv_cache before weights")
-            for tag in _WAKE_ORDER:
-                if tag not in requested or tag not in self._asleep_tags:
-                    continue
-                if tag == "weights":
-                    restored += self._restore_weights()
-                # kv_cache: nothing to allocate eagerly; the prefix cache refills on demand
-                self._asleep_tags.discard(tag)
-            if not self._asleep_tags:
-                self._sleep_level = 0
+            after, woken = self._sleep.woken(tags, self.rank)
+            if "weights" in woken:
+                restored += self._restore_weights(self._sleep.level)
+            # kv_cache: nothing to allocate eagerly; the prefix cache refills on demand
+            self._sleep = after
             self._state.notify_all()
-        return WakeReport(tags=tuple(t for t in _WAKE_ORDER if t in requested), bytes_restored=restored)
+        return WakeReport(tags=tuple(t for t in TAGS if t in tags), bytes_restored=restored)
 
-    def _restore_weights(self) -> int:
+    def _restore_weights(self, level: int) -> int:
         """Caller holds both locks. Level 1: bring the host copy back; level 2: reallocate, invalid until commit."""
-        host_copy = self._host_copy if self._sleep_level == 1 else None
+        host_copy = self._host_copy if level == 1 else None
         shapes = {name: spec.shape for name, spec in self._specs.items()}
         torch_memory.restore(self._params, host_copy, shapes, self._torch_dtypes, self.device)
-        if self._sleep_level == 2:
-            self._weights_valid = False
         self._host_copy = None
         return self._param_bytes()
 
@@ -500,8 +481,7 @@ class TorchEngine:
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         with self._state:
             self._check_open()
-            if "weights" in self._asleep_tags:
-                raise IllegalEngineOrder(f"rank {self.rank}: never update weights while asleep (stage v{version})")
+            self._sleep.check_weights_awake(f"stage v{version}", self.rank)
         torch_weights.validate_update(self._specs, tensors)
         staged = torch_weights.stage_buffer(version, tensors, self.device)
         with self._state:
@@ -516,15 +496,14 @@ class TorchEngine:
     def _delta_base(self) -> DeltaBase | None:
         """The live weights and their version, while they are valid and awake on the host; None otherwise."""
         with self._state:
-            if self._asleep_tags or not self._weights_valid or self.device.type != "cpu":
+            if not self._sleep.serving or self.device.type != "cpu":
                 return None
             return DeltaBase(self._policy_version, policy_state(self._model))
 
     def commit_weights(self, version: int) -> CommitReport:
         with self._model_lock, self._state:
             self._check_open()
-            if "weights" in self._asleep_tags:
-                raise IllegalEngineOrder(f"rank {self.rank}: never update weights while asleep (commit v{version})")
+            self._sleep.check_weights_awake(f"commit v{version}", self.rank)
             staged = self._staged
             if staged is None:
                 raise IllegalEngineOrder(f"rank {self.rank}: commit v{version} with nothing staged")
@@ -532,7 +511,7 @@ class TorchEngine:
                 raise IllegalEngineOrder(f"rank {self.rank}: commit v{version} but v{staged.version} is staged")
             same_shapes = torch_weights.copy_into(self._params, staged)
             self._staged = None
-            self._weights_valid = True
+            self._sleep = self._sleep.committed()
             self._policy_version = version
             self._drop_prefix_cache()
             if not same_shapes:
@@ -584,8 +563,8 @@ class TorchEngine:
         with self._model_lock, self._state:
             if self._closed:
                 return HealthReport(ok=False, detail="engine is closed")
-            if self._asleep_tags or not self._weights_valid:
-                return HealthReport(ok=False, detail="weights are asleep or not committed")
+            if not self._sleep.serving:
+                return HealthReport(ok=False, detail=f"not serving: {self._sleep.describe()}")
             return self._decoder.probe(self._probe_ids)
 
     def close(self) -> None:

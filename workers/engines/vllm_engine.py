@@ -17,8 +17,10 @@ launches one):
   temporary staging directory and calls `prepare_from_uri`: correct for a server on this host, but a trainer should
   stage once and call `prepare_from_uri` on every rank.
 - sleep/wake only when the server runs with sleep mode (detected from its config); on CPU vLLM refuses sleep mode,
-  so `sleep`/`wake` raise EngineError saying so and `capabilities.sleep_levels == ()`. Weights are never sent while
-  asleep.
+  so `sleep`/`wake` raise EngineError saying so and `capabilities.sleep_levels == ()`. The sleep state is kept per
+  tag (workers.engines.sleep_state): `/wake_up?tags=weights` lets an update be prepared and committed while the KV
+  cache still sleeps (vLLM's RL order), weights are never sent while they sleep, and a wake sends only tags that
+  sleep (vLLM wakes nothing when asked for one that does not).
 - errors: every failed route is an EngineError naming the route and the server (workers.engines.vllm_http), and so
   is an HTTP 200 with `success: false` (`/reset_prefix_cache`) or a worker answering `ok: false`.
 """
@@ -58,6 +60,7 @@ from rolledger.workers.engine import (
     cut_until_answered,
     refuse_unless_serving,
 )
+from rolledger.workers.engines.sleep_state import SleepState, level_2_refusal
 from rolledger.workers.engines.vllm_completions import StreamedChoice, completion_request, parse_choice, probe_request
 from rolledger.workers.engines.vllm_facts import parse_version, server_facts
 from rolledger.workers.engines.vllm_http import VllmHttp
@@ -72,7 +75,7 @@ class _RankState:
     paused: bool = False
     pause_mode: PauseMode | None = None  # how the engine was paused (None while it generates)
     in_flight: int = 0  # completion requests counted before they were sent, whose answer has not come back yet
-    asleep_level: int = 0
+    sleep: SleepState = field(default_factory=SleepState)  # per tag (workers/engines/sleep_state)
     staged_version: int | None = None
     weights_digest: str = ""
     stats: EngineStats = field(default_factory=EngineStats)
@@ -131,6 +134,10 @@ class VllmEngine:
         self._kv_tokens: int | None = None  # kv_cache_tokens, once read (0: the server does not say)
         self._tmp_staging: tempfile.TemporaryDirectory[str] | None = None
         self.facts = server_facts(self.http)
+        # why this server must not sleep at level 2 ('' when it may): a speculative draft, an FP8 KV cache
+        self.level_2_refused = level_2_refusal(
+            speculative=self.facts.speculative, kv_cache_dtype=self.facts.kv_cache_dtype
+        )
         label = str(self.http.get("/weight_info").get("weight_version", "default"))
         self._st.policy_version = parse_version(label)
         if label == "default":  # a fresh server serves its start-up checkpoint: policy version 0, say so
@@ -143,7 +150,7 @@ class VllmEngine:
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(
             name="vllm",
-            sleep_levels=(1, 2) if self.facts.sleep_mode else (),
+            sleep_levels=((1,) if self.level_2_refused else (1, 2)) if self.facts.sleep_mode else (),
             prefix_cache=self.facts.prefix_caching,
             logprob_mode="processed" if self.facts.logprob_mode == "processed" else "raw",
             interruptible=True,
@@ -199,8 +206,7 @@ class VllmEngine:
         cancel = should_cancel or (lambda _i: False)
         pending = [i for i in range(n) if not cancel(i)]
         with self._resumed:  # checked and counted at once: a pause from here on waits for the request to come back
-            if self._st.asleep_level:
-                raise IllegalEngineOrder(f"rank {self.rank}: generate while asleep (level {self._st.asleep_level})")
+            self._st.sleep.check_serving("generate", self.rank)
             if self._st.paused:
                 raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
             refuse_unless_serving(expect_version, self._st.policy_version, self.rank)
@@ -402,28 +408,39 @@ class VllmEngine:
     def sleep(self, level: int) -> SleepReport:
         if not self.facts.sleep_mode:
             raise self._sleep_unavailable("sleep")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level == 2 and self.level_2_refused:
+            raise EngineError(f"rank {self.rank}: sleep(2) refused: {self.level_2_refused}; sleep at level 1")
+        with self._resumed:
+            after = self._st.sleep.slept(level, self.rank)  # ValueError / IllegalEngineOrder before the server
         self.http.post("/sleep", params={"level": level, "mode": "wait"})
-        self._st.asleep_level = level
+        with self._resumed:
+            self._st.sleep = after
         # vLLM does not report freed bytes over HTTP; unverified here (a GPU rank agent measures nvidia-smi)
         return SleepReport(level=level, bytes_before=0, bytes_after=0, verified=False)
 
     def wake(self, tags: Sequence[WakeTag]) -> WakeReport:
         if not self.facts.sleep_mode:
             raise self._sleep_unavailable("wake")
-        bad = [t for t in tags if t not in ("weights", "kv_cache")]
-        if bad:
-            raise ValueError(f"wake tags must be weights|kv_cache, got {bad}")
-        self.http.post("/wake_up", params=[("tags", t) for t in tags])
-        if not tags or set(tags) >= {"weights", "kv_cache"}:
-            self._st.asleep_level = 0
-            self._st.paused = False  # a full wake resumes the scheduler in vLLM
-        return WakeReport(tags=tuple(tags), bytes_restored=0)
+        with self._resumed:
+            after, woken = self._st.sleep.woken(tags, self.rank)
+        if woken:  # only tags that sleep: asked for one that does not, vLLM's executor wakes nothing at all
+            body = self.http.post("/wake_up", params=[("tags", t) for t in woken])
+            want = "sleeping" if after.asleep else "awake"
+            if body.get("status", want) != want:  # 0.31 answers an empty 200
+                raise EngineError(f"rank {self.rank}: vLLM /wake_up?tags={','.join(woken)} answered {body!r}")
+        with self._resumed:
+            self._st.sleep = after
+            if woken and not after.asleep:
+                self._st.paused = False  # a full wake resumes the scheduler in vLLM (a partial one keeps it paused)
+        return WakeReport(tags=woken, bytes_restored=0)
 
     @property
     def asleep_level(self) -> int:
-        return self._st.asleep_level
+        return self._st.sleep.asleep_level
+
+    @property
+    def sleep_state(self) -> SleepState:
+        return self._st.sleep
 
     def kv_cache_tokens(self) -> int | None:
         """The server's KV cache in tokens: `num_gpu_blocks` x `block_size` of its `vllm:cache_config_info` metric
@@ -475,8 +492,7 @@ class VllmEngine:
         `manifest`: a schemas.weights.WeightManifest, its JSON string, or a dict. Raises WeightValidationError naming
         the tensor (or EngineError); the live weights keep serving either way.
         """
-        if self._st.asleep_level:
-            raise IllegalEngineOrder(f"rank {self.rank}: weights must not be sent while asleep; wake weights first")
+        self._st.sleep.check_weights_awake(f"prepare v{version}", self.rank)
         if hasattr(manifest, "model_dump_json"):
             manifest_json = manifest.model_dump_json()
         elif isinstance(manifest, str):
@@ -492,8 +508,7 @@ class VllmEngine:
         """Write `tensors` to a private temporary staging directory, then prepare_from_uri (local servers only)."""
         from rolledger.workers.staging_store import DirectoryStagingStore
 
-        if self._st.asleep_level:
-            raise IllegalEngineOrder(f"rank {self.rank}: weights must not be sent while asleep; wake weights first")
+        self._st.sleep.check_weights_awake(f"stage v{version}", self.rank)
         if self._tmp_staging is None:
             self._tmp_staging = tempfile.TemporaryDirectory(prefix=f"rolledger-vllm-rank{self.rank}-")
         store = DirectoryStagingStore(self._tmp_staging.name)
@@ -505,8 +520,7 @@ class VllmEngine:
         return self.prepare_from_uri(version, staged.uri, staged.manifest)
 
     def commit_weights(self, version: int) -> CommitReport:
-        if self._st.asleep_level:
-            raise IllegalEngineOrder(f"rank {self.rank}: commit refused while asleep; wake weights first")
+        self._st.sleep.check_weights_awake(f"commit v{version}", self.rank)
         if self._st.staged_version != version:
             raise IllegalEngineOrder(
                 f"rank {self.rank}: commit of version {version} but staged is {self._st.staged_version}"
@@ -525,8 +539,7 @@ class VllmEngine:
 
     def rollback_weights(self) -> CommitReport:
         """Back to the version before the last commit, on every worker; version label and prefix cache follow."""
-        if self._st.asleep_level:
-            raise IllegalEngineOrder(f"rank {self.rank}: rollback refused while asleep; wake weights first")
+        self._st.sleep.check_weights_awake("rollback", self.rank)
         results = self._answers(self.http.rpc("rolledger_rollback"), "rollback")
         digest = self._one_digest(results, "digest")
         version = int(results[0]["version"])
@@ -535,6 +548,8 @@ class VllmEngine:
 
     def _publish(self, version: int, digest: str) -> None:
         """After the weights changed: version label (checked), prefix cache reset, local state."""
+        with self._resumed:
+            self._st.sleep = self._st.sleep.committed()
         self._st.weights_digest = digest
         self._st.policy_version = version
         self.http.post("/update_weight_version", json={"new_version": str(version)})
@@ -580,7 +595,9 @@ class VllmEngine:
         """Greedy probe through /v1/completions. A rank probes right after its commit, while it is still paused for
         the update (it resumes on PolicyPublished); a paused vLLM scheduler would never run the probe, so the server
         is resumed for the probe alone and paused again ("wait": nothing else is in flight, the rank's rollout is
-        gated until PolicyPublished)."""
+        gated until PolicyPublished). Not ok while a tag sleeps (the order wakes kv_cache before the probe)."""
+        if not self._st.sleep.serving:
+            return HealthReport(ok=False, detail=f"rank {self.rank}: not serving ({self._st.sleep.describe()})")
         if not self.is_paused:
             return self._probe()
         self._server_resume()  # the server only: generations parked by pause("keep") stay parked

@@ -20,6 +20,8 @@ class ServerFacts:
     sleep_mode: bool
     prefix_caching: bool
     workers: int
+    speculative: str = ""  # the speculative method/draft model configured ('' when none)
+    kv_cache_dtype: str = "auto"  # cache_config.cache_dtype ("auto", "fp8", "fp8_e4m3", ...)
 
 
 def server_facts(http: VllmHttp) -> ServerFacts:
@@ -47,7 +49,19 @@ def server_facts(http: VllmHttp) -> ServerFacts:
         sleep_mode=bool(model_cfg.get("enable_sleep_mode", False)),
         prefix_caching=bool(cache_cfg.get("enable_prefix_caching", False)),
         workers=workers,
+        speculative=_speculative(cfg.get("speculative_config")),
+        kv_cache_dtype=str(cache_cfg.get("cache_dtype") or "auto"),
     )
+
+
+def _speculative(spec: object) -> str:
+    """A short name for vllm_config.speculative_config: '' when none, else its method and draft model."""
+    if not spec:
+        return ""
+    if isinstance(spec, dict):
+        named = [str(spec[k]) for k in ("method", "model") if spec.get(k)]
+        return " ".join(named) or "speculative_config"
+    return str(spec)[:80]
 
 
 def parse_version(label: str) -> int:
