@@ -1,6 +1,7 @@
 """Synchronous vs asynchronous RL on a heavy-tailed workload, on the SIMULATED engine (run by hand).
 
-    python bench/bench_straggler.py [--steps 10] [--time-scale 0.05] [--train-s 45] [--ranks 2] [--slots 4]
+    python bench/bench_straggler.py [--steps 10] [--time-scale 0.05] [--train-s 45 --train-s 5] [--ranks 2]
+                                    [--slots 4] [--only NAME ...]
 
 Everything goes through the real control plane: one redis-server started here on a free loopback port, and per
 configuration a fresh `rolledger run` (workers/local_run.LocalRun, external trainer) with a fresh run id, the same
@@ -16,8 +17,11 @@ Declared workload (times before `--time-scale`, which multiplies every one of th
 a 45 ms decode step per token for every sequence in flight on a rank (continuous batching), 0.2 ms of prefill per
 prompt token, sample lengths lognormal with median 200 tokens and sigma 1.0 (0.6 of it the prompt's own factor,
 what a length estimate can learn; 0.8 the sample's), capped at 4,000 tokens (max_tokens); groups of 8 samples,
-8 groups per trainer step; `--train-s` of training per step; `--ranks` x `--slots` groups generate at once in every
-configuration (the same inference capacity for all).
+8 groups per trainer step; `--train-s` of training per step; every rank's engine decodes at most `--slots` x 8
+sequences at once (simulated.max_num_seqs: the declared inference capacity, the same for all configurations), and
+`--ranks` x `--slots` groups generate at once in every configuration counting capacity in groups (a straggler holds
+its group's slot). Two workloads by default, each every configuration: `--train-s 45` (train-bound: the trainer's
+declared time is the longer) and `--train-s 5` (generation-bound); `--train-s X` runs only that one.
 
 Configurations (admission's rate throttle off in all but async+t+i and async+yc+i: the lag cap is the bound on
 staleness):
@@ -41,6 +45,10 @@ staleness):
                   admission.max_wait_rounds), partial_policy first_k k=6 of 8 (the stragglers are cancelled), and
                   interruptible generation (update.drain_mode "keep": in-flight samples park during the update and
                   continue under the new version, each token stamped with its version), with the overlap above.
+  async+srgf+i+s  as async+srgf+i, with the rank's capacity counted in sequences (rank_capacity "sequences"): a rank
+                  takes another group while its engine has room for its 8 sequences beside those still generating
+                  (up to --slots x 8, the same engine), so a straggler holds one sequence, not a group's slot (up to
+                  --slots x 4 groups in flight a rank; admission.max_inflight_groups raised to match).
   async+srgf+a    as async+srgf+i, but each update cuts the samples in flight short (update.drain_mode "abort"):
                   they are cancelled, their groups replaced (the tokens they had are wasted).
   async+srgf+a+r  as async+srgf+a, with recycle_aborted: each cut sample is continued from its own tokens under the
@@ -52,6 +60,22 @@ fraction (per rank, the part of the window with no group of it generating: Sampl
 averaged over ranks), mean and max lag of the trained groups (BatchConsumed.lags) against the cap, and tokens wasted
 by cancellation (from the log: the tokens of every sample cancelled mid-generation, SampleCancelled.tokens; a
 recycled sample's tokens are kept, not wasted), with the tokens the engines generated.
+
+The bound (per configuration, from what it trained; `bound s`, and `of bound` = bound / window): the shortest
+window any schedule could reach for the same trained samples, given the declared capacity and train time. With
+C = ranks x max_num_seqs sequences decoding at once, one token each per decode step d (scaled), the engines make at
+most C / d tokens per second, and a sample of L tokens takes at least L x d (its tokens come one per step):
+
+  generation-bound  G = max(trained tokens / (C / d), longest trained sample x d)
+                    (every trained token is generated inside the window; prefill runs beside the decode and is
+                    left out, so this is a lower bound);
+  train-bound       R = F + (steps - 1) x t, t the declared train time per step, F the first batch's shortest
+                    generation: max(its tokens / (C / d), its longest sample x d) (the window ends at the last
+                    BatchConsumed; the trainer takes batch k+1 only after training batch k for t);
+  bound             max(G, R): the larger wins.
+
+Tokens generated but not trained (cut, cancelled, still in flight at the end) are not counted in G: no schedule needs
+them. The bound is a lower bound on the window, so `of bound` is at most 1.00 (up to the clock's resolution).
 
 Then the straggler scenario: one group of 8 with lengths given per sample, 7 x 200 + 1 x 4,000 tokens, run twice:
 all 8 required, and first 7 of 8. Printed: when the seven short samples finished, when the group ended (the rank's
@@ -108,10 +132,28 @@ class Measured:
     dropped: int
     first_batch_s: float  # first GroupAdmitted to the first BatchConsumed: the trainer waits for a whole batch
     update_s: float  # mean UpdateStaged to PolicyPublished: the trainer's wait for each update it staged
+    gen_bound_s: float = 0.0  # G of the module docstring
+    train_bound_s: float = 0.0  # R of the module docstring
+
+    @property
+    def bound_s(self) -> float:
+        return max(self.gen_bound_s, self.train_bound_s)
+
+    @property
+    def of_bound(self) -> float:
+        return self.bound_s / self.window_s
 
     @property
     def per_s(self) -> float:
         return self.trained / self.window_s
+
+
+GROUP = 8  # samples per group
+
+
+def max_num_seqs(args: argparse.Namespace) -> int:
+    """Sequences one rank's engine decodes at once: what --slots groups of 8 hold."""
+    return args.slots * GROUP
 
 
 def base_config(args: argparse.Namespace, **over: Any) -> dict[str, Any]:
@@ -121,7 +163,7 @@ def base_config(args: argparse.Namespace, **over: Any) -> dict[str, Any]:
         "engine": "simulated",
         "ranks": args.ranks,
         "rank_slots": args.slots,
-        "group_size": 8,
+        "group_size": GROUP,
         "sampling": {"max_tokens": 4000},
         "simulated": {
             "step_s": STEP_S,
@@ -130,6 +172,7 @@ def base_config(args: argparse.Namespace, **over: Any) -> dict[str, Any]:
             "length_median": 200,
             "prompt_sigma": 0.6,
             "length_sigma": 0.8,
+            "max_num_seqs": max_num_seqs(args),
         },
         "admission": {
             "max_lag": 0,
@@ -174,6 +217,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "admission": {"max_lag": "CAP"},
         "scheduler": "srgf",
         "partial_policy": {"kind": "first_k", "k": 6},
+    },
+    "async+srgf+i+s": {
+        **INTERRUPTIBLE,
+        "admission": {"max_lag": "CAP", "max_inflight_groups": "GROUPS_IN_SEQUENCES"},
+        "scheduler": "srgf",
+        "rank_capacity": "sequences",
+        "rank_slots": "SLOTS_IN_SEQUENCES",
     },
     "async+srgf+a": {**ABORTING, "admission": {"max_lag": "CAP"}, "scheduler": "srgf"},
     "async+srgf+a+r": {**ABORTING, "admission": {"max_lag": "CAP"}, "scheduler": "srgf", "recycle_aborted": True},
@@ -254,7 +304,10 @@ def union_s(intervals: list[tuple[float, float]], lo: float, hi: float) -> float
     return total
 
 
-def measure(name: str, events: list[ev.Event], engines: list[Any], ranks: int) -> Measured:
+def measure(
+    name: str, events: list[ev.Event], engines: list[Any], args: argparse.Namespace, declared_train_s: float
+) -> Measured:
+    ranks = args.ranks
     admitted = [e.wall_time for e in events if isinstance(e.payload, ev.GroupAdmitted)]
     consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
     lo, hi = min(admitted), max(e.wall_time for e in consumed)
@@ -296,7 +349,27 @@ def measure(name: str, events: list[ev.Event], engines: list[Any], ranks: int) -
         dropped=sum(1 for e in events if isinstance(e.payload, ev.TrajectoryDropped)),
         first_batch_s=min(e.wall_time for e in consumed) - lo,
         update_s=statistics.fmean(opened) if opened else 0.0,
+        **bounds(events, consumed, args, declared_train_s),
     )
+
+
+def bounds(
+    events: list[ev.Event], consumed: list[ev.Event], args: argparse.Namespace, train_s: float
+) -> dict[str, float]:
+    """G and R of the module docstring, from the trained samples' lengths and the declared capacity and times."""
+    step = STEP_S * args.time_scale
+    rate = args.ranks * max_num_seqs(args) / step  # tokens per second, every engine full
+    length = {
+        e.payload.trajectory.trajectory_id: len(e.payload.trajectory.token_ids)
+        for e in events
+        if isinstance(e.payload, ev.SampleFinished)
+    }
+    batches = sorted((e.payload for e in consumed if isinstance(e.payload, ev.BatchConsumed)), key=lambda b: b.step)
+    trained = [length[t] for b in batches for t in b.trajectory_ids]
+    first = [length[t] for t in batches[0].trajectory_ids]
+    gen = max(sum(trained) / rate, max(trained) * step)
+    first_s = max(sum(first) / rate, max(first) * step)
+    return {"gen_bound_s": gen, "train_bound_s": first_s + (len(batches) - 1) * train_s}
 
 
 def straggler(url: str, root: Path, args: argparse.Namespace, policy: dict[str, Any], tag: str) -> dict[str, float]:
@@ -340,35 +413,95 @@ def straggler(url: str, root: Path, args: argparse.Namespace, policy: dict[str, 
     }
 
 
+def resolved(over: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A configuration's overrides with its placeholders filled from the flags."""
+    fill = {
+        "CAP": args.lag_cap,
+        "SLOTS_IN_SEQUENCES": args.slots * GROUP // 2,  # a group down to its last 2 sequences holds no more room
+        "GROUPS_IN_SEQUENCES": args.ranks * args.slots * GROUP // 2,
+    }
+
+    def one(v: Any) -> Any:
+        return fill.get(v, v) if isinstance(v, str) else v
+
+    return {k: ({kk: one(vv) for kk, vv in v.items()} if isinstance(v, dict) else one(v)) for k, v in over.items()}
+
+
+def table(results: list[Measured]) -> None:
+    sync = results[0]
+    print(
+        f"\n{'configuration':<17}{'window s':>9}{'trained':>8}{'samples/s':>10}{'vs sync':>8}{'trainer idle':>13}"
+        f"{'rollout idle':>13}{'lag mean':>9}{'lag max':>8}{'wasted tok':>11}{'of generated':>13}{'dropped':>8}"
+        f"{'1st batch s':>12}{'update s':>9}{'bound s':>9}{'of bound':>9}"
+    )
+    for r in results:
+        print(
+            f"{r.name:<17}{r.window_s:>9.1f}{r.trained:>8}{r.per_s:>10.2f}{r.per_s / sync.per_s:>7.2f}x"
+            f"{r.trainer_idle:>13.1%}{r.rollout_idle:>13.1%}{r.lag_mean:>9.2f}{r.lag_max:>8}{r.wasted:>11}"
+            f"{r.wasted / max(1, r.generated):>13.1%}{r.dropped:>8}{r.first_batch_s:>12.2f}{r.update_s:>9.3f}"
+            f"{r.bound_s:>9.2f}{r.of_bound:>9.2f}"
+        )
+    print(
+        "bound s = max(G, R) (module docstring), per configuration from what it trained: "
+        + ", ".join(
+            f"{r.name} G {r.gen_bound_s:.2f} R {r.train_bound_s:.2f} "
+            f"({'generation' if r.gen_bound_s >= r.train_bound_s else 'train'}-bound)"
+            for r in results
+        )
+    )
+
+
+def best_line(results: list[Measured], args: argparse.Namespace, train_s_flag: float) -> str:
+    sync = results[0]
+    best = max(results[1:], key=lambda r: r.per_s, default=sync)
+    cap = args.lag_cap if best.name.startswith("async") else (1 if best.name == "one-step-off" else 0)
+    return (
+        f"best asynchronous: {best.name}, {best.per_s / sync.per_s:.2f}x synchronous throughput (aim > 2.77x), "
+        f"{best.of_bound:.2f} of the bound (aim >= 0.95; --train-s {train_s_flag:g}, "
+        f"{'generation' if best.gen_bound_s >= best.train_bound_s else 'train'}-bound); max lag {best.lag_max} "
+        f"(cap {cap}: {'within' if best.lag_max <= cap else 'OVER'})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="trainer steps per configuration")
     ap.add_argument("--time-scale", type=float, default=0.05, help="multiplies every declared time")
-    ap.add_argument("--train-s", type=float, default=45.0, help="declared train time per step, before the scale")
+    ap.add_argument(
+        "--train-s",
+        type=float,
+        action="append",
+        help="declared train time per step, before the scale: one workload each (repeatable; default 45 and 5)",
+    )
     ap.add_argument("--lag-cap", type=int, default=4)
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--slots", type=int, default=4, help="rank_slots: groups a rank generates at once")
+    ap.add_argument(
+        "--slots", type=int, default=4, help="rank_slots: groups a rank generates at once (its engine: slots x 8 seqs)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=[*CONFIGS, "straggler"], action="append", help="run only these (repeatable)")
     args = ap.parse_args()
+    workloads: list[float] = args.train_s or [45.0, 5.0]
+    if min(workloads) <= 0 or args.steps < 1 or args.time_scale <= 0 or args.ranks < 1 or args.slots < 1:
+        print("bench_straggler: --train-s, --steps, --time-scale, --ranks and --slots must be > 0", file=sys.stderr)
+        raise SystemExit(2)
+    args.train_s = workloads[0]  # the straggler scenario's
     step = STEP_S * args.time_scale
-    train_s = args.train_s * args.time_scale
     load_before = os.getloadavg()
-    results: list[Measured] = []
+    results: dict[float, list[Measured]] = {}
     strag: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp, redis_server() as (url, _):
         root = Path(tmp)
-        for name, over in CONFIGS.items():
-            if args.only and name not in args.only:
-                continue
-            over = {
-                k: ({kk: (args.lag_cap if vv == "CAP" else vv) for kk, vv in v.items()} if isinstance(v, dict) else v)
-                for k, v in over.items()
-            }
-            cfg = RunConfig.model_validate(base_config(args, **over))
-            print(f"running {name} ...", flush=True)
-            events, engines = run_one(url, root, f"bench-{name.replace('+', '-')}", cfg, train_s)
-            results.append(measure(name, events, engines, args.ranks))
+        for w, train_flag in enumerate(workloads):
+            train_s = train_flag * args.time_scale
+            for name, over in CONFIGS.items():
+                if args.only and name not in args.only:
+                    continue
+                cfg = RunConfig.model_validate(base_config(args, **resolved(over, args)))
+                print(f"running {name} (--train-s {train_flag:g}) ...", flush=True)
+                run_id = f"bench-{name.replace('+', '-')}-w{w}"
+                events, engines = run_one(url, root, run_id, cfg, train_s)
+                results.setdefault(train_flag, []).append(measure(name, events, engines, args, train_s))
         if not args.only or "straggler" in args.only:
             print("running the straggler group (all 8, then first 7 of 8) ...", flush=True)
             strag["all-8"] = straggler(url, root, args, {"kind": "all"}, "all8")
@@ -377,30 +510,15 @@ def main() -> None:
 
     print(
         f"\nSIMULATED engine and trainer: decode step {STEP_S * 1e3:.0f} ms, prefill {PREFILL_S_PER_TOKEN * 1e3:.1f} ms"
-        f"/token, train {args.train_s:g} s/step, all x time scale {args.time_scale:g} (step {step * 1e3:.2f} ms, "
-        f"train {train_s:.2f} s); lengths lognormal median 200 sigma 1.0 cap 4000; groups of 8, 8 per step; "
-        f"{args.ranks} ranks x {args.slots} slots; {args.steps} steps; lag cap {args.lag_cap}"
+        f"/token, all x time scale {args.time_scale:g} (step {step * 1e3:.2f} ms); lengths lognormal median 200 "
+        f"sigma 1.0 cap 4000; groups of 8, 8 per step; {args.ranks} ranks x {args.slots} slots, each rank's engine "
+        f"{max_num_seqs(args)} sequences at once ({args.ranks * max_num_seqs(args) / step:,.0f} tokens/s in all); "
+        f"{args.steps} steps; lag cap {args.lag_cap}"
     )
     print("agreement not measured (simulated): the trainer echoes the engine's logprobs to the gate")
-    if results:
-        sync = results[0]
-        print(
-            f"\n{'configuration':<17}{'window s':>9}{'trained':>8}{'samples/s':>10}{'vs sync':>8}{'trainer idle':>13}"
-            f"{'rollout idle':>13}{'lag mean':>9}{'lag max':>8}{'wasted tok':>11}{'of generated':>13}{'dropped':>8}"
-            f"{'1st batch s':>12}{'update s':>9}"
-        )
-        for r in results:
-            print(
-                f"{r.name:<17}{r.window_s:>9.1f}{r.trained:>8}{r.per_s:>10.2f}{r.per_s / sync.per_s:>7.2f}x"
-                f"{r.trainer_idle:>13.1%}{r.rollout_idle:>13.1%}{r.lag_mean:>9.2f}{r.lag_max:>8}{r.wasted:>11}"
-                f"{r.wasted / max(1, r.generated):>13.1%}{r.dropped:>8}{r.first_batch_s:>12.2f}{r.update_s:>9.3f}"
-            )
-        best = max(results[1:], key=lambda r: r.per_s, default=sync)
-        cap = args.lag_cap if best.name.startswith("async") else (1 if best.name == "one-step-off" else 0)
-        print(
-            f"\nbest asynchronous: {best.name}, {best.per_s / sync.per_s:.2f}x synchronous throughput "
-            f"(aim > 2.77x); max lag {best.lag_max} (cap {cap}: {'within' if best.lag_max <= cap else 'OVER'})"
-        )
+    for train_flag, rows in results.items():
+        print(f"\nworkload --train-s {train_flag:g} (train {train_flag * args.time_scale:.2f} s/step scaled)")
+        table(rows)
     if strag:
         a, f = strag["all-8"], strag["first-7"]
         bubble = a["group_end"] - f["group_end"]
@@ -421,6 +539,8 @@ def main() -> None:
             f"(ratio {bubble / arithmetic:.3f}; aim within 10%)"
         )
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (2 shared CPUs)")
+    for train_flag, rows in results.items():
+        print(best_line(rows, args, train_flag))
 
 
 if __name__ == "__main__":

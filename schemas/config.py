@@ -389,6 +389,12 @@ class SimulatedConfig(ConfigModel):
         (), description="lengths given per sample: sample i of every group has lengths[i % len]; overrides the above"
     )
     kv_cache_tokens: int = Field(0, ge=0, description="the KV cache a rank reports, in tokens (0: none reported)")
+    max_num_seqs: int = Field(
+        0,
+        ge=0,
+        description="the most sequences a rank's engine decodes at once (vLLM's max_num_seqs): the others wait, "
+        "first come first served, and join the batch as sequences end (0: unbounded, every sequence decodes)",
+    )
 
     @field_validator("lengths")
     @classmethod
@@ -431,6 +437,21 @@ class RunConfig(ConfigModel):
         le=1,
         description="a rank starts a group only while the worst case of its groups (n x (prompt + max_tokens) "
         "tokens each) fits in this fraction of the KV cache its engine reports (vLLM, SGLang, simulated)",
+    )
+    rank_capacity: Literal["groups", "sequences"] = Field(
+        "groups",
+        description="what a rank counts to take more work (workflows.rank.may_take): 'groups', a rank runs up to "
+        "rank_slots groups, each holding its slot until its last sample ends; 'sequences', a rank takes another "
+        "group (up to rank_slots in flight) while the sequences still generating on it and the new group's fit in "
+        "rank_max_seqs and their worst case in its KV budget, so a straggler holds one sequence, not a group's slot "
+        "(continuous batching, as vLLM's max_num_seqs)",
+    )
+    rank_max_seqs: int = Field(
+        0,
+        ge=0,
+        description="rank_capacity = 'sequences': the sequences a rank's engine runs at once (vLLM's max_num_seqs); "
+        "0: the simulated engine's simulated.max_num_seqs, for other engines unbounded (only rank_slots and the KV "
+        "budget bound it)",
     )
     mode: Literal["colocated", "disaggregated"] = "disaggregated"
     group_size: int = Field(8, ge=1, description="N samples per prompt")
@@ -477,6 +498,12 @@ class RunConfig(ConfigModel):
             raise ValueError(
                 "scheduler = 'youngest-cancel' needs admission.throttle_to_drain_rate (its overload is the "
                 "throttle's cap)"
+            )
+        seqs = self.rank_max_seqs or (self.simulated.max_num_seqs if self.engine == "simulated" else 0)
+        if self.rank_capacity == "sequences" and 0 < seqs < self.group_size:
+            raise ValueError(
+                f"rank_capacity = 'sequences' with {seqs} sequences a rank (rank_max_seqs, else simulated.max_num_seqs)"
+                f" is below group_size={self.group_size}: no group would fit"
             )
         if self.trainer.overlap_update and self.mode != "disaggregated":
             raise ValueError(

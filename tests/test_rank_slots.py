@@ -192,3 +192,54 @@ def test_a_rank_starts_no_more_groups_than_its_engines_kv_cache_holds(
     events = run.events()
     ended_once(events)
     assert running_at_once(events)[0] == at_once
+
+
+@pytest.mark.parametrize(
+    ("capacity", "at_once", "handed"),
+    [("groups", 4, 8), ("sequences", 3, 4)],
+    ids=["in-groups", "in-sequences"],
+)
+def test_in_sequences_a_straggler_holds_one_sequence_not_a_slot(
+    redis_url: str, run_id: str, tmp_path: Path, capacity: str, at_once: int, handed: int
+) -> None:
+    """Four slots, an engine that runs 4 sequences at once (simulated.max_num_seqs, as vLLM's max_num_seqs), six
+    groups of 2 samples: 10 tokens and a 200-token straggler each. In groups a rank takes 4 groups, 8 sequences:
+    the engine runs 4 and the others wait in it. In sequences it takes two (4 sequences), and once their short
+    samples end a third (two stragglers + 2 = 4): three groups at once, and never more sequences than the engine
+    runs."""
+    import copy
+    import threading
+
+    from test_worker_kill import _wait_for as wait_for
+
+    from rolledger.workers.engines.simulated_engine import SimulatedEngine
+    from rolledger.workers.rank import RankWorker
+
+    run = Run(
+        redis_url,
+        run_id,
+        tmp_path,
+        groups=6,
+        max_tokens=200,
+        ranks=1,
+        rank_slots=4,
+        rank_capacity=capacity,
+        engine="simulated",
+        simulated={"lengths": [10, 200], "time_scale": 0.1, "max_num_seqs": 4},
+    )
+    assert run.n == 2
+    engine = SimulatedEngine(copy.deepcopy(run.model), run.tok, run.cfg.simulated, rank=0)
+    worker = RankWorker(run.client, run.run_id, 0, engine)
+    thread: threading.Thread = worker.start()
+    try:
+        wait_for(run.all_terminal, 120, "every sample to reach a terminal event")
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    events = run.events()
+    ended_once(events)
+    assert running_at_once(events)[0] == at_once
+    assert engine.peak_sequences == handed  # sequences the rank handed the engine at once (running or waiting)
+    assert engine.peak_running <= 4
+    done = [e.payload for e in events if isinstance(e.payload, ev.SampleFinished)]
+    assert sorted(len(p.trajectory.token_ids) for p in done) == [10] * 6 + [200] * 6

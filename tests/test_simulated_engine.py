@@ -235,3 +235,62 @@ def test_an_invalid_simulated_value_is_refused_in_one_line_naming_the_field(tmp_
         RunConfig.load(bad)
     assert "simulated.step_s" in str(info.value) and "\n" not in str(info.value)
     assert RunConfig.model_validate({"engine": "simulated"}).simulated.step_s == 0.045
+
+
+def capped(lengths: tuple[int, ...], max_num_seqs: int, step_s: float = 0.002) -> SimulatedEngine:
+    tok = build_tokenizer()
+    cfg = SimulatedConfig(step_s=step_s, prefill_s_per_token=0.0, lengths=lengths, max_num_seqs=max_num_seqs)
+    return SimulatedEngine(build_model(CONFIG, len(tok), seed=0), tok, cfg)
+
+
+def test_max_num_seqs_bounds_the_batch_and_a_waiting_sequence_joins_as_one_ends() -> None:
+    """Two sequences at once: 4 x 30 tokens take 60 steps, not 30; and beside a 100-token straggler the four short
+    samples take the other room one after another (steps 0-10, 10-20, 20-30, 30-40): 100 steps in all, as continuous
+    batching (vLLM's max_num_seqs) schedules them."""
+    e = capped((30,), 2)
+    out = e.generate(PROMPT, 4, sampling())
+    assert [len(s.token_ids) for s in out.samples] == [30] * 4
+    assert e.peak_running == 2 and e.peak_sequences == 4
+    assert 60 <= e.sim_steps < 90
+    e.close()
+    straggler = capped((10, 100, 10, 10, 10), 2)
+    ended: list[int] = []
+    out = straggler.generate(PROMPT, 5, sampling(), on_sample=lambda i, _s: ended.append(i))
+    assert [len(s.token_ids) for s in out.samples] == [10, 100, 10, 10, 10]
+    assert ended == [0, 2, 3, 4, 1]  # the short ones end in turn in the room the straggler leaves
+    assert 100 <= straggler.sim_steps < 130
+    straggler.close()
+    unbounded = capped((30,), 0)
+    unbounded.generate(PROMPT, 4, sampling())
+    assert unbounded.sim_steps < 45 and unbounded.peak_running == 4  # 0: every sequence decodes at once
+    unbounded.close()
+
+
+def test_a_group_waits_for_room_another_group_leaves_and_a_cancelled_waiting_sample_has_no_tokens() -> None:
+    e = capped((30,), 4)
+    started = threading.Event()
+
+    def first_in_flight(_: int) -> bool:
+        started.set()
+        return False
+
+    a, got_a = in_thread(lambda: e.generate(PROMPT, 4, sampling(seed=1), should_cancel=first_in_flight))
+    assert started.wait(30)
+    b, got_b = in_thread(lambda: e.generate(PROMPT, 4, sampling(seed=2), should_cancel=lambda i: i == 3))
+    a.join(30)
+    b.join(30)
+    assert [len(s.token_ids) for s in got_a[0].samples] == [30] * 4
+    # b's samples waited for a's room (4 at once): three decoded after it, the fourth was cancelled while waiting
+    assert [len(s.token_ids) for s in got_b[0].samples] == [30, 30, 30, 0]
+    assert got_b[0].samples[3].finish_reason == "abort"
+    assert e.peak_running == 4 and e.tokens_wasted == 0
+    assert 60 <= e.sim_steps < 90  # 30 steps for a, then 30 for b: the batch never held more than 4
+    e.close()
+
+
+def test_sequence_capacity_below_one_group_is_refused_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "run.toml"
+    bad.write_text('engine = "simulated"\nrank_capacity = "sequences"\n[simulated]\nmax_num_seqs = 4\n')
+    with pytest.raises(ConfigError) as info:
+        RunConfig.load(bad)
+    assert "below group_size=8" in str(info.value) and "\n" not in str(info.value)

@@ -17,6 +17,14 @@ that slot's thread without acknowledging its entry; the rank's control thread st
 consumer), and the entry is reclaimed by whichever consumer's XAUTOCLAIM finds it first. A SIGKILLed rank leaves one
 pending entry per busy slot; other ranks reclaim each of them the same way.
 
+Capacity (`rank_capacity`, decided by `workflows.rank.may_take` on the rank's `RankLoad`): in 'groups' (the default)
+a slot takes a group when it is free, and the group holds the slot until its last sample ends. In 'sequences' a free
+slot first waits, before it reads the work stream, until the rank has room for one more group of `group_size`
+sequences beside the sequences still generating on it (counting the slots reading at that moment as such groups),
+within `rank_max_seqs` (the engine's running-sequence limit); with a streaming engine each sample's sequence is
+released as the sample ends (`on_sample`), so a group whose other samples ended holds one sequence of that room, not
+a slot's worth: the rank's other slots take more groups while its straggler runs (continuous batching).
+
 KV cache: where the engine reports its KV cache in tokens (vLLM, SGLang, the simulated engine; `kv_cache_tokens`), a
 slot starts a group only if the worst case of the rank's running groups and this one (n x (prompt + max_tokens)
 tokens each) fits in `kv_cache_cap` of it, or nothing runs on the rank: the slots never hand the engine more than
@@ -57,7 +65,7 @@ from rolledger.schemas.trajectory import Trajectory, VersionSpan
 from rolledger.schemas.wire import encoded_size
 from rolledger.workers.engine import EngineCapabilities, GroupOutput, IllegalEngineOrder, SampleOutput, StaleRequest
 from rolledger.workers.runtime import Emitter, WorkerKilled
-from rolledger.workflows.rank import may_serve
+from rolledger.workflows.rank import RankLoad, may_serve, may_take
 from rolledger.workflows.replay import position
 from rolledger.workflows.update import about_to_be_quarantined
 
@@ -171,6 +179,8 @@ class Rollout:
         self.groups_done = 0  # written under the rank's lock
         self._slots: dict[int, threading.Thread] = {}  # slot -> its thread
         self.kv_reserved = 0  # KV tokens the running groups may take at most (written under the rank's lock)
+        self.sequences = 0  # sequences of the running groups not yet ended (written under the rank's lock)
+        self.reading = 0  # 'sequences': slots that passed the room gate and read the work stream (under the lock)
         self._kv_tokens: int | None = None  # the engine's KV cache in tokens (None: it reports none)
         self._kv_asked = False
         self._starts: dict[int, int] = {}  # slot -> how many threads it has had
@@ -220,6 +230,36 @@ class Rollout:
             return math.inf
         return cfg.kv_cache_cap * self._kv_tokens
 
+    def load(self) -> RankLoad:
+        """Under the lock: what this rank's rollout has running (`workflows.rank.may_take` decides on it)."""
+        return RankLoad(self.w.running, self.sequences, self.kv_reserved)
+
+    def _sequence_capacity(self) -> bool:
+        cfg = self.w.state.config
+        return cfg is not None and cfg.rank_capacity == "sequences"
+
+    def _wait_for_room(self) -> bool:
+        """'sequences': wait (under the lock) until the rank has room for one more group of `group_size` beside what
+        runs and what the other slots are reading, then count this slot as reading. False: the rank is stopping."""
+        with self.w.lock:
+            while not self.w.stop_event.is_set():
+                cfg = self.w.state.config
+                if cfg is None or cfg.rank_capacity != "sequences":
+                    return True
+                load, r = self.load(), self.reading
+                ahead = RankLoad(load.groups + r, load.sequences + r * cfg.group_size, load.kv_reserved)
+                if may_take(cfg, ahead, cfg.group_size, 0, self.kv_budget()):
+                    self.reading += 1
+                    return True
+                self.w.lock.wait(timeout=0.2)  # woken when a sequence or a group ends (and by every fold)
+            return False
+
+    def _done_reading(self, counted: bool) -> None:
+        if counted:
+            with self.w.lock:
+                self.reading -= 1
+                self.w.lock.notify_all()
+
     def claim_ms(self) -> int:
         """How long an entry may go without a heartbeat before this rank reclaims it: the override given to the worker
         (`--claim-idle-ms`), else the run's `recovery.lost_after_s`."""
@@ -245,13 +285,23 @@ class Rollout:
         try:
             self.ask_kv_cache()
             while not self.w.stop_event.is_set():
+                gated = self._sequence_capacity()
+                if gated and not self._wait_for_room():
+                    return
                 read_at = time.monotonic()  # a delivery resets the entry's idle time: the claim is fresh from here
-                for d in consumer.read(count=1, block_ms=100):
+                try:
+                    deliveries = consumer.read(count=1, block_ms=100)
+                except BaseException:
+                    self._done_reading(gated)
+                    raise
+                for d in deliveries:
                     if not isinstance(d.event.payload, ev.GroupAdmitted):
                         consumer.ack(d.stream_id)
                         continue
-                    if not self._generate_group(d, consumer, emitter, heartbeat, read_at):
+                    if not self._generate_group(d, consumer, emitter, heartbeat, read_at, gated):
                         return
+                    gated = False  # counted as reading until its group started (or was skipped)
+                self._done_reading(gated)
         except WorkerKilled as exc:
             self.w.logger.warning("rollout slot killed by injection", consumer=consumer.consumer, reason=str(exc))
         except Exception:
@@ -298,29 +348,41 @@ class Rollout:
                 return "wait", []  # this rank reported a failed prepare that its follower has not folded yet
             self.w.starts_held_through = None
         need = kv_worst_case(p)
-        if self.w.running and self.kv_reserved + need > self.kv_budget():
-            return "wait", []  # its worst case would not fit beside the groups running: wait for one to end
+        cfg = self.w.state.config
+        if cfg is not None and not may_take(cfg, self.load(), p.n, need, self.kv_budget()):
+            return "wait", []  # no room beside what runs (KV worst case, sequences): wait for one to end
         self.w.running += 1
         self.w.announcing += 1
         self.kv_reserved += need
+        self.sequences += p.n
         return "start", []
 
     def _generate_group(
-        self, d: Delivery, consumer: GroupConsumer, emitter: Emitter, heartbeat: Heartbeat, read_at: float
+        self,
+        d: Delivery,
+        consumer: GroupConsumer,
+        emitter: Emitter,
+        heartbeat: Heartbeat,
+        read_at: float,
+        reading: bool = False,
     ) -> bool:
         claim = Claim(consumer, d.stream_id, self.heartbeat_s(), confirmed_at=read_at)
         with heartbeat.hold(claim):
             try:
-                return self._take_group(d, consumer, emitter, claim)
+                return self._take_group(d, consumer, emitter, claim, reading)
             except ClaimLost:
                 self.w.logger.warning("group reclaimed by another rank; dropping it", entry=d.stream_id)
                 return True  # not ours to acknowledge any more
 
-    def _take_group(self, d: Delivery, consumer: GroupConsumer, emitter: Emitter, claim: Claim) -> bool:
+    def _take_group(
+        self, d: Delivery, consumer: GroupConsumer, emitter: Emitter, claim: Claim, reading: bool = False
+    ) -> bool:
         p = d.event.payload
         assert isinstance(p, ev.GroupAdmitted)
         seen_by = time.monotonic() + _SEEN_WITHIN_S
         with self.w.lock:
+            if reading:  # the room this slot was counted for as a reader is now its group's (or free)
+                self.reading -= 1
             while True:
                 verdict, orphans = self._admit(p)
                 if verdict != "wait":
@@ -348,8 +410,19 @@ class Rollout:
                     self.w.announcing -= 1
                     self.w.lock.notify_all()
 
+        ended: set[int] = set()  # samples whose sequence was released as they ended ('sequences')
+        per_seq = kv_worst_case(p) // p.n
+
+        def release(i: int) -> None:  # sample i ended in the engine: its sequence's room is free again
+            with self.w.lock:
+                if i not in ended:
+                    ended.add(i)
+                    self.sequences -= 1
+                    self.kv_reserved -= per_seq
+                    self.w.lock.notify_all()
+
         try:
-            self._run(d, p, claim, emitter, announce)
+            self._run(d, p, claim, emitter, announce, release if self._sequence_capacity() else None)
             consumer.ack(d.stream_id)
             done = True
             return True
@@ -357,12 +430,19 @@ class Rollout:
             announce()
             with self.w.lock:
                 self.w.running -= 1
-                self.kv_reserved -= kv_worst_case(p)
+                self.kv_reserved -= kv_worst_case(p) - per_seq * len(ended)
+                self.sequences -= p.n - len(ended)
                 self.groups_done += done
                 self.w.lock.notify_all()
 
     def _run(
-        self, d: Delivery, p: ev.GroupAdmitted, claim: Claim, emitter: Emitter, announce: Callable[[], None]
+        self,
+        d: Delivery,
+        p: ev.GroupAdmitted,
+        claim: Claim,
+        emitter: Emitter,
+        announce: Callable[[], None],
+        release: Callable[[int], None] | None = None,
     ) -> None:
         engine, rank = self.w.engine, self.w.rank
         ids = [f"{p.group_id}/{i}" for i in range(p.n)]
@@ -397,7 +477,13 @@ class Rollout:
         streamed: set[int] = set()
         refused = False  # by an engine paused or already serving a newer version: cut before the first token
 
+        close_early = may_close_early(p)
+
         def on_sample(i: int, s: SampleOutput) -> None:
+            if release is not None:
+                release(i)  # its sequence's room is free: another slot may take a group now
+            if not close_early:
+                return  # logged with the group, in one append
             # one sample ended: log it now, so a first-k group can complete while the others still run
             so_far = GroupOutput([], version, digest, engine.cache_generation, engine.graph_generation)
             emit(self._finished(p, self._trajectory(p, i, s, so_far), (time.perf_counter() - started) * 1e3))
@@ -417,7 +503,7 @@ class Rollout:
             # expect_version: the samples are logged as started on `version`; a whole update (a keep drain needs
             # only that SampleStarted be in the log) may commit before the request reaches the engine, which then
             # refuses it (StaleRequest) rather than run it on weights its stamp does not name
-            if engine.capabilities.streams_samples and may_close_early(p):
+            if engine.capabilities.streams_samples and (close_early or release is not None):
                 out = engine.generate(
                     p.prompt_token_ids,
                     p.n,

@@ -16,7 +16,9 @@ verified path and announces itself (`Rejoin` -> RankJoined with that version, it
 incarnation), and `may_serve` is false until the log shows the current incarnation. Its part in an open update
 continues from the log: a version it prepared before the restart is prepared again at the commit (`Commit.reload`).
 
-Also here: `may_serve(state, rank)`, whether the rank's rollout may start a group. It is false from the moment the
+Also here: `may_take(cfg, load, n, kv_need, kv_budget)`, whether the rank has room for one more group (its
+capacity: `rank_capacity`, in groups or in sequences), and `may_serve(state, rank)`, whether the rank's rollout may
+start a group. It is false from the moment the
 log asks the rank to drain (AdmissionPaused for an update it takes part in, a colocated handoff it has not slept in
 yet), so "may I start a group" and "report drained" are decided on the same state.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rolledger.schemas.config import RunConfig
 from rolledger.schemas.statuses import EngineStatus, RunStatus, UpdateStatus
 from rolledger.workflows.state import RankState, RunState, UpdateState
 
@@ -267,6 +270,44 @@ def _sleep_due(state: RunState, me: RankState) -> bool:
     """A colocated handoff waits for this rank to sleep: it has not slept in it, and the trainer has not trained."""
     a = state.admission
     return "handoff" in a.paused and me.slept_in_handoff != a.handoff_step and state.trainer.step <= a.handoff_step
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """What a rank's rollout has running, counted under its lock: groups (each from its start to its last sample's
+    end), the sequences of those still generating, and the KV tokens they may take at most (each unfinished
+    sequence at prompt + max_tokens; 'groups': each group's whole worst case until it ends)."""
+
+    groups: int = 0
+    sequences: int = 0
+    kv_reserved: int = 0
+
+
+def seq_limit(cfg: RunConfig) -> int | None:
+    """The sequences a rank's engine runs at once, as the config declares it (None: unbounded): `rank_max_seqs`, else
+    the simulated engine's `simulated.max_num_seqs`."""
+    limit = cfg.rank_max_seqs or (cfg.simulated.max_num_seqs if cfg.engine == "simulated" else 0)
+    return limit or None
+
+
+def may_take(cfg: RunConfig, load: RankLoad, n: int, kv_need: int, kv_budget: float) -> bool:
+    """Has the rank room for one more group of `n` samples whose worst case is `kv_need` KV tokens?
+
+    Always when nothing runs (a group that alone exceeds the budget still runs, alone). Else:
+    - 'groups' (the default, what every run before rank_capacity decided): a free slot (the caller: one of
+      rank_slots) and the running groups' worst case beside this one's within `kv_budget`;
+    - 'sequences': fewer than rank_slots groups in flight, the sequences still generating plus `n` within the
+      engine's running-sequence limit (`seq_limit`), and the unfinished sequences' worst case beside this group's
+      within `kv_budget`: a group whose samples ended but one holds one sequence of the rank's room, not a slot.
+    """
+    if load.groups == 0:
+        return True
+    if load.kv_reserved + kv_need > kv_budget:
+        return False
+    if cfg.rank_capacity == "groups":
+        return True
+    limit = seq_limit(cfg)
+    return load.groups < cfg.rank_slots and (limit is None or load.sequences + n <= limit)
 
 
 def may_serve(state: RunState, rank: int, live_version: int | None = None, incarnation: str = "") -> bool:

@@ -9,7 +9,10 @@ say `name="simulated"`, and every trajectory it produces is stamped `engine="sim
 How time is simulated (`SimulatedConfig`, config section `simulated`; all times multiplied by `time_scale`):
 - Continuous batching on one clock per engine: every sequence in flight, from every concurrent `generate` call (a
   rank's rollout slots call it at once), gains one token per decode step of `step_s`, however many are in flight (the
-  memory-bound decode regime; how many groups a rank runs at once is bounded by the run's `rank_slots`). The clock is
+  memory-bound decode regime; how many groups a rank runs at once is bounded by the run's `rank_slots`), up to
+  `max_num_seqs` sequences at once (0: unbounded): beyond it a sequence waits, first come first served, and joins the
+  batch at the virtual instant a running one ends or is cut (vLLM's scheduler with max_num_seqs), so the engine's
+  token throughput is at most max_num_seqs / step_s; `peak_running` is the most in the batch at once. The clock is
   virtual time: it runs (at wall-clock speed) while any sequence is in flight and stands still while the engine is
   idle or paused with "keep"; `sim_steps` counts its decode steps (busy time / step). A group's prompt is prefilled
   once (a shared prefix) in `prefill_s_per_token` x prompt tokens, beside the decode batch; its samples then decode.
@@ -90,12 +93,13 @@ def sample_length(cfg: SimulatedConfig, prompt: Sequence[int], seed: int | None,
     return max(1, min(cap, round(length)))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sample:
     target: int  # declared length
-    ends_at: float  # virtual time its last token is produced
+    ends_at: float  # virtual time its last token is produced (inf while it waits for room in the batch)
     spans: list[tuple[int, int, str]]
     done: SampleOutput | None = None
+    ready_at: float = 0.0  # virtual time its prefill is done: it may join the batch from then
 
 
 class SimulatedEngine:
@@ -138,10 +142,12 @@ class SimulatedEngine:
         self._inflight = 0  # generate calls in flight
         self._parked = 0  # of which parked under pause("keep")
         self._active = 0  # sequences in flight (all calls)
-        self._weights_valid = True
         self._vt = 0.0  # virtual (busy) time, seconds, up to `_since`
         self._since: float | None = None  # monotonic time the clock last started; None while it stands still
+        self._batch: list[_Sample] = []  # max_num_seqs only: the sequences decoding (their room is taken)
+        self._waiting: list[_Sample] = []  # ... and those waiting for room, in arrival order
         self.peak_sequences = 0
+        self.peak_running = 0  # the most sequences decoding at once
         self.tokens_wasted = 0
         self.stats = EngineStats()
 
@@ -204,7 +210,40 @@ class SimulatedEngine:
             self._since = None
 
     def _tokens_at(self, s: _Sample, t: float) -> int:
+        if math.isinf(s.ends_at):  # still waiting for room in the batch: nothing decoded
+            return 0
         return max(0, min(s.target, math.floor((t - (s.ends_at - s.target * self.step_s)) / self.step_s + 1e-9)))
+
+    # ------------------------------------------------------------------ the batch's room (caller holds self._cv)
+
+    def _fill(self, t: float) -> None:
+        """Room freed at virtual time `t`: the waiting sequences join the batch, first come first served, each
+        decoding from `t` (or its prefill's end, if later)."""
+        cap = self.cfg.max_num_seqs
+        while self._waiting and (not cap or len(self._batch) < cap):
+            s = self._waiting.pop(0)
+            s.ends_at = max(t, s.ready_at) + s.target * self.step_s
+            self._batch.append(s)
+        self.peak_running = max(self.peak_running, len(self._batch) if cap else self._active)
+
+    def _advance(self, now: float) -> None:
+        """Replay the batch up to `now`: each sequence that ended by then gave its room, at its end, to the next
+        waiting one (in order of their ends), so the schedule is the same whichever thread looks first."""
+        while self._waiting and self._batch:
+            first = min(self._batch, key=lambda s: s.ends_at)
+            if first.ends_at > now:
+                break
+            self._batch.remove(first)
+            self._fill(first.ends_at)
+        self._batch = [s for s in self._batch if s.ends_at > now and s.done is None]
+
+    def _leave(self, s: _Sample, now: float) -> None:
+        """Sequence `s` was cut (cancelled, aborted) at `now`: its room goes to the next waiting one."""
+        if s in self._waiting:
+            self._waiting.remove(s)
+        elif s in self._batch:
+            self._batch.remove(s)
+            self._fill(now)
 
     # ------------------------------------------------------------------ generation
 
@@ -235,11 +274,20 @@ class SimulatedEngine:
             self._check_serving("generate")
             version, digest = self._inner.policy_version, self._digest
             refuse_unless_serving(expect_version, version, self.rank)
-            start = self._now() + self.prefill_s_per_token * len(prompt)
-            samples = [_Sample(k, start + k * self.step_s, [(0, version, digest)]) for k in targets]
+            now = self._now()
+            start = now + self.prefill_s_per_token * len(prompt)
+            samples = [_Sample(k, start + k * self.step_s, [(0, version, digest)], ready_at=start) for k in targets]
+            if self.cfg.max_num_seqs:  # each waits for room; those that fit join the batch at once
+                self._advance(now)
+                for s in samples:
+                    s.ends_at = math.inf
+                self._waiting.extend(samples)
+                self._fill(now)
             self._inflight += 1
             self._active += n
             self.peak_sequences = max(self.peak_sequences, self._active)
+            if not self.cfg.max_num_seqs:
+                self.peak_running = self.peak_sequences
             self._retime()
         try:
             version = self._run(samples, sampling, version, should_cancel, on_sample)
@@ -248,6 +296,7 @@ class SimulatedEngine:
                 self._active -= sum(1 for s in samples if s.done is None)
                 for s in samples:
                     if s.done is None:  # only on an exception: end them as aborted
+                        self._leave(s, self._now())
                         s.done = SampleOutput([], [], "abort")
                 self._inflight -= 1
                 self._retime()
@@ -270,13 +319,7 @@ class SimulatedEngine:
 
     def _check_serving(self, what: str) -> None:
         """Caller holds self._cv."""
-        level = self._inner.asleep_level
-        if level:
-            raise IllegalEngineOrder(f"rank {self.rank}: {what} while asleep (level {level})")
-        if not self._weights_valid:
-            raise IllegalEngineOrder(
-                f"rank {self.rank}: {what} before new weights were committed after a level-2 sleep"
-            )
+        self._inner.sleep_state.check_serving(what, self.rank)  # the real engine's per-tag state
 
     def _run(
         self,
@@ -295,6 +338,7 @@ class SimulatedEngine:
                 if not abort and self._paused == "keep":
                     abort = not self._park()
                 now = self._now()
+                self._advance(now)
                 serving = self._inner.policy_version
                 if not abort and serving != version:  # committed while these samples ran
                     if self.interruptible:
@@ -311,6 +355,7 @@ class SimulatedEngine:
                         s.done = self._output(s, sampling, i, s.target, reason)
                     elif abort:
                         s.done = self._output(s, sampling, i, self._tokens_at(s, now), "abort")
+                        self._leave(s, now)
                     else:
                         continue
                     ended.append(i)
@@ -331,12 +376,16 @@ class SimulatedEngine:
                     if s.ends_at <= now:
                         continue  # it ended before the cancel was seen: the next pass finishes it
                     s.done = self._output(s, sampling, i, self._tokens_at(s, now), "abort")
+                    self._leave(s, now)
                     live.discard(i)
                     self._active -= 1
                 self._retime()
                 if not live:
                     break
-                self._wait_next(min(samples[i].ends_at for i in live), now)
+                next_end = min(samples[i].ends_at for i in live)
+                if math.isinf(next_end) and self._batch:  # all waiting for room: the next room is the next end
+                    next_end = min(s.ends_at for s in self._batch)
+                self._wait_next(next_end, now)
         return version
 
     def _wait_next(self, next_end: float, now: float) -> None:
@@ -363,7 +412,7 @@ class SimulatedEngine:
         finally:
             self._parked -= 1
             self._cv.notify_all()
-        return not self._abort and not self._inner.asleep_level and self._weights_valid
+        return not self._abort and self._inner.sleep_state.serving
 
     def _output(
         self, s: _Sample, sampling: SamplingParams, index: int, tokens: int, reason: FinishReason
@@ -425,11 +474,7 @@ class SimulatedEngine:
 
     def wake(self, tags: Sequence[WakeTag]) -> WakeReport:
         with self._cv:
-            level = self._inner.asleep_level
-            report = self._inner.wake(tags)
-            if level == 2 and "weights" in report.tags:
-                self._weights_valid = False  # reallocated, garbage until new weights are committed
-            return report
+            return self._inner.wake(tags)  # level 2: the weights are invalid until a commit (its sleep_state)
 
     # ------------------------------------------------------------------ weights (the real engine's)
 
@@ -446,7 +491,6 @@ class SimulatedEngine:
         with self._cv:
             report = self._inner.commit_weights(version)
             self._digest = report.weights_digest
-            self._weights_valid = True
             self._cv.notify_all()
             return report
 
@@ -466,9 +510,6 @@ class SimulatedEngine:
         return self._inner.weights_digest()
 
     def health(self) -> HealthReport:
-        with self._cv:
-            if not self._weights_valid:
-                return HealthReport(ok=False, detail="weights are asleep or not committed")
         return self._inner.health()
 
     def close(self) -> None:
