@@ -67,6 +67,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from rolledger.events.keys import every_run_key
 from rolledger.events.redact import redact
@@ -79,6 +80,11 @@ RETRY_ON = (redis.ConnectionError, redis.TimeoutError, BusyLoadingError)
 # (TRYAGAIN), a command redirected until redis-py gave up (ClusterError "TTL exhausted")
 CLUSTER_RETRY_ON = (*RETRY_ON, ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError)
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+# Redis Sentinel: redis+sentinel://[user:password@]host:port[,host:port...]/MASTER_NAME[/db]. The hosts are sentinels;
+# the credentials are the data servers' (the sentinels are asked without them). The client (redis-py's
+# SentinelConnectionPool) asks the sentinels for the current primary on every (re)connect, and a connection to a
+# primary that was demoted (READONLY) is dropped as a ConnectionError, so the outage retry lands on the new primary.
+SENTINEL_SCHEME = "redis+sentinel"
 
 
 class TlsHandshakeFailed(redis.ConnectionError):
@@ -440,21 +446,49 @@ def cluster_nodes(url: str) -> list[tuple[str, int]]:
     return nodes
 
 
+def sentinel_target(url: str) -> tuple[list[tuple[str, int]], str, int]:
+    """(sentinel (host, port) list, master name, db) of a `redis+sentinel://` URL. Raises ValueError naming what is
+    wrong (the password redacted)."""
+    _scheme, _, rest = url.partition("://")
+    netloc, _, path = rest.partition("/")
+    parts = path.split("/") if path else []
+    if (
+        "?" in rest
+        or "#" in rest
+        or not parts
+        or not parts[0]
+        or len(parts) > 2
+        or (len(parts) == 2 and not parts[1].isdigit())
+    ):
+        raise ValueError(
+            f"redis url {redact(url)!r}: a sentinel URL is "
+            "redis+sentinel://[user:password@]host:port[,host:port...]/MASTER_NAME[/db]"
+        )
+    nodes = cluster_nodes(f"redis+cluster://{netloc}")
+    return nodes, parts[0], int(parts[1]) if len(parts) == 2 else 0
+
+
 def parse_redis_url(url: str) -> tuple[str, dict[str, Any], list[tuple[str, int]]]:
     """(scheme, redis-py connection options, cluster startup nodes) of a URL, without connecting; ValueError naming
     what is wrong (the password redacted). `rolledger run` checks its --redis with it before anything starts."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme not in ("redis", "rediss", "unix", *CLUSTER_SCHEMES):
+    if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME, *CLUSTER_SCHEMES):
         raise ValueError(
             f"redis url {redact(url)!r}: scheme must be redis://, rediss://, unix://, redis+cluster:// or "
-            "rediss+cluster://"
+            "rediss+cluster://, or redis+sentinel://"
         )
     nodes: list[tuple[str, int]] = []
-    if scheme in CLUSTER_SCHEMES:
-        nodes = cluster_nodes(url)
+    if scheme in (*CLUSTER_SCHEMES, SENTINEL_SCHEME):
+        if scheme == SENTINEL_SCHEME:
+            nodes, master, db = sentinel_target(url)
+        else:
+            nodes = cluster_nodes(url)
         userinfo = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
         parsed = parse_url("redis://" + (userinfo + "@" if userinfo else "") + "localhost")
         options: dict[str, Any] = {k: v for k, v in parsed.items() if k in ("username", "password")}
+        if scheme == SENTINEL_SCHEME:
+            options["service_name"] = master
+            options["db"] = db
     else:
         try:
             options = parse_url(url)
@@ -546,4 +580,11 @@ def connect(
         return cast(redis.Redis, client)  # see the module docstring: the commands the project sends, routed by key
     options["retry"] = OutageRetry(retry_deadline_s(retry_deadline), url=url)
     options["retry_on_error"] = list(RETRY_ON)
+    if scheme == SENTINEL_SCHEME:
+        service = options.pop("service_name")
+        sentinels = Sentinel(
+            nodes,
+            sentinel_kwargs={"socket_connect_timeout": connect_timeout_s, "socket_timeout": connect_timeout_s},
+        )
+        return cast(redis.Redis, sentinels.master_for(service, redis_class=redis.Redis, **options))
     return redis.Redis(connection_pool=ConnectionPool(**options))
