@@ -39,6 +39,7 @@ from rolledger.events.connection import connect
 from rolledger.events.embedded import find_redis_server, server_version
 from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog, entry_payloads
+from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.events import Event, SampleFinished
 from rolledger.schemas.trajectory import Trajectory
 
@@ -58,7 +59,7 @@ def sample_event(i: int, tokens: int = 24) -> Event:
         logprobs=[-0.25 - j / 100 for j in range(tokens)],
         logprob_mode="raw",
         finish_reason="stop",
-        sampling={"temperature": 1.0, "max_tokens": 64},
+        sampling=SamplingParams(temperature=1.0, max_tokens=64),
         policy_version=3,
         weights_digest="b3:" + "ab" * 32,
         rank=0,

@@ -1,90 +1,163 @@
-"""The base model every schema uses, and the compact array types the codec packs as binary."""
+"""The two bases every schema uses, and the packed arrays the log's events carry.
+
+- `Model` (pydantic): what validation and good error messages are the point of: the run config (TOML), the weight
+  manifest, the client API's and plug-ins' inputs. Immutable, strict about unknown fields.
+- `Record` (msgspec.Struct): the log's events and what they nest (the trajectory, its version spans). Frozen,
+  positional on the wire (`array_like`: an entry is an array of field values in declaration order, no key strings),
+  not tracked by the cyclic collector (`gc=False`: a record holds scalars, strings, tuples and packed arrays, never a
+  reference back to itself). msgspec validates a record where it is *decoded* (types and `Meta` bounds, one C pass);
+  a rule that spans fields, or a value that must be converted where a record is built, is the record's
+  `__post_init__`, which runs both when it is built and when it is decoded.
+
+Packed arrays (`Int32Array`, `Float32Array`, `Int8Array`) are `array.array`s of one machine type: token ids,
+positions, logprobs and masks live in memory as one buffer each (no Python object per token) and travel as one
+msgpack ExtType blob each (`ARRAY_EXT`: the typecode byte, then the raw little-endian bytes). A record's
+`__post_init__` turns whatever it was given (a list, a tuple, bytes, a numpy array, a torch tensor) into the packed
+type with `packed(...)`, refusing a value the type cannot hold, naming the field.
+"""
 
 from __future__ import annotations
 
 import array
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler
-from pydantic.fields import FieldInfo
-from pydantic_core import core_schema
+import msgspec
+from pydantic import BaseModel, ConfigDict
+
+ARRAY_EXT = 1  # the msgpack ext code of a packed array
 
 
 class Model(BaseModel):
-    """Immutable, strict about unknown fields: a typo in a config or an event names the field."""
+    """Immutable, strict about unknown fields: a typo in a config names the field."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class PackedArray:
-    """A marker the msgpack codec turns into an ExtType holding the raw bytes of an array."""
-
-    __slots__ = ("data", "typecode")
-
-    def __init__(self, typecode: str, data: bytes) -> None:
-        self.typecode = typecode
-        self.data = data
+class Record(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False, forbid_unknown_fields=True):
+    """Base of the log's records (see the module docstring). Subclasses repeat `kw_only=True` (msgspec applies it per
+    class), so required and defaulted fields can stand in the order the wire layout has them."""
 
 
-class PackedArraySchema:
-    """The pydantic schema of one compact array type: a list in memory, raw little-endian bytes on the wire.
+class PackedArray(array.array):  # type: ignore[type-arg]
+    """An `array.array` of the subclass's TYPECODE that compares equal to a list or tuple of the same values (so code
+    and tests written against lists keep reading naturally); built from any sequence of numbers."""
 
-    Accepted input, fastest first:
-    - an `array.array` of exactly this typecode (what the codec's ext hook builds from the wire, or a caller's own):
-      its values are machine values of the type already, so it becomes a list with one C call and no per-element
-      validation;
-    - bytes/bytearray/memoryview: read as this typecode (a length that is not a multiple of the item size is an error);
-    - anything with `tolist()` (numpy arrays, torch tensors, other array typecodes), then validated as a list;
-    - a list/tuple: validated element by element by pydantic (errors name the index), then against the type's range
-      (an int32 field refuses 2**31 where it is built, not later at encode).
-    Serialized as a plain list, or as a PackedArray (raw bytes) when the serialization context has `packed`.
-    """
+    TYPECODE: ClassVar[str] = ""
+    NAME: ClassVar[str] = ""
+    __slots__ = ()
 
-    __slots__ = ("bounds", "item_schema", "name", "typecode")
+    def __new__(cls, values: Any = ()) -> Self:
+        return super().__new__(cls, cls.TYPECODE, values)  # type: ignore[call-arg]
 
-    def __init__(self, typecode: str, name: str, bounds: tuple[int, int] | None = None) -> None:
-        self.typecode = typecode
-        self.name = name
-        self.item_schema = core_schema.float_schema() if typecode == "f" else core_schema.int_schema()
-        self.bounds = bounds  # checked after pydantic's per-element check: min/max in C beat constrained ints 4x
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return array.array.__eq__(self, other)  # type: ignore[operator, no-any-return]
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"PackedArraySchema({self.typecode!r}, {self.name!r})"
+        return f"{type(self).__name__}({self.tolist()!r})"
 
-    def _validate(self, value: Any, handler: core_schema.ValidatorFunctionWrapHandler) -> Any:
-        if type(value) is array.array and value.typecode == self.typecode:
-            return value.tolist()
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            return array.array(self.typecode, bytes(value) if isinstance(value, memoryview) else value).tolist()
-        if type(value) is not list and hasattr(value, "tolist"):  # other array typecodes, numpy, torch tensors
-            value = value.tolist()
-        out = handler(value)
-        if self.bounds is not None and out:
-            lo, hi = self.bounds
-            if min(out) < lo or max(out) > hi:
-                i = next(i for i, x in enumerate(out) if not lo <= x <= hi)
-                raise ValueError(f"element {i} ({out[i]}) does not fit {self.name} [{lo}, {hi}]")
+    def __reduce__(self) -> Any:
+        return (type(self), (self.tolist(),))
+
+
+class Int32Array(PackedArray):
+    """int32 values: token ids, positions."""
+
+    TYPECODE = "i"
+    NAME = "int32"
+    __slots__ = ()
+
+
+class Float32Array(PackedArray):
+    """float32 values: logprobs."""
+
+    TYPECODE = "f"
+    NAME = "float32"
+    __slots__ = ()
+
+
+class Int8Array(PackedArray):
+    """int8 values: loss masks."""
+
+    TYPECODE = "b"
+    NAME = "int8"
+    __slots__ = ()
+
+
+PACKED_TYPES: dict[str, type[PackedArray]] = {c.TYPECODE: c for c in (Int32Array, Float32Array, Int8Array)}
+
+
+class PackedField:
+    """The annotation marker of a packed-array field: what the wire layout reads its typecode from."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type[PackedArray]) -> None:
+        self.cls = cls
+
+
+# A packed field's annotation. To msgspec it is `Any`: the ext hook has built the array of the wire's typecode
+# already, so no per-field hook runs on decode, and the record's `__post_init__` (`packed`) checks that it is of the
+# field's own type (or converts what a caller built it from). To mypy it is a read-only sequence of numbers, what
+# callers build a record from (a list, a packed array) and what readers index, slice and iterate.
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    I32 = Sequence[int]
+    F32 = Sequence[float]
+    I8 = Sequence[int]
+else:
+    I32 = Annotated[Any, PackedField(Int32Array)]
+    F32 = Annotated[Any, PackedField(Float32Array)]
+    I8 = Annotated[Any, PackedField(Int8Array)]
+
+
+def packed(cls: type[PackedArray], value: Any, field: str) -> PackedArray:
+    """`value` as a `cls`: itself when it is one already (what the decoder builds), else converted in one C call where
+    it can be (an array of the same typecode, bytes, a buffer), else value by value (lists, numpy arrays and tensors
+    through `tolist()`). ValueError naming `field` for a value the type cannot hold."""
+    if type(value) is cls:
+        return value
+    if isinstance(value, PackedArray):
+        raise TypeError(f"{field}: a packed {value.NAME} array where {cls.NAME} belongs")
+    if isinstance(value, array.array):
+        if value.typecode == cls.TYPECODE:
+            out = cls()
+            out.frombytes(value.tobytes())
+            return out
+        value = value.tolist()
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        out = cls()
+        try:
+            out.frombytes(bytes(value))
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from None
         return out
-
-    def _serialize(self, value: Any, info: core_schema.SerializationInfo) -> Any:
-        if info.context and info.context.get("packed"):
-            return PackedArray(self.typecode, array.array(self.typecode, value).tobytes())
-        return list(value)
-
-    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        return core_schema.no_info_wrap_validator_function(
-            self._validate,
-            core_schema.list_schema(self.item_schema),
-            serialization=core_schema.plain_serializer_function_ser_schema(self._serialize, info_arg=True),
-        )
-
-
-# int32 token ids / positions; float32 logprobs; int8 masks. Python lists in memory, raw bytes on the wire.
-I32Array = Annotated[list[int], PackedArraySchema("i", "int32", (-(2**31), 2**31 - 1))]
-F32Array = Annotated[list[float], PackedArraySchema("f", "float32")]
-I8Array = Annotated[list[int], PackedArraySchema("b", "int8", (-128, 127))]
+    elif not isinstance(value, (list, tuple)) and hasattr(value, "tolist"):  # numpy arrays, torch tensors
+        value = value.tolist()
+    try:
+        return cls(value)
+    except OverflowError:
+        i = next((i for i, v in enumerate(value) if not _fits(cls, v)), 0)
+        raise ValueError(f"{field}: element {i} ({value[i]}) does not fit {cls.NAME}") from None
+    except TypeError:
+        pass
+    for i, v in enumerate(value):  # integral floats in an integer array are taken as ints, anything else refused
+        number = isinstance(v, (int, float)) if cls.TYPECODE == "f" else isinstance(v, float) and v.is_integer()
+        if not (type(v) is int or number):
+            raise ValueError(f"{field}: element {i} ({v!r}) is not a number of {cls.NAME}")
+    return packed(cls, [int(v) for v in value], field)
 
 
-def packed_typecode(info: FieldInfo) -> str | None:
-    """The wire typecode of a packed-array field (its PackedArraySchema), None for any other field."""
-    return next((m.typecode for m in info.metadata if isinstance(m, PackedArraySchema)), None)
+def _fits(cls: type[PackedArray], v: Any) -> bool:
+    try:
+        cls([v])
+    except (OverflowError, TypeError):
+        return False
+    return True

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import array
 import functools
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+import msgspec
+from msgspec import Meta
 
-from rolledger.schemas.base import F32Array, I8Array, I32Array, Model
+from rolledger.schemas.base import F32, I8, I32, Float32Array, Int8Array, Int32Array, Record, packed
 from rolledger.schemas.config import SamplingParams
 from rolledger.schemas.wire import encoded_size
+
+NonNegative = Annotated[int, Meta(ge=0)]
 
 
 def trajectory_nbytes(prompt_tokens: int, generated_tokens: int) -> int:
@@ -45,17 +47,17 @@ def _reserved_nbytes(
 ) -> int:
     width = sampling.max_tokens
     group_id = "g" * group_id_len
-    # built without validation (every value is valid by construction), the arrays as zero-filled machine arrays
+    # the arrays zero-filled at full width
     fields: dict[str, Any] = {
         "trajectory_id": f"{group_id}/{n - 1}",
         "group_id": group_id,
         "prompt_id": "p" * prompt_id_len,
         "index": n - 1,
-        "prompt_token_ids": array.array("i", bytes(4 * prompt_tokens)),
-        "token_ids": array.array("i", bytes(4 * width)),
-        "loss_mask": array.array("b", bytes(width)),
-        "positions": array.array("i", bytes(4 * width)),
-        "logprobs": array.array("f", bytes(4 * width)),
+        "prompt_token_ids": bytes(4 * prompt_tokens),
+        "token_ids": bytes(4 * width),
+        "loss_mask": bytes(width),
+        "positions": bytes(4 * width),
+        "logprobs": bytes(4 * width),
         "logprob_mode": "processed",
         "finish_reason": "length",
         "sampling": sampling,
@@ -70,49 +72,70 @@ def _reserved_nbytes(
             for _ in range(spans)
         ),
     }
-    worst = Trajectory.model_construct(**fields)
-    return encoded_size(worst)
+    return encoded_size(Trajectory(**fields))
 
 
-class VersionSpan(Model):
+class VersionSpan(Record, frozen=True, kw_only=True):
     """Output tokens [start, end) generated under `policy_version` (interruptible generation stamps each span)."""
 
-    start: int = Field(ge=0)
-    end: int = Field(ge=0)
-    policy_version: int = Field(ge=0)
+    start: NonNegative
+    end: NonNegative
+    policy_version: NonNegative
     weights_digest: str
 
 
-class Trajectory(Model):
-    """One sample: tokens, masks, positions, logprobs and their mode, and the provenance of every token."""
+_ARRAYS = (
+    ("prompt_token_ids", Int32Array),
+    ("token_ids", Int32Array),
+    ("loss_mask", Int8Array),
+    ("positions", Int32Array),
+    ("logprobs", Float32Array),
+)
+_force = msgspec.structs.force_setattr
+
+
+class Trajectory(Record, frozen=True, kw_only=True):
+    """One sample: tokens, masks, positions, logprobs and their mode, and the provenance of every token.
+
+    The arrays are packed (schemas.base): given as lists, tuples, bytes, numpy arrays or tensors, they are stored as
+    one machine buffer each. Per generated token: `token_ids`, `loss_mask` (1 where trained on), `positions`,
+    `logprobs` (in `logprob_mode`); all four have the same length (checked where it is built or decoded)."""
 
     trajectory_id: str
     group_id: str
     prompt_id: str
-    index: int = Field(ge=0, description="sample index within its group")
-    prompt_token_ids: I32Array
-    token_ids: I32Array = Field(description="generated tokens")
-    loss_mask: I8Array = Field(description="1 where the token is trained on, per generated token")
-    positions: I32Array = Field(description="position id of each generated token")
-    logprobs: F32Array = Field(description="per generated token, in logprob_mode")
+    index: NonNegative  # sample index within its group
+    prompt_token_ids: I32
+    token_ids: I32
+    loss_mask: I8
+    positions: I32
+    logprobs: F32
     logprob_mode: Literal["raw", "processed"]
     finish_reason: Literal["stop", "length", "abort"]
     sampling: SamplingParams
-    policy_version: int = Field(ge=0)
+    policy_version: NonNegative
     weights_digest: str
-    rank: int = Field(ge=0)
+    rank: NonNegative
     engine: str
-    cache_generation: int = Field(ge=0)
-    graph_generation: int = Field(ge=0)
+    cache_generation: NonNegative
+    graph_generation: NonNegative
     spans: tuple[VersionSpan, ...] = ()
 
-    @model_validator(mode="after")
-    def _aligned(self) -> Trajectory:
+    def __post_init__(self) -> None:
+        for name, cls in _ARRAYS:
+            value = getattr(self, name)
+            if type(value) is not cls:
+                _force(self, name, packed(cls, value, name))
         n = len(self.token_ids)
         for name in ("loss_mask", "positions", "logprobs"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} generated tokens")
-        return self
+        if type(self.spans) is not tuple:
+            _force(self, "spans", tuple(self.spans))
+        if type(self.sampling) is dict:  # built in code from a mapping, as pydantic accepted it
+            _force(self, "sampling", SamplingParams(**self.sampling))
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {type(self.sampling).__name__}")
 
     @property
     def versions(self) -> set[int]:

@@ -1,66 +1,62 @@
-"""A model's map form: the plain values (maps, lists, scalars, array ext blobs) of a self-describing msgpack map, and
-the encoded size of a model, which is what admission counts a queued trajectory as holding.
+"""A record's map form, the encoded size admission counts, and the pydantic models nested inside records.
 
-Packed arrays (schemas.base.PackedArraySchema fields) become msgpack ExtType blobs (code `ARRAY_EXT`) holding the
-array's typecode and raw little-endian bytes, in one C call each. The framing of events and their decoding are the
-codec's (events/codec.py), and the log's entries are positional now (schemas/wire_layout.py); the map form remains
-what the config is written as inside RunStarted, what logs written before the positional layout hold, and the measure
-of `encoded_size`: a trajectory's accounting size stays the size of its map form, the bytes its SampleFinished took
-when admission and invariant 6 were defined, so every log recorded since audits and replays to the same decisions.
-It is an upper bound on the positional entry's share (576 against 976 bytes for a 32 + 22 token sample).
+The map form of a record (or model) is the self-describing msgpack map `{field: value}` with packed arrays as ext
+blobs (schemas.base). Logs written before the positional layout hold it; RunConfig travels as it inside RunStarted
+(`MAP_ENCODED`); and it is the measure of `encoded_size`: a trajectory's accounting size stays the size of its map
+form, the bytes its SampleFinished took when admission and invariant 6 were defined, so every log recorded since
+audits and replays to the same decisions. It is an upper bound on the positional entry's share (576 against 976
+bytes for a 32 + 22 token sample).
+
+Pydantic models nested in a record (the sampling parameters, the partial policy, the run config) stay pydantic: they
+are config, validated where a user writes them. On the wire they are positional (their fields in declaration order)
+except MAP_ENCODED ones; `nested_model_form` and `nested_model_from` are msgspec's hooks for them. The few distinct
+sampling parameters of a run repeat on every trajectory, so a decoded one is looked up by its wire form before it is
+validated again.
 """
 
 from __future__ import annotations
 
 import array
+import functools
+import typing
+from collections import OrderedDict
+from enum import Enum
 from pathlib import PurePath
 from typing import Any
 
 import msgpack
-from pydantic import BaseModel
+import msgspec
+from pydantic import BaseModel, ValidationError
 
-from rolledger.schemas.base import packed_typecode
+from rolledger.schemas.base import ARRAY_EXT, PACKED_TYPES, PackedArray
 
-ARRAY_EXT = 1  # the msgpack ext code of a packed array
 SCALARS = frozenset({str, int, float, bool, type(None)})
+MAP_ENCODED = frozenset({"RunConfig"})  # model class names encoded as maps inside positional records
 
-_FIELDS: dict[type[BaseModel], tuple[tuple[str, str | None], ...]] = {}
 _packer = msgpack.Packer(use_bin_type=True)
 
 
-def _fields(cls: type[BaseModel]) -> tuple[tuple[str, str | None], ...]:
-    """(field name, wire typecode of a packed-array field or None), read once per model class."""
-    found = _FIELDS.get(cls)
-    if found is None:
-        found = tuple((name, packed_typecode(info)) for name, info in cls.model_fields.items())
-        _FIELDS[cls] = found
-    return found
-
-
 def pack_array(owner: type, name: str, typecode: str, value: Any) -> msgpack.ExtType:
-    """A packed-array field's value as its ext blob: the typecode, then the raw little-endian bytes (one C call)."""
+    """An array's value as its ext blob: the typecode, then the raw little-endian bytes (one C call)."""
     try:
-        packed = array.array(typecode, value).tobytes()
-    except OverflowError as exc:  # a model built with model_construct/model_copy skipped the range check
+        data = value.tobytes() if type(value) is array.array and value.typecode == typecode else None
+        if data is None:
+            data = array.array(typecode, value).tobytes()
+    except OverflowError as exc:
         raise ValueError(f"{owner.__name__}.{name}: {exc}") from None
-    return msgpack.ExtType(ARRAY_EXT, typecode.encode() + packed)
+    return msgpack.ExtType(ARRAY_EXT, typecode.encode() + data)
 
 
 def wire_form(obj: Any) -> Any:
-    """What `model_dump(context={"packed": True})` gives, built straight from the (already validated) models' fields:
-    the models are immutable and valid, so serialising is a walk, and arrays become ext blobs in one C call each."""
+    """The map form of a record or model (nested ones too): plain values msgpack packs, arrays as ext blobs."""
+    if isinstance(obj, msgspec.Struct):
+        return {name: wire_form(getattr(obj, name)) for name in obj.__struct_fields__}
+    if isinstance(obj, PackedArray):
+        return msgpack.ExtType(ARRAY_EXT, obj.TYPECODE.encode() + obj.tobytes())
     if isinstance(obj, BaseModel):
-        values = obj.__dict__
-        out: dict[str, Any] = {}
-        for name, typecode in _fields(type(obj)):
-            value = values[name]
-            if typecode is not None:
-                out[name] = pack_array(type(obj), name, typecode, value)
-            elif type(value) in SCALARS:
-                out[name] = value
-            else:
-                out[name] = wire_form(value)
-        return out
+        return {name: wire_form(value) for name, value in obj.__dict__.items()}
+    if isinstance(obj, Enum):
+        return obj.value
     if isinstance(obj, (list, tuple)):
         return [wire_form(v) for v in obj]
     if isinstance(obj, dict):
@@ -70,7 +66,174 @@ def wire_form(obj: Any) -> Any:
     return obj
 
 
-def encoded_size(model: BaseModel) -> int:
-    """The bytes `model` takes in its map form (e.g. a trajectory inside a map-encoded SampleFinished): the accounting
-    size admission and invariant 6 count, an upper bound on its positional share of a log entry."""
-    return len(_packer.pack(wire_form(model)))
+def encoded_size(record: Any) -> int:
+    """The bytes `record` takes in its map form (e.g. a trajectory inside a map-encoded SampleFinished): the
+    accounting size admission and invariant 6 count, an upper bound on its positional share of a log entry.
+
+    Counted without building the map: the positional encoding (msgspec, in C) plus each record's and each
+    positionally nested model's field names as msgpack strings. The two forms differ only by those keys: a map and
+    an array of the same length have headers of the same size (fix, 16- or 32-bit alike), and every value is packed
+    the same way by both encoders (tests/test_sample_bytes.py checks it against `map_form_size`). About 3 us for a
+    trajectory where packing its map took 17."""
+    return len(_size_encoder.encode(record)) + _key_bytes(record)
+
+
+def map_form_size(record: Any) -> int:
+    """`encoded_size` the long way: the map form built and packed (the reference the fast count is tested against)."""
+    return len(_packer.pack(wire_form(record)))
+
+
+def _key_bytes(obj: Any) -> int:
+    """The msgpack bytes of the field names the map form of `obj` adds to its positional form (nested records and
+    positional models included)."""
+    if isinstance(obj, msgspec.Struct):
+        keys, nested = _struct_keys(type(obj))
+        n = keys
+        for name in nested:
+            n += _key_bytes(getattr(obj, name))
+        return n
+    if isinstance(obj, BaseModel):
+        if type(obj).__name__ in MAP_ENCODED:
+            return 0  # encoded as its map form already
+        n = _name_bytes(tuple(obj.__dict__))
+        for value in obj.__dict__.values():
+            if type(value) not in SCALARS:
+                n += _key_bytes(value)
+        return n
+    if isinstance(obj, (list, tuple)):
+        return sum(_key_bytes(v) for v in obj if type(v) not in SCALARS)
+    if isinstance(obj, dict):
+        return sum(_key_bytes(v) for v in obj.values() if type(v) not in SCALARS)
+    return 0
+
+
+@functools.cache
+def _name_bytes(names: tuple[str, ...]) -> int:
+    return sum(len(_packer.pack(name)) for name in names)
+
+
+@functools.cache
+def _struct_keys(cls: type[msgspec.Struct]) -> tuple[int, tuple[str, ...]]:
+    """(the msgpack bytes of the record's field names, its fields that can hold a record or a model)."""
+    hints = typing.get_type_hints(cls)
+    nested = tuple(name for name in cls.__struct_fields__ if _may_nest(hints.get(name)))
+    return _name_bytes(tuple(cls.__struct_fields__)), nested
+
+
+def _may_nest(hint: Any) -> bool:
+    if isinstance(hint, type):
+        return issubclass(hint, (msgspec.Struct, BaseModel))
+    return any(_may_nest(a) for a in typing.get_args(hint))
+
+
+def nested_model_form(obj: Any) -> Any:
+    """A pydantic model nested in a record, as msgspec encodes it: its field values in declaration order (nested
+    models likewise), or its map form for MAP_ENCODED models. TypeError for anything else (msgspec's contract)."""
+    if not isinstance(obj, BaseModel):
+        if isinstance(obj, PurePath):
+            return str(obj)
+        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    if type(obj).__name__ in MAP_ENCODED:
+        return wire_form(obj)
+    return [_positional_value(v) for v in obj.__dict__.values()]
+
+
+def _positional_value(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return nested_model_form(value)
+    if type(value) in SCALARS or isinstance(value, Enum):
+        return value
+    return wire_form(value)
+
+
+_MODEL_CACHE: OrderedDict[tuple[type, Any], BaseModel] = OrderedDict()
+_MODEL_CACHE_SIZE = 1024
+
+
+def _key(values: list[Any]) -> Any:
+    """A hashable key of a flat positional form (its lists become tuples); TypeError where it holds anything else
+    unhashable."""
+    key = tuple([tuple(v) if type(v) is list else v for v in values])
+    hash(key)
+    return key
+
+
+def nested_model_from(type_: type, obj: Any) -> Any:
+    """A pydantic model nested in a record, from its wire form (positional, or a map), validated by pydantic; a
+    positional form seen recently is the model built from it then (models are immutable). msgspec.ValidationError
+    naming the model's field for anything invalid."""
+    if not (isinstance(type_, type) and issubclass(type_, BaseModel)):
+        raise msgspec.ValidationError(f"cannot decode {type_!r}")
+    key = None
+    if type(obj) is list:
+        try:
+            key = (type_, _key(obj))
+        except TypeError:
+            key = None
+        if key is not None:
+            found = _MODEL_CACHE.get(key)
+            if found is not None:
+                return found
+        names = tuple(type_.model_fields)
+        if len(obj) != len(names):
+            raise msgspec.ValidationError(f"{type_.__name__} has {len(obj)} fields where its layout has {len(names)}")
+        data: Any = dict(zip(names, obj))
+    elif type(obj) is dict:
+        data = obj
+    else:
+        raise msgspec.ValidationError(f"expected {type_.__name__} as an array or a map, got {type(obj).__name__}")
+    try:
+        model = type_.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise msgspec.ValidationError(f"{type_.__name__}.{where}: {first['msg']}") from None
+    if key is not None:
+        _MODEL_CACHE[key] = model
+        if len(_MODEL_CACHE) > _MODEL_CACHE_SIZE:
+            _MODEL_CACHE.popitem(last=False)
+    return model
+
+
+# ---------------------------------------------------------------- msgspec's hooks
+_FORMS: dict[int, tuple[BaseModel, Any]] = {}  # id -> (model, positional form): the model kept alive while cached
+_FORMS_SIZE = 1024
+
+
+def enc_hook(obj: Any) -> Any:
+    """msgspec's hook for what it cannot encode natively: a packed array becomes its ext blob; a pydantic model
+    nested in a record its positional form (the same few sampling parameters are encoded on every trajectory, so a
+    model's form is kept by identity) or, MAP_ENCODED, its map form."""
+    if isinstance(obj, PackedArray):
+        return msgspec.msgpack.Ext(ARRAY_EXT, obj.TYPECODE.encode() + obj.tobytes())
+    found = _FORMS.get(id(obj))
+    if found is not None and found[0] is obj:
+        return found[1]
+    form = nested_model_form(obj)
+    if isinstance(obj, BaseModel):
+        if len(_FORMS) >= _FORMS_SIZE:
+            _FORMS.clear()
+        _FORMS[id(obj)] = (obj, form)
+    return form
+
+
+def ext_hook(code: int, data: memoryview) -> Any:
+    """msgspec's hook for ext blobs: an array ext becomes the packed array of its typecode (one copy out of the
+    decode buffer, which msgspec reuses after the call); anything else is a ValidationError."""
+    if code != ARRAY_EXT:
+        raise msgspec.ValidationError(f"unknown msgpack extension {code}")
+    cls = PACKED_TYPES.get(chr(data[0])) if len(data) else None
+    if cls is None:
+        raise msgspec.ValidationError(f"packed array with unknown typecode {chr(data[0]) if len(data) else ''!r}")
+    out = cls()
+    try:
+        out.frombytes(data[1:])
+    except ValueError:
+        raise msgspec.ValidationError(
+            f"packed array of typecode {cls.TYPECODE!r} has {len(data) - 1} bytes, not a multiple of {out.itemsize}"
+        ) from None
+    return out
+
+
+_size_encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
+dec_hook = nested_model_from  # the only types msgspec does not know in a record are the nested pydantic models

@@ -31,21 +31,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel
 
-from rolledger.schemas.base import packed_typecode
-from rolledger.schemas.wire import SCALARS, pack_array, wire_form
+from rolledger.schemas.base import PackedField
+from rolledger.schemas.wire import MAP_ENCODED
 
 LOCK_PATH = Path(__file__).with_name("wire_layouts.json")
-MAP_ENCODED = frozenset({"RunConfig"})  # model class names encoded as maps (see the module docstring)
 ENVELOPE_FIELDS = ("event_id", "run_id", "producer", "causation_id", "correlation_id", "policy_version", "wall_time")
 
 Field = list[Any]  # [name, kind, sub]
 Layout = list[Field]
+Positional = type  # a Record (msgspec.Struct) or a pydantic model that is not MAP_ENCODED
 
 
-def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """(positional model class, is-a-sequence) where the annotation is M, M | None, tuple[M, ...] or list[M]."""
+def _strip(annotation: Any) -> Any:
+    """The annotation without its Annotated metadata."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+def _is_positional(annotation: Any) -> bool:
+    return isinstance(annotation, type) and (
+        issubclass(annotation, msgspec.Struct)
+        or (issubclass(annotation, BaseModel) and annotation.__name__ not in MAP_ENCODED)
+    )
+
+
+def _model_of(annotation: Any) -> tuple[Positional | None, bool]:
+    """(positional record or model class, is-a-sequence) where the annotation is M, M | None, tuple[M, ...], list[M]."""
+    annotation = _strip(annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
@@ -55,22 +71,34 @@ def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
     if origin in (tuple, list) and args and (args[1:] in ((), (Ellipsis,))):
         inner, seq = _model_of(args[0])
         return (inner, True) if inner is not None and not seq else (None, False)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and annotation.__name__ not in MAP_ENCODED:
+    if _is_positional(annotation):
         return annotation, False
     return None, False
 
 
-def _fields(cls: type[BaseModel], skip: tuple[str, ...]) -> list[tuple[str, str | None, type[BaseModel] | None, bool]]:
-    """(name, packed typecode, positional model, is-a-sequence) of `cls`'s fields in declaration order, less `skip`:
-    what both the layout and the encoder are made of."""
-    return [
-        (name, packed_typecode(info), *_model_of(info.annotation))
-        for name, info in cls.model_fields.items()
-        if name not in skip
-    ]
+def _typecode(annotation: Any) -> str | None:
+    """The wire typecode of a packed-array field (schemas.base.PackedField), None for any other."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        marker = next((m for m in annotation.__metadata__ if isinstance(m, PackedField)), None)
+        if marker is not None:
+            return marker.cls.TYPECODE
+    return None
 
 
-def layout_of(cls: type[BaseModel], skip: tuple[str, ...] = ()) -> Layout:
+def _annotations(cls: type) -> list[tuple[str, Any]]:
+    """(field name, annotation) of a record or pydantic model, in declaration order (the wire's order)."""
+    if issubclass(cls, msgspec.Struct):
+        return [(f.name, f.type) for f in msgspec.structs.fields(cls)]
+    assert issubclass(cls, BaseModel), cls
+    return [(name, info.annotation) for name, info in cls.model_fields.items()]
+
+
+def _fields(cls: type, skip: tuple[str, ...]) -> list[tuple[str, str | None, Positional | None, bool]]:
+    """(name, packed typecode, positional model, is-a-sequence) of `cls`'s fields in declaration order, less `skip`."""
+    return [(name, _typecode(ann), *_model_of(ann)) for name, ann in _annotations(cls) if name not in skip]
+
+
+def layout_of(cls: type, skip: tuple[str, ...] = ()) -> Layout:
     """The layout of `cls`'s fields in declaration order, less `skip` (a payload's `type`, which the frame carries)."""
     out: Layout = []
     for name, typecode, model, seq in _fields(cls, skip):
@@ -87,7 +115,7 @@ def current_layouts() -> dict[str, dict[str, Layout]]:
     """{type: {str(SCHEMA_VERSION): layout}} for every payload type as the models stand now."""
     from rolledger.schemas.events import PAYLOAD_TYPES
 
-    return {name: {str(cls.SCHEMA_VERSION): layout_of(cls, skip=("type",))} for name, cls in PAYLOAD_TYPES.items()}
+    return {name: {str(cls.SCHEMA_VERSION): layout_of(cls)} for name, cls in PAYLOAD_TYPES.items()}
 
 
 def load_locked(path: Path = LOCK_PATH) -> dict[str, dict[str, Layout]]:
@@ -139,43 +167,6 @@ if __name__ == "__main__":  # pragma: no cover - a maintainer's command
 # ---------------------------------------------------------------- encode and name by a layout
 class LayoutMismatch(ValueError):
     """A positional value of another shape than its layout (wrong length, not an array)."""
-
-
-Encoder = Callable[[Any], list[Any]]
-_ENCODERS: dict[tuple[type[BaseModel], tuple[str, ...]], Encoder] = {}
-
-
-def positional(model: BaseModel, cls: type[BaseModel] | None = None, skip: tuple[str, ...] = ()) -> list[Any]:
-    """`model`'s field values in the order of `cls`'s layout (cls: the model's own class by default)."""
-    return encoder(cls or type(model), skip)(model)
-
-
-def encoder(cls: type[BaseModel], skip: tuple[str, ...] = ()) -> Encoder:
-    """The compiled positional encoder of `cls` (cached): one pass over its fields, each by its layout kind."""
-    key = (cls, skip)
-    found = _ENCODERS.get(key)
-    if found is not None:
-        return found
-    plan = _fields(cls, skip)
-
-    def encode(obj: Any) -> list[Any]:
-        values = obj.__dict__
-        out: list[Any] = []
-        for name, typecode, model, seq in plan:
-            value = values[name]
-            if typecode is not None:
-                out.append(pack_array(cls, name, typecode, value))
-            elif model is not None and value is not None:
-                inner = encoder(model)
-                out.append([inner(v) for v in value] if seq else inner(value))
-            elif type(value) in SCALARS:
-                out.append(value)
-            else:
-                out.append(wire_form(value))
-        return out
-
-    _ENCODERS[key] = encode
-    return encode
 
 
 Namer = Callable[[Any], dict[str, Any]]

@@ -54,6 +54,7 @@ from rolledger.schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
+from rolledger.schemas.statuses import CacheKind, DropReason, GroupOutcome, PreparePhase, RunStatus
 from rolledger.schemas.trajectory import Trajectory
 
 
@@ -173,7 +174,7 @@ class LogBuilder:
         return self
 
     def finish_run(self, status: str = "completed") -> LogBuilder:
-        return self.emit(RunFinished(status=status, steps=self._step))
+        return self.emit(RunFinished(status=RunStatus(status), steps=self._step))
 
     # ------------------------------------------------------------ rollout
     def admit(
@@ -289,7 +290,7 @@ class LogBuilder:
         self._group_bytes[group_id] = nbytes
         self.queued_bytes += nbytes
         st = status or ("complete" if len(accepted) == n else "partial")
-        return self.emit(GroupCompleted(group_id=group_id, accepted=accepted, status=st, bytes=nbytes))
+        return self.emit(GroupCompleted(group_id=group_id, accepted=accepted, status=GroupOutcome(st), bytes=nbytes))
 
     def cancel_group(self, group_id: str, reason: str = "deadline") -> LogBuilder:
         return self.emit(GroupCancelled(group_id=group_id, reason=reason))
@@ -385,7 +386,7 @@ class LogBuilder:
     def drop(self, group_id: str, reason: str = "lag", lag: int = 2) -> LogBuilder:
         ids = tuple(t for t in self._trajectories if t.rsplit("/", 1)[0] == group_id)
         self.queued_bytes -= self._group_bytes.pop(group_id, 0)
-        return self.emit(TrajectoryDropped(group_id=group_id, trajectory_ids=ids, reason=reason, lag=lag))
+        return self.emit(TrajectoryDropped(group_id=group_id, trajectory_ids=ids, reason=DropReason(reason), lag=lag))
 
     # ------------------------------------------------------------ weight update, step by step
     def stage(
@@ -442,7 +443,9 @@ class LogBuilder:
 
     def prepare_fail(self, version: int, rank: int, *, phase: str = "transfer") -> LogBuilder:
         return self.emit(
-            RankPrepareFailed(version=version, rank=rank, phase=phase, tensor="lm_head.weight", reason="checksum"),
+            RankPrepareFailed(
+                version=version, rank=rank, phase=PreparePhase(phase), tensor="lm_head.weight", reason="checksum"
+            ),
             producer=f"rank-{rank}",
         )
 
@@ -481,7 +484,7 @@ class LogBuilder:
         if invalidate:
             self.cache_gen[rank] = self.cache_gen.get(rank, 0) + 1
             self.emit(
-                CacheInvalidated(rank=rank, kind="prefix", generation=self.cache_gen[rank], version=version),
+                CacheInvalidated(rank=rank, kind=CacheKind.PREFIX, generation=self.cache_gen[rank], version=version),
                 producer=f"rank-{rank}",
             )
         if health:

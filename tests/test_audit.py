@@ -7,6 +7,7 @@ import json
 import random
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,7 @@ from logbuilder import LogBuilder, weights_digest_for
 
 from rolledger.schemas.config import PartialPolicy
 from rolledger.schemas.events import EnginePaused, Event, GroupCompleted, RankCommitted, SampleFinished
-from rolledger.schemas.statuses import AdmissionReason
+from rolledger.schemas.statuses import AdmissionReason, DrainMode
 from rolledger.schemas.trajectory import VersionSpan
 from rolledger.schemas.wire import encoded_size
 from rolledger.workflows.audit import audit
@@ -137,7 +138,7 @@ def _update_with(b: LogBuilder, during: str | None, *, abort: bool = False) -> N
     g = b.last_group
     if during == "drain":  # the rank had not stopped yet: the group it is running may start (and drain)
         b.start(f"{g}/1")
-    b.emit(EnginePaused(rank=0, mode="wait"))
+    b.emit(EnginePaused(rank=0, mode=DrainMode.WAIT))
     if during == "admit":
         b.admit("g-late")
     elif during == "start":
@@ -198,7 +199,7 @@ def test_inv2_a_pause_left_by_a_killed_rank_process_does_not_stop_its_next_proce
     join, the same start comes from a rank the log still says is paused: that is a violation."""
     b = LogBuilder().start_run()
     b.stage(1).request_prepare(1).prepare(1, 0).pause(AdmissionReason.UPDATE)
-    b.emit(EnginePaused(rank=0, mode="wait"))
+    b.emit(EnginePaused(rank=0, mode=DrainMode.WAIT))
     stale = b.last.event_id
     b.commit(1).commit_rank(1, 0).publish(1).resume(AdmissionReason.UPDATE)  # no EngineResumed: the process died
     if restarted:
@@ -208,7 +209,7 @@ def test_inv2_a_pause_left_by_a_killed_rank_process_does_not_stop_its_next_proce
     b.stage(2).request_prepare(2).prepare(2, 0).pause(AdmissionReason.UPDATE)
     b.start(f"{g}/0").start(f"{g}/1")  # raced the pause: started before the rank folded it
     offender = b.find("SampleStarted", sample_id=f"{g}/0").event_id
-    b.emit(EnginePaused(rank=0, mode="wait"))
+    b.emit(EnginePaused(rank=0, mode=DrainMode.WAIT))
     b.finish(f"{g}/0").finish(f"{g}/1").complete(g)
     b.commit(2).commit_rank(2, 0).publish(2).resume(AdmissionReason.UPDATE)
     report = audit(b.finish_run().build())
@@ -586,14 +587,14 @@ def test_duplicates_are_reported_and_ignored() -> None:
 
 def test_conflicting_duplicate_id_is_reported() -> None:
     events = full_log().build()
-    clash = events[3].model_copy(update={"event_id": events[2].event_id})
+    clash = msgspec.structs.replace(events[3], event_id=events[2].event_id)
     report = audit(events[:4] + [clash] + events[4:])
     assert any(w.kind == "conflicting_duplicate" for w in report.warnings)
 
 
 def test_out_of_order_ids_of_one_producer_are_reported() -> None:
     # ids only have to rise within one producer (across producers, creation and append order may differ)
-    events = [e.model_copy(update={"producer": "one"}) for e in full_log().build()]
+    events = [msgspec.structs.replace(e, producer="one") for e in full_log().build()]
     swapped = events[:3] + [events[4], events[3]] + events[5:]
     report = audit(swapped)
     assert any(w.kind == "out_of_order" and w.event_ids == (events[3].event_id,) for w in report.warnings)
@@ -658,7 +659,7 @@ def test_inv6_a_completion_must_record_the_bytes_its_samples_hold() -> None:
             done = b.find("GroupCompleted")
             p = done.payload
             assert isinstance(p, GroupCompleted)
-            b.events[b.events.index(done)] = done.model_copy(update={"payload": p.model_copy(update={"bytes": 1})})
+            b.events[b.events.index(done)] = msgspec.structs.replace(done, payload=msgspec.structs.replace(p, bytes=1))
         return b.finish_run()
 
     bad = log(True)

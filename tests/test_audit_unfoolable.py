@@ -17,6 +17,7 @@ from rolledger.events.codec import encode, named_form
 from rolledger.events.keys import log_key
 from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD, EventLog, as_str, dead_letter
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason, RunStatus
 from rolledger.workers.cli import main
 from rolledger.workflows.audit import audit
 from rolledger.workflows.reducer import replay
@@ -115,7 +116,9 @@ def test_an_old_duplicate_train_step_is_not_applied_again_and_is_reported() -> N
     first_batch = b.find_all("BatchConsumed")[0]
     for i in range(1100):  # more events than the reducer's window of recent ids
         b.emit(
-            ev.AdmissionPaused(reason="manual", detail=str(i)) if i % 2 == 0 else ev.AdmissionResumed(reason="manual")
+            ev.AdmissionPaused(reason=AdmissionReason.MANUAL, detail=str(i))
+            if i % 2 == 0
+            else ev.AdmissionResumed(reason=AdmissionReason.MANUAL)
         )
     events = [*b.build(), first_batch, first_step]
     state = replay(events)
@@ -154,7 +157,7 @@ def test_events_after_run_finished_are_violations_and_reducer_anomalies() -> Non
     end = b.last
     b.emit(ev.EngineResumed(rank=0))
     b.emit(ev.EngineResumed(rank=1))
-    b.emit(ev.RunFinished(status="failed", reason="second"))
+    b.emit(ev.RunFinished(status=RunStatus.FAILED, reason="second"))
     events = b.build()
     report = audit(events)
     (v,) = report.violations

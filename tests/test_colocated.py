@@ -13,6 +13,7 @@ from test_run_loop import execute, of, small
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
+from rolledger.schemas.statuses import WakeTag
 from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy_model import build_model, build_tokenizer
 from rolledger.workers.rank import RankWorker
@@ -85,7 +86,7 @@ def test_reducer_flags_kv_before_weights_and_weights_swapped_while_asleep() -> N
 
     b = LogBuilder().start_run()
     b.emit(ev.EngineSlept(rank=0, level=1, bytes_freed=10, verified=True))
-    b.emit(ev.EngineWoke(rank=0, tags=("kv_cache",)))
+    b.emit(ev.EngineWoke(rank=0, tags=(WakeTag.KV_CACHE,)))
     state = replay(b.build())
     assert any("kv_cache before weights" in a.message for a in state.anomalies)
 

@@ -18,6 +18,7 @@ from rolledger.events.keys import lease_key
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
+from rolledger.schemas.statuses import CacheKind, DrainMode
 from rolledger.workers.coordinator import Coordinator
 from rolledger.workflows.scheduler import PromptItem
 
@@ -94,14 +95,14 @@ class Harness:
         )
 
     def drained(self, rank: int) -> None:
-        self.emit(ev.EnginePaused(rank=rank, mode="wait"), f"rank-{rank}")
+        self.emit(ev.EnginePaused(rank=rank, mode=DrainMode.WAIT), f"rank-{rank}")
 
     def swapped(self, v: int, rank: int, *, healthy: bool = True) -> None:
         if not healthy:
             self.emit(ev.HealthFailed(rank=rank, version=v, reason="probe produced NaN"), f"rank-{rank}")
             return
         self.emit(ev.RankCommitted(version=v, rank=rank, weights_digest=f"w{v:04d}"), f"rank-{rank}")
-        self.emit(ev.CacheInvalidated(rank=rank, kind="prefix", generation=v, version=v), f"rank-{rank}")
+        self.emit(ev.CacheInvalidated(rank=rank, kind=CacheKind.PREFIX, generation=v, version=v), f"rank-{rank}")
         self.emit(ev.HealthPassed(rank=rank, version=v, weights_digest=f"w{v:04d}", probe_digest="p"), f"rank-{rank}")
 
     def run_update(self, v: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from logbuilder import LogBuilder
 from pydantic import ValidationError
@@ -9,7 +10,15 @@ from pydantic import ValidationError
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, PartialPolicy, RunConfig, TrainerConfig
-from rolledger.schemas.statuses import AdmissionReason, GroupStatus, PolicyKind, SampleStatus
+from rolledger.schemas.statuses import (
+    AdmissionReason,
+    DrainMode,
+    GroupOutcome,
+    GroupStatus,
+    PolicyKind,
+    PreparePhase,
+    SampleStatus,
+)
 from rolledger.workflows.admission import AdmissionInputs, decide_admission, gates, group_bytes
 from rolledger.workflows.groups import decide_group, decide_groups
 from rolledger.workflows.reducer import replay
@@ -95,7 +104,12 @@ def test_byte_cap_stops_admission_before_the_queue_outgrows_it_then_resumes() ->
         state.groups[gid].samples[0].status = state.groups[gid].samples[1].status = SampleStatus.FINISHED
         state.groups[gid].samples[0].tokens = state.groups[gid].samples[1].tokens = 2
         fold_all(
-            state, [ev.GroupCompleted(group_id=gid, accepted=(f"{gid}/0", f"{gid}/1"), status="complete", bytes=one)]
+            state,
+            [
+                ev.GroupCompleted(
+                    group_id=gid, accepted=(f"{gid}/0", f"{gid}/1"), status=GroupOutcome.COMPLETE, bytes=one
+                )
+            ],
         )
     assert state.admission.queued_bytes == 2 * one
     assert decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS)) == []  # still over: stays paused
@@ -142,7 +156,7 @@ def test_rate_gate_keeps_at_most_two_batches_ahead_of_the_trainer() -> None:
 
 def test_admission_is_silent_while_an_update_holds_it() -> None:
     cfg = config()
-    state = fold_all(started(cfg), [ev.AdmissionPaused(reason="update")])
+    state = fold_all(started(cfg), [ev.AdmissionPaused(reason=AdmissionReason.UPDATE)])
     assert decide_admission(state, AdmissionInputs(now=0.0, prompts=PROMPTS)) == []
 
 
@@ -232,7 +246,7 @@ def test_commit_only_after_every_rank_prepared_and_drained() -> None:
     assert [(type(p).__name__, getattr(p, "reason", None)) for p in pause] == [("AdmissionPaused", "update")]
     fold_all(state, pause)
     assert decide_update(state, 103.0, 7) == []  # ranks have not drained yet
-    fold_all(state, [ev.EnginePaused(rank=0, mode="wait"), ev.EnginePaused(rank=1, mode="wait")])
+    fold_all(state, [ev.EnginePaused(rank=0, mode=DrainMode.WAIT), ev.EnginePaused(rank=1, mode=DrainMode.WAIT)])
     commit = decide_update(state, 104.0, 7)
     assert isinstance(commit[0], ev.UpdateCommitted) and commit[0].ranks == (0, 1) and commit[0].fence == 7
 
@@ -244,7 +258,9 @@ def test_any_prepare_failure_aborts_and_nothing_commits() -> None:
         state,
         [
             ev.RankPrepared(version=1, rank=0, manifest_digest="m0001", staged_digest="w0001"),
-            ev.RankPrepareFailed(version=1, rank=1, phase="transfer", tensor="model.norm.weight", reason="checksum"),
+            ev.RankPrepareFailed(
+                version=1, rank=1, phase=PreparePhase.TRANSFER, tensor="model.norm.weight", reason="checksum"
+            ),
         ],
     )
     out = decide_update(state, 101.0, 7)
@@ -303,7 +319,7 @@ def test_publish_after_every_rank_swapped_and_passed_health() -> None:
     out = decide_update(state, 100.0, 1)
     assert isinstance(out[0], ev.PolicyPublished) and out[0].ranks == (0, 1) and out[0].weights_digest == "w0001"
     fold_all(state, out)
-    assert decide_update(state, 100.0, 1) == [ev.AdmissionResumed(reason="update")]
+    assert decide_update(state, 100.0, 1) == [ev.AdmissionResumed(reason=AdmissionReason.UPDATE)]
 
 
 def test_a_rank_with_the_wrong_digest_or_a_stale_probe_is_quarantined_and_the_rest_publish() -> None:
@@ -366,7 +382,7 @@ def test_the_rate_throttle_follows_the_measured_generation_latency_and_trainer_s
             t = t0 + latency + 1.0
         elif isinstance(p, ev.PolicyPublished):
             t = t0 + latency + 1.0 + update_s
-        timed.append(e.model_copy(update={"wall_time": t}))
+        timed.append(msgspec.structs.replace(e, wall_time=t))
     step = make_event(
         ev.TrainStepFinished(
             step=1,

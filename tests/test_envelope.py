@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from rolledger.events.envelope import crockford26, make_event, new_event_id
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import AdmissionReason
 
 CROCKFORD = set("0123456789ABCDEFGHJKMNPQRSTVWXYZ")
 
@@ -30,10 +31,15 @@ def test_crockford26_is_the_digit_by_digit_encoding(value: int) -> None:
 
 def test_make_event_stamps_the_schema_version_a_fresh_id_and_the_wall_time() -> None:
     before = time.time()
-    e = make_event(ev.AdmissionPaused(reason="lag", lag=2), run_id="r", producer="p", policy_version=3)
+    e = make_event(ev.AdmissionPaused(reason=AdmissionReason.LAG, lag=2), run_id="r", producer="p", policy_version=3)
     assert e.schema_version == ev.AdmissionPaused.SCHEMA_VERSION and e.policy_version == 3 and e.run_id == "r"
     assert before <= e.wall_time <= time.time() and len(e.event_id) == 26
     given = make_event(
-        ev.AdmissionPaused(reason="lag", lag=2), run_id="r", producer="p", policy_version=0, wall_time=5.0, event_id="x"
+        ev.AdmissionPaused(reason=AdmissionReason.LAG, lag=2),
+        run_id="r",
+        producer="p",
+        policy_version=0,
+        wall_time=5.0,
+        event_id="x",
     )
     assert (given.wall_time, given.event_id) == (5.0, "x")

@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis
 
@@ -147,7 +148,7 @@ def test_event_id_bounds_are_exact_inside_an_entry_of_several_events(
     from rolledger.events.store import EventLog
 
     batch = [e for _, e in _events()[:4]]
-    sid = EventLog(redis_client, run_id).append_many([e.model_copy(update={"run_id": run_id}) for e in batch])[0]
+    sid = EventLog(redis_client, run_id).append_many([msgspec.structs.replace(e, run_id=run_id) for e in batch])[0]
     ids = [e.event_id for e in batch]
     _, inner, _ = _run(capsys, redis_url, run_id, "--since", ids[1], "--until", ids[2])
     assert [line.split()[2] for line in inner.splitlines()] == [batch[1].type, batch[2].type]

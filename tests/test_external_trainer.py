@@ -102,7 +102,7 @@ def learned_through_the_client(
     consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
     assert consumed and {e.producer for e in consumed} == {name}
     assert f"published v{steps}" in out
-    rewards = [e.payload.reward_mean for e in taken]  # type: ignore[union-attr]
+    rewards = [e.payload.reward_mean for e in taken]  # type: ignore[attr-defined]
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
     print(f"{name}: reward of the first/last 5 steps {first:.3f} -> {last:.3f}")
     return out, events, first, last
@@ -116,8 +116,8 @@ def test_the_example_trainer_learns_through_the_client_api(redis_url: str, run_i
     from rolledger.workflows.lineage import lineage
 
     consumed = [e for e in events if isinstance(e.payload, ev.BatchConsumed)]
-    traced = lineage(events, consumed[-1].payload.trajectory_ids[0]).render()  # type: ignore[union-attr]
-    assert f"consumed by torch-example at trainer step {consumed[-1].payload.step}" in traced, traced  # type: ignore[union-attr]
+    traced = lineage(events, consumed[-1].payload.trajectory_ids[0]).render()  # type: ignore[attr-defined]
+    assert f"consumed by torch-example at trainer step {consumed[-1].payload.step}" in traced, traced  # type: ignore[attr-defined]
 
 
 def test_the_trl_example_learns_with_trls_grpo_loss(redis_url: str, run_id: str, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import redis
 from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
 from rolledger.schemas.events import RunFinished
+from rolledger.schemas.statuses import RunStatus
 
 PROBE = (
     "import sys; from rolledger.workers.cli import main; rc = main(sys.argv[1:]); "
@@ -30,7 +31,7 @@ def test_a_process_started_after_the_end_exits_at_once(
 ) -> None:
     log = EventLog(redis_client, run_id)
     end_id = log.append(
-        make_event(RunFinished(status="completed", steps=1), run_id=run_id, producer="test", policy_version=0)
+        make_event(RunFinished(status=RunStatus.COMPLETED, steps=1), run_id=run_id, producer="test", policy_version=0)
     )
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, *argv, "--redis", redis_url, "--run", run_id],
@@ -67,7 +68,9 @@ def test_a_rank_whose_run_ends_as_it_starts_exits(redis_client: redis.Redis, run
         log.append(e)
     other = Follower(log)  # another role of this process (kept alive: the tail is shared while a follower lives)
     other.catch_up()  # this process's tail now holds the run's start
-    log.append(make_event(RunFinished(status="completed", steps=1), run_id=run_id, producer="test", policy_version=0))
+    log.append(
+        make_event(RunFinished(status=RunStatus.COMPLETED, steps=1), run_id=run_id, producer="test", policy_version=0)
+    )
     tok = build_tokenizer()
     worker = RankWorker(redis_client, run_id, 0, TorchEngine(build_model(RunConfig().model, len(tok), 0), tok, rank=0))
     thread = threading.Thread(target=worker.run, daemon=True)

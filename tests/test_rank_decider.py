@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Literal, cast
 
 import msgpack
 import pytest
@@ -32,7 +33,17 @@ from rolledger.events.codec import decode, encode, named_form
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
-from rolledger.schemas.statuses import EngineStatus, GroupStatus, UpdateStatus
+from rolledger.schemas.statuses import (
+    AdmissionReason,
+    CacheKind,
+    DrainMode,
+    EngineStatus,
+    GroupOutcome,
+    GroupStatus,
+    PreparePhase,
+    UpdateStatus,
+    WakeTag,
+)
 from rolledger.schemas.trajectory import Trajectory
 from rolledger.workflows import rank as rd
 from rolledger.workflows.audit import audit
@@ -165,7 +176,7 @@ class Sim:
                 assert a.uri == u.uri and a.weights_digest == u.weights_digest  # the command carries it all
                 assert "weights" not in e.asleep
                 if self.failures.get((r, v)) == "prepare":
-                    self.emit(ev.RankPrepareFailed(version=v, rank=r, phase="transfer", reason="injected"))
+                    self.emit(ev.RankPrepareFailed(version=v, rank=r, phase=PreparePhase.TRANSFER, reason="injected"))
                 else:
                     e.staged = v
                     self.emit(ev.RankPrepared(version=v, rank=r, manifest_digest=a.manifest_digest, staged_digest="s"))
@@ -174,7 +185,7 @@ class Sim:
             case rd.ReportDrained(mode=mode):
                 assert not e.running or mode == "keep"
                 e.paused = True
-                self.emit(ev.EnginePaused(rank=r, mode=mode))
+                self.emit(ev.EnginePaused(rank=r, mode=DrainMode(mode)))
             case rd.Commit(version=v):
                 assert r in s.updates[v].prepared  # never commits what it did not prepare
                 assert a.reload or e.staged == v  # nothing staged (a restart): through the verified path again
@@ -186,22 +197,22 @@ class Sim:
                     e.version, e.weights = v, a.weights_digest
                     self.emit(
                         ev.RankCommitted(version=v, rank=r, weights_digest=e.weights),
-                        ev.CacheInvalidated(rank=r, kind="prefix", generation=v, version=v),
+                        ev.CacheInvalidated(rank=r, kind=CacheKind.PREFIX, generation=v, version=v),
                     )
             case rd.Probe(version=v):
                 self.emit(ev.HealthPassed(rank=r, version=v, weights_digest=e.weights, probe_digest=f"p{e.version}"))
             case rd.Sleep(level=level):
                 assert not e.running
                 e.paused, e.asleep = True, {"weights", "kv_cache"}
-                self.emit(ev.EngineSlept(rank=r, level=level, bytes_freed=1, verified=True))
+                self.emit(ev.EngineSlept(rank=r, level=cast(Literal[1, 2], level), bytes_freed=1, verified=True))
             case rd.Wake(tags=tags):
                 assert set(tags) <= e.asleep
                 e.asleep -= set(tags)
-                self.emit(ev.EngineWoke(rank=r, tags=tags))
+                self.emit(ev.EngineWoke(rank=r, tags=tuple(WakeTag(t) for t in tags)))
             case rd.WakeOnPublished(level=level, tags=tags, source=src):
                 for t in tags:
                     e.asleep.discard(t)
-                    self.emit(ev.EngineWoke(rank=r, tags=(t,)))
+                    self.emit(ev.EngineWoke(rank=r, tags=(WakeTag(t),)))
                     if t == "weights" and level == 2:
                         e.version, e.weights = src.version, src.weights_digest or digest(0)
             case rd.Resume():
@@ -313,7 +324,7 @@ class Sim:
                 graph_generation=0,
             )
             self.emit(ev.SampleFinished(trajectory=t))
-        self.emit(ev.GroupCompleted(group_id=gid, accepted=ids, status="complete", bytes=100))
+        self.emit(ev.GroupCompleted(group_id=gid, accepted=ids, status=GroupOutcome.COMPLETE, bytes=100))
 
     def trainer(self) -> None:
         """Stage the next version when no update is open (colocated: only while every engine sleeps)."""
@@ -356,7 +367,7 @@ class Sim:
             and all(r.status == EngineStatus.AWAKE for r in ranks)
             and s.trainer.step < 6
         ):
-            self.emit(ev.AdmissionPaused(reason="handoff"))
+            self.emit(ev.AdmissionPaused(reason=AdmissionReason.HANDOFF))
 
     def move(self, kind: str, r: int) -> None:
         r %= self.ranks

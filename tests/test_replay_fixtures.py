@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
@@ -59,7 +60,7 @@ def test_a_changed_decision_fails_loudly() -> None:
     def generous(*args: Any, **kwargs: Any) -> list[ev.Payload]:
         out = decide(*args, **kwargs)
         return [
-            p.model_copy(update={"deadline": p.deadline + 1.0}) if isinstance(p, ev.PrepareRequested) else p
+            msgspec.structs.replace(p, deadline=p.deadline + 1.0) if isinstance(p, ev.PrepareRequested) else p
             for p in out
         ]
 

@@ -82,14 +82,14 @@ def test_predicates_are_the_sets_they_replaced() -> None:
 def test_old_wire_strings_decode_to_members_and_encode_back_unchanged() -> None:
     b = LogBuilder()
     payloads: list[ev.Payload] = [
-        ev.RunFinished(status="aborted"),
-        ev.AdmissionPaused(reason="rate"),
-        ev.RankPrepareFailed(version=1, rank=0, phase="transfer", reason="x"),
-        ev.CacheInvalidated(rank=0, kind="kv", generation=1, version=1),
-        ev.EngineWoke(rank=0, tags=("weights", "kv_cache")),
-        ev.EnginePaused(rank=0, mode="keep"),
-        ev.TrajectoryDropped(group_id="g", trajectory_ids=(), reason="quarantined_rank"),
-        ev.RankJoined(rank=0, engine="torch", policy_version=0, weights_digest="w", logprob_mode="processed"),
+        ev.RunFinished(status=RunStatus.ABORTED),
+        ev.AdmissionPaused(reason=AdmissionReason.RATE),
+        ev.RankPrepareFailed(version=1, rank=0, phase=PreparePhase.TRANSFER, reason="x"),
+        ev.CacheInvalidated(rank=0, kind=CacheKind.KV, generation=1, version=1),
+        ev.EngineWoke(rank=0, tags=(WakeTag.WEIGHTS, WakeTag.KV_CACHE)),
+        ev.EnginePaused(rank=0, mode=DrainMode.KEEP),
+        ev.TrajectoryDropped(group_id="g", trajectory_ids=(), reason=DropReason.QUARANTINED_RANK),
+        ev.RankJoined(rank=0, engine="torch", policy_version=0, weights_digest="w", logprob_mode=LogprobMode.PROCESSED),
     ]
     for p in payloads:
         b.emit(p)
@@ -97,13 +97,13 @@ def test_old_wire_strings_decode_to_members_and_encode_back_unchanged() -> None:
         back = decode(encode(e))
         assert back == e and encode(back) == encode(e)
     assert payload_of(decode(encode(b.build()[0])), ev.RunFinished).status is RunStatus.ABORTED
-    assert ev.EngineWoke(rank=0, tags=("weights",)).tags == (WakeTag.WEIGHTS,)
+    assert ev.EngineWoke(rank=0, tags=(WakeTag.WEIGHTS,)).tags == (WakeTag.WEIGHTS,)
 
 
 def test_a_run_finishes_only_on_a_terminal_status() -> None:
     for status in ("pending", "running", "bogus"):
         with pytest.raises(ValueError):
-            ev.RunFinished(status=status)
+            ev.RunFinished(status=RunStatus(status))
 
 
 # ---------------------------------------------------------------- digests
@@ -121,26 +121,28 @@ def golden_log() -> list[ev.Event]:
     g3 = b.last_group
     b.start(f"{g3}/0").cancel(f"{g3}/0").cancel(f"{g3}/1")
     b.cancel_group(g3)
-    b.emit(ev.AdmissionPaused(reason="bytes", queued_bytes=10, detail="cap"))
-    b.emit(ev.AdmissionResumed(reason="bytes"))
+    b.emit(ev.AdmissionPaused(reason=AdmissionReason.BYTES, queued_bytes=10, detail="cap"))
+    b.emit(ev.AdmissionResumed(reason=AdmissionReason.BYTES))
     b.consume([g1])
     b.update(1)
     b.update(2, fail_rank=1)
-    b.emit(ev.AdmissionPaused(reason="handoff"))
+    b.emit(ev.AdmissionPaused(reason=AdmissionReason.HANDOFF))
     for r in (0, 1):
-        b.emit(ev.EnginePaused(rank=r, mode="wait"))
+        b.emit(ev.EnginePaused(rank=r, mode=DrainMode.WAIT))
         b.emit(ev.EngineSlept(rank=r, level=1, bytes_freed=100, verified=True))
-        b.emit(ev.EngineWoke(rank=r, tags=("weights",)))
-        b.emit(ev.EngineWoke(rank=r, tags=("kv_cache",)))
-        b.emit(ev.CacheInvalidated(rank=r, kind="graph", generation=3, version=1))
-        b.emit(ev.CacheInvalidated(rank=r, kind="encoder", generation=4, version=1))
+        b.emit(ev.EngineWoke(rank=r, tags=(WakeTag.WEIGHTS,)))
+        b.emit(ev.EngineWoke(rank=r, tags=(WakeTag.KV_CACHE,)))
+        b.emit(ev.CacheInvalidated(rank=r, kind=CacheKind.GRAPH, generation=3, version=1))
+        b.emit(ev.CacheInvalidated(rank=r, kind=CacheKind.ENCODER, generation=4, version=1))
         b.emit(ev.EngineResumed(rank=r))
-    b.emit(ev.AdmissionResumed(reason="handoff"))
-    b.emit(ev.RankPrepareFailed(version=2, rank=0, phase="commit", reason="late"))
+    b.emit(ev.AdmissionResumed(reason=AdmissionReason.HANDOFF))
+    b.emit(ev.RankPrepareFailed(version=2, rank=0, phase=PreparePhase.COMMIT, reason="late"))
     b.drop(g2, reason="mixed_versions", lag=0)
     b.quarantine(1)
     b.emit(ev.CommandRefused(command="resume", reason="asleep", rank=0))
-    b.emit(ev.RankJoined(rank=1, engine="torch", policy_version=1, weights_digest="w", logprob_mode="processed"))
+    b.emit(
+        ev.RankJoined(rank=1, engine="torch", policy_version=1, weights_digest="w", logprob_mode=LogprobMode.PROCESSED)
+    )
     return b.finish_run("aborted").build()
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 import redis
 from logbuilder import payload_of
@@ -27,6 +28,7 @@ from rolledger.events.store import (
     read_dead_letters,
 )
 from rolledger.schemas.events import AdmissionPaused, Event, RunFinished, SampleScored
+from rolledger.schemas.statuses import AdmissionReason, RunStatus
 
 
 def scored(i: int, run_id: str = "r") -> Event:
@@ -66,7 +68,7 @@ def test_idempotent_retry_returns_original_id(redis_client: redis.Redis, run_id:
     a = log.append_idempotent(first)
     log.append(other)
     assert log.append_idempotent(first) == a  # the retry after a "lost reply"
-    assert log.append_idempotent(first.model_copy()) == a
+    assert log.append_idempotent(msgspec.structs.replace(first)) == a
     assert log.length() == 2
     assert [s.event for s in log.read()] == [first, other]
 
@@ -148,7 +150,7 @@ def test_tail_blocks_then_returns_new_entries(redis_client: redis.Redis, run_id:
 def test_types_other_than_scored(redis_client: redis.Redis, run_id: str) -> None:
     log = EventLog(redis_client, run_id)
     event = make_event(
-        AdmissionPaused(reason="bytes", queued_bytes=10), run_id=run_id, producer="adm", policy_version=3
+        AdmissionPaused(reason=AdmissionReason.BYTES, queued_bytes=10), run_id=run_id, producer="adm", policy_version=3
     )
     sid = log.append_idempotent(event)
     assert list(log.read()) == [StoredEvent(sid, event)]
@@ -174,7 +176,9 @@ def test_wait_durable_false_without_aof(tmp_path: Path, run_id: str) -> None:
 
 def test_read_filters_by_type_before_decoding(redis_client: redis.Redis, run_id: str) -> None:
     log = EventLog(redis_client, run_id)
-    paused = make_event(AdmissionPaused(reason="lag", lag=2), run_id=run_id, producer="adm", policy_version=1)
+    paused = make_event(
+        AdmissionPaused(reason=AdmissionReason.LAG, lag=2), run_id=run_id, producer="adm", policy_version=1
+    )
     ids = [log.append(scored(1)), *log.append_many([paused, scored(2)])]  # the second entry holds both types
     garbage_typed = as_str(redis_client.xadd(log.key, {b"e": b"\xc1", b"t": b"SampleScored"}))
     assert list(log.read(types={"AdmissionPaused"})) == [StoredEvent(ids[1], paused)]  # one event of a batch
@@ -198,7 +202,9 @@ def test_tail_moves_past_skipped_entries_instead_of_returning_early(redis_client
 
 
 def finished(run_id: str = "r") -> Event:
-    return make_event(RunFinished(status="completed", steps=1), run_id=run_id, producer="test", policy_version=0)
+    return make_event(
+        RunFinished(status=RunStatus.COMPLETED, steps=1), run_id=run_id, producer="test", policy_version=0
+    )
 
 
 def test_append_many_retried_after_a_lost_reply_writes_nothing_twice(redis_client: redis.Redis, run_id: str) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -147,7 +148,7 @@ def test_the_trainer_recomputes_processed_logprobs_in_every_sampling_mode(
     other, _ = logprob_agreement(build_model(ModelConfig(), len(tok), 1), trajectories)
     if settings["temperature"] > 0:  # greedy processed logprobs are all 0: they show other weights only where the
         assert other > 1e-2  # argmax moves (the raw mode, or a probe, is the check there)
-    raw_view = [t.model_copy(update={"logprob_mode": "raw"}) for t in trajectories]
+    raw_view = [msgspec.structs.replace(t, logprob_mode="raw") for t in trajectories]
     if settings["temperature"] not in (0.0, 1.0):  # the old comparison: processed against raw, a false alarm
         assert logprob_agreement(build_model(ModelConfig(), len(tok), 0), raw_view)[0] > 1e-2
 
@@ -156,28 +157,27 @@ def _trajectory(prompt_ids: list[int], token_ids: list[int], logprobs: list[floa
     from rolledger.schemas.trajectory import Trajectory
 
     n = len(token_ids)
-    return Trajectory.model_validate(
-        {
-            "trajectory_id": "g000001/0",
-            "group_id": "g000001",
-            "prompt_id": "p",
-            "index": 0,
-            "finish_reason": "length",
-            "cache_generation": 0,
-            "graph_generation": 0,
-            "prompt_token_ids": prompt_ids,
-            "token_ids": token_ids,
-            "logprobs": logprobs,
-            "logprob_mode": sampling.logprob_mode,
-            "loss_mask": [1] * n,
-            "positions": list(range(len(prompt_ids), len(prompt_ids) + n)),
-            "sampling": sampling.model_dump(),
-            "policy_version": 0,
-            "weights_digest": "w",
-            "rank": 0,
-            "engine": "torch",
-        }
-    )
+    fields: dict[str, Any] = {
+        "trajectory_id": "g000001/0",
+        "group_id": "g000001",
+        "prompt_id": "p",
+        "index": 0,
+        "finish_reason": "length",
+        "cache_generation": 0,
+        "graph_generation": 0,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": token_ids,
+        "logprobs": logprobs,
+        "logprob_mode": sampling.logprob_mode,
+        "loss_mask": [1] * n,
+        "positions": list(range(len(prompt_ids), len(prompt_ids) + n)),
+        "sampling": sampling,
+        "policy_version": 0,
+        "weights_digest": "w",
+        "rank": 0,
+        "engine": "torch",
+    }
+    return Trajectory(**fields)
 
 
 def test_greedy_and_top_k_one_agree_and_stop_tokens_stop(tok: PreTrainedTokenizerFast) -> None:

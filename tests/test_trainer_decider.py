@@ -27,7 +27,7 @@ from rolledger.events.envelope import make_event
 from rolledger.events.lease import LeaderLease
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import AdmissionReason
+from rolledger.schemas.statuses import AdmissionReason, WakeTag
 from rolledger.workers.coordinator import finish_as_coordinator
 from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workers.staging_store import DirectoryStagingStore
@@ -185,7 +185,7 @@ def test_the_trainer_plans_only_what_its_state_allows_and_never_twice(
                 b.emit(ev.EngineSlept(rank=r, level=1, bytes_freed=1, verified=True), producer=f"rank-{r}")
         elif move == "wake" and colocated and "handoff" in state.admission.paused:
             for r in b.ranks:
-                b.emit(ev.EngineWoke(rank=r, tags=("weights", "kv_cache")), producer=f"rank-{r}")
+                b.emit(ev.EngineWoke(rank=r, tags=(WakeTag.WEIGHTS, WakeTag.KV_CACHE)), producer=f"rank-{r}")
                 b.emit(ev.EngineResumed(rank=r), producer=f"rank-{r}")
             b.resume(AdmissionReason.HANDOFF)
     event(

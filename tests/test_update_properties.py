@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from rolledger.events.envelope import make_event
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
+from rolledger.schemas.statuses import CacheKind, DrainMode, PreparePhase
 from rolledger.schemas.trajectory import Trajectory
 from rolledger.workflows.audit import audit
 from rolledger.workflows.audit_report import Violation
@@ -248,7 +249,7 @@ class Sim:
         if phase is not None:
             r.serving = False  # the abort will quarantine it: its rollout starts nothing more (about_to_be_quarantined)
             self.emit(
-                [ev.RankPrepareFailed(version=p.version, rank=r.rank, phase=phase, reason="injected")],
+                [ev.RankPrepareFailed(version=p.version, rank=r.rank, phase=PreparePhase(phase), reason="injected")],
                 f"rank-{r.rank}",
                 r.version,
             )
@@ -273,7 +274,7 @@ class Sim:
             return
         r.paused = True
         r.drained_for = u.version
-        self.emit([ev.EnginePaused(rank=r.rank, mode="wait")], f"rank-{r.rank}", r.version)
+        self.emit([ev.EnginePaused(rank=r.rank, mode=DrainMode.WAIT)], f"rank-{r.rank}", r.version)
 
     def set_live(self, r: SimRank, version: int, why: str) -> None:
         r.version, r.digest = version, w(version)
@@ -307,7 +308,7 @@ class Sim:
         self.emit(
             [
                 ev.RankCommitted(version=v, rank=r.rank, weights_digest=r.digest),
-                ev.CacheInvalidated(rank=r.rank, kind="prefix", generation=r.cache_gen, version=v),
+                ev.CacheInvalidated(rank=r.rank, kind=CacheKind.PREFIX, generation=r.cache_gen, version=v),
                 ev.HealthPassed(rank=r.rank, version=v, weights_digest=r.digest, probe_digest=probe(r.digest)),
             ],
             who,

@@ -27,12 +27,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from typing import Literal, cast
 
 import redis
 import torch
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import RunStatus
+from rolledger.schemas.statuses import CacheKind, DrainMode, LogprobMode, PreparePhase, RunStatus, WakeTag
 from rolledger.workers.engine import CommitReport, Engine, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.rollout import Rollout
 from rolledger.workers.runtime import Worker, shared_follower
@@ -139,7 +140,7 @@ class RankWorker(Worker):
                     self.starts_held_through = ""  # from this check until the report is folded (the module's doc)
                 if not self.engine.is_paused:
                     self.engine.pause(mode)
-                self._emit_holding_starts(ev.EnginePaused(rank=self.rank, mode=mode), cause=action.cause)
+                self._emit_holding_starts(ev.EnginePaused(rank=self.rank, mode=DrainMode(mode)), cause=action.cause)
             case rd.Commit():
                 self._commit(action)
             case rd.Probe(version=version):
@@ -158,7 +159,10 @@ class RankWorker(Worker):
                     raise
                 self._emit_holding_starts(
                     ev.EngineSlept(
-                        rank=self.rank, level=level, bytes_freed=report.bytes_freed, verified=report.verified
+                        rank=self.rank,
+                        level=cast(Literal[1, 2], level),
+                        bytes_freed=report.bytes_freed,
+                        verified=report.verified,
                     ),
                     cause=action.cause,
                 )
@@ -210,7 +214,7 @@ class RankWorker(Worker):
                 policy_version=version,
                 weights_digest=digest,
                 sleep_levels=caps.sleep_levels,
-                logprob_mode=caps.logprob_mode,
+                logprob_mode=LogprobMode(caps.logprob_mode),
                 incarnation=self.incarnation,
             ),
             cause=cause,
@@ -226,7 +230,7 @@ class RankWorker(Worker):
             phase = "transfer" if exc.kind in ("unreadable", "truncated", "transport") else "prepare"
             self._prepare_failed(
                 ev.RankPrepareFailed(
-                    version=a.version, rank=self.rank, phase=phase, tensor=exc.tensor, reason=str(exc)
+                    version=a.version, rank=self.rank, phase=PreparePhase(phase), tensor=exc.tensor, reason=str(exc)
                 ),
                 a.cause,
             )
@@ -235,7 +239,7 @@ class RankWorker(Worker):
             tensor = exc.tensor if isinstance(exc, WeightValidationError) else None
             self._prepare_failed(
                 ev.RankPrepareFailed(
-                    version=a.version, rank=self.rank, phase="prepare", tensor=tensor, reason=str(exc)
+                    version=a.version, rank=self.rank, phase=PreparePhase.PREPARE, tensor=tensor, reason=str(exc)
                 ),
                 a.cause,
             )
@@ -305,11 +309,15 @@ class RankWorker(Worker):
                 weights_digest=report.weights_digest,
                 commit_ms=(time.perf_counter() - started) * 1e3,
             ),
-            ev.CacheInvalidated(rank=self.rank, kind="prefix", generation=report.cache_generation, version=a.version),
+            ev.CacheInvalidated(
+                rank=self.rank, kind=CacheKind.PREFIX, generation=report.cache_generation, version=a.version
+            ),
         ]
         if report.graphs_invalidated:
             events.append(
-                ev.CacheInvalidated(rank=self.rank, kind="graph", generation=report.graph_generation, version=a.version)
+                ev.CacheInvalidated(
+                    rank=self.rank, kind=CacheKind.GRAPH, generation=report.graph_generation, version=a.version
+                )
             )
         self.emit(*events, cause=a.cause)
 
@@ -334,7 +342,10 @@ class RankWorker(Worker):
 
     def _wake(self, tags: tuple[rd.WakeTag, ...], cause: str) -> None:
         report = self.engine.wake(tags)
-        self.emit(ev.EngineWoke(rank=self.rank, tags=tags, bytes_restored=report.bytes_restored), cause=cause)
+        self.emit(
+            ev.EngineWoke(rank=self.rank, tags=tuple(WakeTag(t) for t in tags), bytes_restored=report.bytes_restored),
+            cause=cause,
+        )
 
     def _load(self, src: rd.Source) -> CommitReport:
         """Swap in a decided version read back through the verified path (version 0: the initial weights)."""

@@ -104,7 +104,7 @@ _DECISIONS: tuple[type[ev.Payload], ...] = (
     ev.GroupCancelled,
     ev.RankQuarantined,
 )
-DECISION_TYPES: frozenset[str] = frozenset(t.model_fields["type"].default for t in _DECISIONS)
+DECISION_TYPES: frozenset[str] = frozenset(t.type for t in _DECISIONS)
 AFTER_END_NAMED = 5  # how many ids of events after RunFinished a violation names
 
 

@@ -36,8 +36,8 @@ def _halt(state: RunState, reason: str) -> list[ev.Payload]:
     """Close admission for good (unless already closed manually), then fail the run."""
     out: list[ev.Payload] = []
     if AdmissionReason.MANUAL not in state.admission.paused:
-        out.append(ev.AdmissionPaused(reason="manual", detail=reason))
-    out.append(ev.RunFinished(status="failed", reason=reason, steps=state.trainer.step))
+        out.append(ev.AdmissionPaused(reason=AdmissionReason.MANUAL, detail=reason))
+    out.append(ev.RunFinished(status=RunStatus.FAILED, reason=reason, steps=state.trainer.step))
     return out
 
 
@@ -50,11 +50,15 @@ def decide_terminal(state: RunState, now: float) -> list[ev.Payload]:
         return _halt(state, state.trainer.refused)
     if state.workers_lost:
         name, error = next(iter(state.workers_lost.items()))
-        return [ev.RunFinished(status="failed", reason=f"worker {name} crashed: {error}", steps=state.trainer.step)]
+        return [
+            ev.RunFinished(status=RunStatus.FAILED, reason=f"worker {name} crashed: {error}", steps=state.trainer.step)
+        ]
     missing = [r for r in range(cfg.ranks) if r not in state.ranks]
     if missing and now > state.first_wall_time + cfg.join_deadline_s:
         return [
-            ev.RunFinished(status="failed", reason=f"ranks {missing} did not join within {cfg.join_deadline_s:g} s")
+            ev.RunFinished(
+                status=RunStatus.FAILED, reason=f"ranks {missing} did not join within {cfg.join_deadline_s:g} s"
+            )
         ]
     if state.reward_failures_in_a_row >= cfg.task.max_consecutive_reward_failures:
         return _halt(
@@ -74,7 +78,7 @@ def decide_terminal(state: RunState, now: float) -> list[ev.Payload]:
                 state, f"no rank in service for {cfg.recovery.no_rank_in_service_s:g} s (ranks {ranks} quarantined)"
             )
     if now > state.first_wall_time + cfg.run_deadline_s:
-        return [ev.RunFinished(status="aborted", reason="run deadline passed", steps=state.trainer.step)]
+        return [ev.RunFinished(status=RunStatus.ABORTED, reason="run deadline passed", steps=state.trainer.step)]
     return []
 
 
@@ -84,8 +88,8 @@ def decide_cancel(state: RunState, reason: str) -> list[ev.Payload]:
         return []
     out: list[ev.Payload] = []
     if AdmissionReason.MANUAL not in state.admission.paused:
-        out.append(ev.AdmissionPaused(reason="manual", detail=reason))
-    out.append(ev.RunFinished(status="cancelled", reason=reason, steps=state.trainer.step))
+        out.append(ev.AdmissionPaused(reason=AdmissionReason.MANUAL, detail=reason))
+    out.append(ev.RunFinished(status=RunStatus.CANCELLED, reason=reason, steps=state.trainer.step))
     return out
 
 
@@ -113,7 +117,7 @@ def decide_run_end(state: RunState) -> list[ev.Payload]:
         return []
     out: list[ev.Payload] = []
     if AdmissionReason.MANUAL not in state.admission.paused:
-        out.append(ev.AdmissionPaused(reason="manual", detail="run reached its last step"))
+        out.append(ev.AdmissionPaused(reason=AdmissionReason.MANUAL, detail="run reached its last step"))
     if any(r.status is EngineStatus.ASLEEP for r in state.ranks.values()):
         return out  # a colocated rank is still waking up after the last update
     open_groups = [g for g in state.groups.values() if g.status.is_open]
@@ -125,7 +129,7 @@ def decide_run_end(state: RunState) -> list[ev.Payload]:
         r.status is EngineStatus.PAUSED for r in state.ranks.values()
     )  # let ranks resume after the last publish
     if not open_groups and not unsettled:
-        out.append(ev.RunFinished(status="completed", steps=state.trainer.step))
+        out.append(ev.RunFinished(status=RunStatus.COMPLETED, steps=state.trainer.step))
     return out
 
 

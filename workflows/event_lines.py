@@ -21,6 +21,7 @@ import difflib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from rolledger.schemas import events as ev
@@ -138,7 +139,8 @@ def _step_finished(f: IncidentFold, e: ev.Event, p: ev.TrainStepFinished) -> Fie
 
 def _generic(p: ev.Payload) -> Fields:
     """A type with no entry above: its scalar fields."""
-    return {k: v for k, v in p.model_dump().items() if k != "type" and isinstance(v, (str, int, float, bool))}
+    values = ((k, getattr(p, k)) for k in p.__struct_fields__)
+    return {k: v.value if isinstance(v, Enum) else v for k, v in values if isinstance(v, (str, int, float, bool))}
 
 
 # ---------------------------------------------------------------- what an event is about

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import msgspec
+
 from rolledger.schemas.events import (
     BatchConsumed,
     CacheInvalidated,
@@ -337,7 +339,7 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
         sampling=sampling,
         sampling_matches_group=(adm.sampling == t.sampling) if isinstance(adm, GroupAdmitted) else None,
         versions=versions,
-        spans=tuple(s.model_dump(mode="json") for s in t.spans),
+        spans=tuple(msgspec.structs.asdict(s) for s in t.spans),
         policies=policies,
         rank=RankLink(
             rank=t.rank,

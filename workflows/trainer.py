@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import RunStatus, SampleStatus
+from rolledger.schemas.statuses import DropReason, RunStatus, SampleStatus
 from rolledger.workflows.handoff import engines_asleep
 from rolledger.workflows.state import GroupState, RunState, group_version
 
@@ -178,7 +178,7 @@ def plan_step(state: RunState) -> TrainPlan | Wait:
     ready = sorted(state.ready_groups(), key=lambda g: (group_version(g), g.group_id))
     drops = [
         ev.TrajectoryDropped(
-            group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason="lag", lag=base - group_version(g)
+            group_id=g.group_id, trajectory_ids=tuple(g.accepted), reason=DropReason.LAG, lag=base - group_version(g)
         )
         for g in ready
         if base - group_version(g) > cfg.admission.max_lag

@@ -112,7 +112,8 @@ def event_detail(e: ev.Event) -> str:
             f"finish={t.finish_reason} gen_ms={p.gen_ms:.1f}"
         )
     parts = []
-    for name, value in p:
+    for name in p.__struct_fields__:
+        value = getattr(p, name)
         if name in _SKIPPED_FIELDS or value is None or value == "" or value == ():
             continue
         if name.endswith("digest") and isinstance(value, str):

@@ -55,7 +55,7 @@ def decide_update(state: RunState, now: float, fence: int) -> list[ev.Payload]:
         not open_updates or not state.updates[open_updates[-1]].paused_at
     ):
         # that pause belonged to a transaction already closed: the open one pauses (and times its drain) itself
-        out.append(ev.AdmissionResumed(reason="update"))
+        out.append(ev.AdmissionResumed(reason=AdmissionReason.UPDATE))
         return out
     if open_updates:
         out.extend(_decide_one(state, state.updates[open_updates[-1]], now, fence))
@@ -129,7 +129,7 @@ def _decide_one(state: RunState, u: UpdateState, now: float, fence: int) -> list
         if AdmissionReason.UPDATE not in state.admission.paused:
             return [
                 ev.AdmissionPaused(
-                    reason="update",
+                    reason=AdmissionReason.UPDATE,
                     queued_bytes=state.admission.queued_bytes,
                     lag=state.lag,
                     detail=f"committing v{u.version}",

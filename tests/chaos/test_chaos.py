@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis
 
@@ -38,7 +39,7 @@ def clean_log() -> list[ev.Event]:
 
 
 def renamed(e: ev.Event, suffix: str) -> ev.Event:
-    return e.model_copy(update={"event_id": e.event_id[:-4] + suffix})
+    return msgspec.structs.replace(e, event_id=e.event_id[:-4] + suffix)
 
 
 # ---------------------------------------------------------------- the checks
@@ -68,11 +69,11 @@ def test_a_run_without_runfinished_is_a_violation() -> None:
 def test_a_failure_must_name_its_reason() -> None:
     events = clean_log()
     i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.RunFinished))
-    failed = events[i].model_copy(update={"payload": ev.RunFinished(status=RunStatus.FAILED, reason="")})
+    failed = msgspec.structs.replace(events[i], payload=ev.RunFinished(status=RunStatus.FAILED, reason=""))
     verdict = judge([*events[:i], failed, *events[i + 1 :]], [])
     assert verdict.ending is Ending.FAILED_CLOSED
     assert any("names no reason" in v for v in verdict.violations)
-    named = failed.model_copy(update={"payload": ev.RunFinished(status=RunStatus.FAILED, reason="no rank left")})
+    named = msgspec.structs.replace(failed, payload=ev.RunFinished(status=RunStatus.FAILED, reason="no rank left"))
     assert not any("names no reason" in v for v in judge([*events[:i], named, *events[i + 1 :]], []).violations)
 
 
@@ -82,16 +83,15 @@ def test_a_run_that_ends_only_at_its_run_deadline_stalled() -> None:
     i = next(i for i, e in enumerate(events) if isinstance(e.payload, ev.RunFinished))
     assert isinstance(started.payload, ev.RunStarted)
     limit = started.payload.config.run_deadline_s
-    late = events[i].model_copy(
-        update={
-            "payload": ev.RunFinished(status=RunStatus.ABORTED, reason="run deadline passed"),
-            "wall_time": started.wall_time + limit + 1,
-        }
+    late = msgspec.structs.replace(
+        events[i],
+        payload=ev.RunFinished(status=RunStatus.ABORTED, reason="run deadline passed"),
+        wall_time=started.wall_time + limit + 1,
     )
     log = [*events[:i], late]
     assert any("stalled until its deadline" in v for v in judge(log, []).violations)
     assert not any("stalled" in v for v in judge(log, [], deadline_is_violation=False).violations)
-    early = late.model_copy(update={"wall_time": started.wall_time + 5})
+    early = msgspec.structs.replace(late, wall_time=started.wall_time + 5)
     assert not any("stalled" in v for v in judge([*events[:i], early], []).violations)
 
 
@@ -111,7 +111,7 @@ def test_an_impossible_transition_in_the_log_is_a_violation() -> None:
     late = renamed(events[i], "XXXX")  # a second result for a finished sample: a late one after a reclaim
     verdict = judge([*events[:-1], late, events[-1]], [])
     # by the log's end its group was consumed and left the live state (issue 12): the reducer names it retired
-    group = events[i].payload.trajectory.group_id  # type: ignore[union-attr]
+    group = events[i].payload.trajectory.group_id  # type: ignore[attr-defined]
     assert any(
         "reducer anomaly" in v and "(SampleFinished)" in v and f"group {group} already consumed and retired" in v
         for v in verdict.violations

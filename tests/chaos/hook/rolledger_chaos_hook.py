@@ -148,15 +148,38 @@ def install_armed_injections(arm_dir: str) -> None:
 
         engine.generate = wrapped
 
+    def die(inj: Any, where: str) -> None:
+        """The process kills of `--inject` (kill-trainer@copy, kill-rank=R@receive): a SIGKILL, nothing after it."""
+        os.write(2, f"chaos hook: {inj.spec} fires ({where}): SIGKILL\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def serve(worker: Any) -> int:
+        from rolledger.workers import transport_dist
         from rolledger.workers.rank import RankWorker
         from rolledger.workers.trainer import TrainerWorker
+        from rolledger.workers.transport import DistStagingStore
 
         if isinstance(worker, RankWorker):
             worker.engine = FaultyEngine(worker.engine, worker.rank, injector)
             stalls(worker.engine)
+            rank = worker.rank
+
+            def received(tag: int) -> None:
+                inj = injector.take("kill-rank", rank=rank)
+                if inj is not None:
+                    die(inj, f"bucket {tag} received")
+
+            transport_dist.on_bucket_received = received
         elif isinstance(worker, TrainerWorker):
             worker.train = slow_and_mortal_trainer(worker.train, injector)
+            if isinstance(worker.staging, DistStagingStore):
+
+                def copied(version: int) -> None:
+                    inj = injector.take("kill-trainer")
+                    if inj is not None:
+                        die(inj, f"v{version}'s copy written, not yet recorded")
+
+                worker.staging.on_copied = copied
         return original_serve(worker)
 
     processes._serve = serve
