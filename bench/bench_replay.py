@@ -22,7 +22,8 @@ Then, on the same stream, one after the other in this process:
   decode on this wire format (printed with what it leaves for building models and folding);
 - (b) EventLog.read: XRANGE + decode every entry to a validated Event (Trust.VALIDATE, the baseline);
 - (c) workflows.replay.rebuild: (b) + the reducer's fold into a RunState;
-- (b') EventLog.read(trust=Trust.OWN_LOG): XRANGE + the trusted decode (no re-validation, events.codec);
+- (b') EventLog.read(trust=Trust.OWN_LOG): XRANGE + decode as a process reads its own log (since the events
+  became msgspec Structs this is the same typed, validating decode as (b); kept to compare with older figures);
 - (c') rebuild over (b'): how a process rebuilds its state from its own log;
 - the baseline (skip with `--no-maps`): the same entries, ids and order copied to a second stream in the map form
   logs were written in before the positional layout (events.codec.named_form), then (a), (b') and (c') on it.
