@@ -19,6 +19,8 @@ nothing:
    snapshot + the tail after it), and at least `keep_live` entries behind the end (live followers tail the stream).
 2. Entries after the manifest's last archived id and below the safe point are written to a temp file, renamed into
    place, re-read and verified (digest, count, ids). A crash here leaves an orphan file the next pass removes.
+   A full disk (ENOSPC, EDQUOT) anywhere in this step removes what it wrote and raises `DiskFull` naming the file
+   (events/disk_full.py): nothing is recorded, nothing trimmed, the entries stay in Redis for a later pass.
 3. The segment is recorded in the manifest with a compare-and-set on the last archived id (one Lua call): two
    archivers cannot both record one range.
 4. XTRIM MINID to just after the last archived id (never past the safe point), then the dedupe hash's event ids whose
@@ -45,6 +47,7 @@ import redis
 import structlog
 import xxhash
 
+from rolledger.events.disk_full import DiskFull, is_disk_full
 from rolledger.events.keys import archive_key, dedupe_key, log_key
 from rolledger.events.scan import LogScan, add_entry, scan_log
 from rolledger.events.snapshots import latest_snapshot
@@ -242,11 +245,14 @@ def fsync_path(path: Path) -> None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------- the archiver
@@ -311,6 +317,14 @@ class Archiver:
         if max_entries < 1:
             return None
         manifest = read_manifest(self.client, self.run_id)
+        try:
+            return self._write_segment(manifest, below, max_entries)
+        except OSError as e:  # nothing recorded: the entries stay in Redis, untrimmed, for a later pass
+            if not is_disk_full(e) or isinstance(e, DiskFull):
+                raise
+            raise DiskFull(e.filename or self.directory, "archive segment", e) from e
+
+    def _write_segment(self, manifest: Manifest, below: str, max_entries: int) -> Segment | None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._remove_orphans(manifest)
         lo = "(" + manifest.last_id if manifest.last_id else "-"
@@ -345,6 +359,10 @@ class Archiver:
             segment = Segment(first, last, count, f"{DIGEST_ALGO}:{h.hexdigest()}")
             path = self.directory / (segment.name + SEGMENT_SUFFIX)
             os.replace(tmp, path)
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFull(tmp, "archive segment", e) from e
+            raise
         finally:
             tmp.unlink(missing_ok=True)
         index = {
@@ -355,8 +373,14 @@ class Archiver:
             "digest": segment.digest,
             "format": "msgpack: one [stream id, {field: value}] per entry; e = event codec bytes, t = event type",
         }
-        _write_atomic(path.with_suffix(INDEX_SUFFIX), (json.dumps(index, indent=2) + "\n").encode())
-        fsync_path(self.directory)
+        try:
+            _write_atomic(path.with_suffix(INDEX_SUFFIX), (json.dumps(index, indent=2) + "\n").encode())
+            fsync_path(self.directory)
+        except OSError as e:  # a segment without its index is an orphan: remove it now, its room with it
+            path.unlink(missing_ok=True)
+            if is_disk_full(e):
+                raise DiskFull(path.with_suffix(INDEX_SUFFIX), "archive segment", e) from e
+            raise
         load_segment(self.directory, segment)  # verify what is on disk before anything relies on it
         recorded = self._record(
             keys=[archive_key(self.run_id)],

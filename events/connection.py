@@ -23,6 +23,9 @@ number of threads and connections. When the deadline runs out the command raises
 reads a run says so at once instead (`waiting_notice`: one plain line naming the URL and the deadline). On a cluster the
 same deadline also covers CLUSTERDOWN, TRYAGAIN and a slot not covered yet (a failover in progress): each retry
 re-reads the layout first (redis-py's cluster client does that on the error), so a command lands on the new primary.
+A server that cannot write its AOF (its disk full) refuses every write with MISCONF until it can: that is waited out
+the same way, under the same deadline (the refused command did nothing; the server retries its AOF write every
+second and writes again once there is room), and past it the command raises `RedisRefusesWrites`, one line saying so.
 Refusals are not outages and fail at once: refused credentials, an ACL denial (NOPERM), a TLS handshake that
 fails (a bad certificate or CA, a TLS client on a plain port: no TLS answer within the connect timeout).
 `refusal(error)` names which of these (or an outage past its deadline) an error is, `refusal_line` says it in one
@@ -138,6 +141,26 @@ class RedisUnavailable(redis.ConnectionError):
         )
         self.seconds = seconds
         self.url = url
+
+
+class RedisRefusesWrites(RedisUnavailable):
+    """Redis refused writes (MISCONF: it cannot write its AOF, e.g. its disk is full) for the whole retry deadline.
+    Everything it acknowledged is still in its memory and AOF buffer, written out once its disk has room."""
+
+    def __init__(self, seconds: float, cause: BaseException, url: str = "") -> None:
+        redis.ConnectionError.__init__(
+            self,
+            f"redis{f' at {url}' if url else ''} refused writes for {seconds:.0f} s: "
+            f"{' '.join(str(cause).split())} (free room on the disk of its AOF directory, CONFIG GET dir)",
+        )
+        self.seconds = seconds
+        self.url = url
+
+
+def refuses_writes(error: BaseException) -> bool:
+    """Is this Redis's MISCONF, a refusal of every write until it can persist again (its AOF or RDB disk is full),
+    also as a Lua script's or a pipeline's error?"""
+    return isinstance(error, ResponseError) and "MISCONF " in str(error)
 
 
 class Refusal(StrEnum):
@@ -322,6 +345,18 @@ class OutageRetry(Retry):
                 waited = time.monotonic() - since
                 if waited >= self.deadline_s:
                     raise RedisUnavailable(waited, error, self.url) from error
+                time.sleep(min(self._backoff.compute(failures), max(0.0, self.deadline_s - waited)))
+                continue
+            except ResponseError as error:
+                if not refuses_writes(error):
+                    raise
+                # MISCONF: the server could not write its AOF (its disk is full) and refuses every write until it
+                # can; the refused command did nothing, and the connection is sound: wait, as for an outage
+                failures += 1
+                since = self.outage.failed(error)
+                waited = time.monotonic() - since
+                if waited >= self.deadline_s:
+                    raise RedisRefusesWrites(waited, error, self.url) from error
                 time.sleep(min(self._backoff.compute(failures), max(0.0, self.deadline_s - waited)))
                 continue
             if failures or self.outage.since is not None:

@@ -48,6 +48,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rolledger.events.archive import Archiver, archive_dir, iter_run
 from rolledger.events.connection import connect
+from rolledger.events.disk_full import DiskFull, is_disk_full
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
 from rolledger.events.redact import redact
@@ -196,6 +197,7 @@ class LocalRun:
         self._staging: StagingStore | None = None  # the trainer's store, made with the workers
         self._close_engines: Callable[[], None] = lambda: None
         self.signalled: int | None = None  # the signal that cancelled the run, if one did
+        self.summary_error: str | None = None  # why summary.json could not be written (a full disk), if it was not
         self._signal_seen = threading.Event()
 
     def connect(self) -> redis.Redis:
@@ -351,7 +353,7 @@ class LocalRun:
             unarchived += len({s.stream_id for s in polled})  # entries (an entry holds one append's events)
             if archiver is not None and unarchived >= archiver.archive_every:
                 unarchived = 0
-                archiver.run_once()
+                self._archive(archiver)
             if self.opts.on_progress is not None:
                 self.opts.on_progress(follower)
             self._restart_dead()
@@ -382,7 +384,7 @@ class LocalRun:
         take_snapshot(client, self.run_id, follower.state, follower.last_id)
         archiver = self._archiver(client)
         if archiver is not None:  # the finished run's Redis (and its AOF) keeps the window too
-            archiver.run_once()
+            self._archive(archiver)
         events = [s.event for s in iter_run(client, self.run_id, archive_dir(self.run_dir))]
         if keep_events is not None:
             keep_events["events"] = events
@@ -390,9 +392,34 @@ class LocalRun:
             dead_letter_incident(d.dead_letter_id, d.source, d.reason) for d in read_dead_letters(client, self.run_id)
         ]
         summary = summarize(follower.state, events, dead)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-        self._collect_staging(follower.state)
+        self._collect_staging(follower.state)  # first: what it frees may be the room the summary needs
+        self._write_summary(summary)
         return summary
+
+    def _archive(self, archiver: Archiver) -> None:
+        """One archiver pass; a full disk is one line: nothing was recorded or trimmed, the entries stay in Redis,
+        and the next pass (after `archive_every` more entries, or at the end) tries again."""
+        try:
+            archiver.run_once()
+        except DiskFull as e:
+            log.error(f"{e}; the entries stay in Redis, untrimmed, until a later pass can write them")
+
+    def _write_summary(self, summary: Summary) -> None:
+        """summary.json, atomically (a temporary file renamed into place). A full disk is one line naming the path
+        and leaves any earlier summary as it was (`summary_error`); `rolledger run --resume RUN_ID` writes it again
+        from the log once there is room."""
+        path = self.run_dir / "summary.json"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+            os.replace(tmp, path)
+            self.summary_error = None
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if not is_disk_full(e):
+                raise
+            self.summary_error = str(DiskFull(path, "run summary", e))
+            log.error(f"{self.summary_error}; `rolledger run --resume {self.run_id}` writes it once there is room")
 
     def _collect_staging(self, state: RunState) -> None:
         """Once every in-process worker stopped: delete the staged versions nothing can need again. Kept: the

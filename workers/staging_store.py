@@ -7,7 +7,8 @@ manifest, staging is a no-op returning the existing record (a trainer killed aft
 UpdateStaged restages the same step on restart); other content for the same version goes to another directory (the
 unlogged one is an orphan `gc()` collects); a directory of the same name holding another manifest is an error naming
 both digests. New content is written into a hidden temporary directory, fsynced, and renamed into place: a crash
-mid-write leaves no visible version. The URI (`StagedUpdate.uri`, UpdateStaged.uri) names the directory; readers go
+mid-write leaves no visible version; a full disk (ENOSPC, EDQUOT) removes the temporary directory and raises
+`DiskFull` naming the file (events/disk_full.py), so nothing is staged. The URI (`StagedUpdate.uri`, UpdateStaged.uri) names the directory; readers go
 by it (`read_manifest(uri, ...)`, staging_loader.load_verified), never by the version alone.
 `read_manifest()` reads a version's manifest back, checked against the announced digest; `load_verified()` reads
 through workers.staging_loader; `gc()` deletes what no update needs any more. `open_store(uri)` picks a store by URI
@@ -29,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from rolledger.events.archive import fsync_path
+from rolledger.events.disk_full import DiskFull, is_disk_full
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, DTYPE_SIZES, ChecksumAlgo, TensorEntry, WeightManifest
 from rolledger.workers.staging_checksums import checksum_bytes, raw_bytes
 from rolledger.workers.staging_format import (
@@ -48,6 +50,8 @@ from rolledger.workers.staging_format import (
 )
 from rolledger.workers.staging_loader import VerifiedWeights, read_verified
 from rolledger.workers.weights import dtype_name
+
+STAGE_SLACK = 1 << 20  # room beyond the tensors' bytes a stage needs: the safetensors header, the manifest, metadata
 
 
 @dataclass(frozen=True)
@@ -176,15 +180,17 @@ class DirectoryStagingStore:
         final = version_dir(self.root, version, manifest.digest)
         if final.exists():
             return self._existing(final, manifest, t0)
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-v{version:06d}-{uuid.uuid4().hex}"
-        tmp.mkdir()
+        writing = tmp
         try:
-            weights_path = tmp / manifest.file
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            writing = weights_path = tmp / manifest.file
             metadata = {"version": str(version), "base_version": str(base_version)}
             if not self._write_into_free_file(weights_path, tensors, manifest, metadata):
                 save_file(dict(tensors), str(weights_path), metadata=metadata)
-            (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=1))
+            writing = tmp / MANIFEST_FILE
+            writing.write_text(manifest.model_dump_json(indent=1))
             tf = time.perf_counter()
             if self.fsync:
                 for p in (weights_path, tmp / MANIFEST_FILE, tmp):
@@ -199,8 +205,10 @@ class DirectoryStagingStore:
                 tf = time.perf_counter()
                 fsync_path(self.root)
                 fsync_s += time.perf_counter() - tf
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # a write that could not finish leaves nothing, and its room
+            if is_disk_full(e):  # one line naming the file; the version is not staged (the caller waits for room)
+                raise DiskFull(writing, f"staging v{version}", e, need=manifest.total_bytes + STAGE_SLACK) from e
             raise
         t2 = time.perf_counter()
         return StagedUpdate(

@@ -22,6 +22,7 @@ from pathlib import Path
 import redis
 import torch
 
+from rolledger.events.disk_full import DiskFull, has_room, is_disk_full
 from rolledger.schemas.config import TrainerConfig
 from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
@@ -67,7 +68,10 @@ class TrainerWorker(Worker):
             if batch is None:
                 self.seat.serve_until_finished()  # a trainer that serves the weights stays until the run ends
                 return
-            self.carry_out(batch)
+            try:
+                self.carry_out(batch)
+            except RunOver:  # the run ended (or this trainer was stopped) while the step waited: nothing to record
+                return
 
     def _restore_weights(self) -> None:
         """Make the model the weights the log says the trainer holds, so a trainer restarted as a fresh process (its
@@ -116,7 +120,13 @@ class TrainerWorker(Worker):
         version = self.seat.publish(batch, policy_state(self.model), stats, train_ms=train_ms, wait=False)
         every = cfg.trainer.checkpoint_every
         if every and self.optimizer is not None and version % every == 0:
-            save_optimizer(self._checkpoints, version, self.optimizer)
+            try:
+                save_optimizer(self._checkpoints, version, self.optimizer)
+            except Exception as e:
+                if not is_disk_full(e):
+                    raise
+                # the version is staged and recorded; without its optimizer state a restart starts fresh moments
+                self.logger.error(f"optimizer state of v{version} not saved: {' '.join(str(e).split())}")
 
     def _grpo(self, batch: Sequence[Trajectory], rewards: Sequence[float], cfg: TrainerConfig) -> GrpoStats:
         if self.optimizer is None:
@@ -167,8 +177,16 @@ def save_optimizer(root: Path, version: int, optimizer: torch.optim.Optimizer, k
     root.mkdir(parents=True, exist_ok=True)
     final = _optimizer_path(root, version)
     tmp = root / f".{final.name}.{os.getpid()}.tmp"
-    torch.save(optimizer.state_dict(), tmp)
-    os.replace(tmp, final)
+    try:
+        torch.save(optimizer.state_dict(), tmp)
+        os.replace(tmp, final)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        # torch.save names no errno ("[enforce fail at inline_container.cc] unexpected pos"): a failed write on a
+        # filesystem with (next to) no room left is taken for a full disk
+        if is_disk_full(e) or (isinstance(e, (OSError, RuntimeError)) and not has_room(root, 1 << 20)):
+            raise DiskFull(tmp, f"optimizer state of v{version}", e) from e
+        raise
     for old in sorted(root.glob("optimizer-v*.pt"))[:-keep]:
         old.unlink(missing_ok=True)
     return final

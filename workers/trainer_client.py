@@ -19,7 +19,8 @@ client only follows the log, carries them out and appends their facts:
 - `publish(batch, weights, stats)`: stages the new weights with their manifest (and the digest of what they were
   trained from), appends the drops, `BatchConsumed`, `TrainStepFinished` and `UpdateStaged` at once under the step's
   single-writer keys, and waits for the fail-closed transaction: the published version, or `UpdateFailed` naming the
-  ranks and their reasons (the old version keeps serving).
+  ranks and their reasons (the old version keeps serving). A full disk while staging (events/disk_full.py) is one
+  line naming the file; nothing is appended until the version is staged, once there is room again.
 
 Every wait has a deadline and a stop flag. Nothing here keeps what the log knows: the step, the next version and the
 weights' lineage come from the folded state each time.
@@ -41,6 +42,7 @@ import torch
 
 from rolledger.events.archive import iter_run
 from rolledger.events.connection import connect
+from rolledger.events.disk_full import DiskFull, has_room
 from rolledger.events.store import EventLog, RunClosed
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
@@ -49,7 +51,7 @@ from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.policy_model import policy_state
 from rolledger.workers.runtime import Emitter, Follower
 from rolledger.workers.staging_format import StagingError
-from rolledger.workers.staging_store import StagingStore
+from rolledger.workers.staging_store import StagedUpdate, StagingStore
 from rolledger.workers.transport import (
     close_store,
     load_verified,
@@ -75,6 +77,7 @@ from rolledger.workflows.trainer import (
 
 log = structlog.get_logger("rolledger.client")
 POLL_MS = 100
+ROOM_POLL_S = 0.5  # how often a stage waiting for room on a full disk looks again
 
 
 class ClientError(RuntimeError):
@@ -220,6 +223,7 @@ class TrainerClient:
         self.stop = stop or threading.Event()
         self.trajectories: dict[str, Trajectory] = {}  # finished samples that may still be trained (`follow`)
         self._agreements: dict[int, Agreement] = {}  # step -> its measured agreement, until published
+        self.disk_full = threading.Event()  # set while a stage waits for room (`publish`)
 
     @classmethod
     def connect(
@@ -404,7 +408,7 @@ class TrainerClient:
         collected = self.staging.gc(versions_to_keep(self.follower.state))  # at most three versions on disk
         if collected:
             log.debug("staged versions collected", versions=collected)
-        staged = self.staging.stage(plan.version, plan.base_version, weights, parent_digest=batch.parent_digest)
+        staged = self._stage_when_room(plan.version, plan.base_version, weights, batch.parent_digest)
         done = ev.TrainStepFinished(
             step=plan.step,
             loss=stats.loss,
@@ -434,6 +438,38 @@ class TrainerClient:
         if wait:
             self.wait_published(plan.version, timeout_s=timeout_s)
         return plan.version
+
+    def _stage_when_room(
+        self, version: int, base_version: int, weights: Mapping[str, torch.Tensor], parent_digest: str
+    ) -> StagedUpdate:
+        """Stage `version`; on a full disk (DiskFull: nothing was staged, nothing is appended) say so in one line,
+        wait for room, then stage it again: the step is not recorded until its version is on disk. RunOver when the
+        run ends or the trainer is stopped meanwhile."""
+        full: DiskFull | None = None
+        while True:
+            try:
+                staged = self.staging.stage(version, base_version, weights, parent_digest=parent_digest)
+            except DiskFull as e:
+                if full is None:
+                    log.error(f"{e}; v{version} is not staged: waiting for room", path=str(e.path), need=e.need)
+                    self.disk_full.set()
+                full = e
+                self._wait_for_room(e)
+                continue
+            if full is not None:
+                log.warning(f"room again on {full.path.parent}: v{version} staged")
+                self.disk_full.clear()
+            return staged
+
+    def _wait_for_room(self, full: DiskFull) -> None:
+        """Until the filesystem of `full.path` has the room the write needed (checked every `ROOM_POLL_S`, following
+        the log meanwhile); RunOver when the run ends or the trainer is stopped first."""
+        while not has_room(full.path, full.need):
+            self.follow()
+            if self.follower.state.status.is_terminal:
+                raise RunOver(f"the run ended ({self.follower.state.status}) while {full.path.parent} was full")
+            if self.stop.wait(ROOM_POLL_S):
+                raise RunOver(f"stopped while waiting for room on {full.path.parent}")
 
     def _update_deadline(self, timeout_s: float | None = None) -> float:
         """When a wait on one update gives up: `timeout_s`, else the run's prepare + drain + commit deadlines (what
