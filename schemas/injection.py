@@ -8,9 +8,16 @@ kill-worker=KIND@N                    the KIND worker (rollout|reward|trainer|co
 delay-trainer=SECONDS                 the trainer sleeps SECONDS before each step
 stale-weights=R                       rank R reports the commit but keeps serving the old weights
 noop-transport=R                      rank R's next dist transfer moves nothing (a communicator that disabled itself)
+kill-trainer@copy                     dist: the trainer process is SIGKILLed between its durable copy and its record
+                                      (after writing its copy of the next version it stages, before the weight
+                                      server records that the copy is in place); in a `rolledger worker` process only
+kill-rank=R@receive                   dist: rank R's process is SIGKILLed after the first bucket of its next transfer
 
 `check_injections` refuses, before a run starts, an injection that could never fire in it (a rank the run does not
 have, a non-finite or negative delay, a kill after zero units, a fault for a worker the run does not start here).
+The two process kills (kill-trainer@copy, kill-rank=R@receive) SIGKILL a `rolledger worker` process: the chaos
+harness arms them there (tests/chaos, `inject:<proc>:<spec>`); a run whose workers are threads of one process refuses
+them, and so does a run under the directory transport.
 """
 
 from __future__ import annotations
@@ -24,13 +31,23 @@ from typing import Literal, get_args
 
 from rolledger.schemas.config import RunConfig
 
-InjectionKind = Literal["fail-rank", "corrupt-rank", "kill-worker", "delay-trainer", "stale-weights", "noop-transport"]
+InjectionKind = Literal[
+    "fail-rank",
+    "corrupt-rank",
+    "kill-worker",
+    "delay-trainer",
+    "stale-weights",
+    "noop-transport",
+    "kill-trainer",
+    "kill-rank",
+]
 WorkerKind = Literal["rollout", "reward", "trainer", "coordinator"]  # the workers kill-worker can name
 WORKER_KINDS: tuple[WorkerKind, ...] = get_args(WorkerKind)
 Phase = Literal["prepare", "transfer", "commit"]
 PHASES: tuple[Phase, ...] = get_args(Phase)
 
-_RE = re.compile(r"^(?P<kind>[a-z-]+)=(?P<value>[^@]+)(?:@(?P<at>.+))?$")
+_RE = re.compile(r"^(?P<kind>[a-z-]+)(?:=(?P<value>[^@]+))?(?:@(?P<at>.+))?$")
+PROCESS_KILLS = ("kill-trainer", "kill-rank")  # kinds that SIGKILL the process they fire in
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,10 @@ class Injection:
             return f"kill-worker={self.worker}@{self.after}"
         if self.kind == "delay-trainer":
             return f"delay-trainer={self.seconds:g}"
+        if self.kind == "kill-trainer":
+            return "kill-trainer@copy"
+        if self.kind == "kill-rank":
+            return f"kill-rank={self.rank}@receive"
         return f"{self.kind}={self.rank}"
 
     @property
@@ -58,7 +79,7 @@ class Injection:
         if self.kind == "kill-worker":
             assert self.worker is not None
             return self.worker
-        return "trainer" if self.kind == "delay-trainer" else "rollout"
+        return "trainer" if self.kind in ("delay-trainer", "kill-trainer") else "rollout"
 
 
 def parse_injection(spec: str) -> Injection:
@@ -67,7 +88,17 @@ def parse_injection(spec: str) -> Injection:
     if not m:
         raise ValueError(f"--inject {spec!r}: expected KIND=VALUE[@WHERE]")
     kind, value, at = m["kind"], m["value"], m["at"]
+    if kind == "kill-trainer":
+        if value is not None or at != "copy":
+            raise ValueError(f"--inject {spec!r}: expected kill-trainer@copy")
+        return Injection("kill-trainer", worker="trainer")
+    if value is None:
+        raise ValueError(f"--inject {spec!r}: expected KIND=VALUE[@WHERE]")
     try:
+        if kind == "kill-rank":
+            if at != "receive":
+                raise ValueError("expected kill-rank=R@receive")
+            return Injection("kill-rank", rank=int(value))
         if kind == "fail-rank":
             if at not in PHASES:
                 raise ValueError("the phase after @ must be prepare, transfer or commit")
@@ -111,10 +142,17 @@ def _cannot_fire(inj: Injection, config: RunConfig, in_process: bool) -> str | N
         return f"rank {inj.rank} does not exist (the run has {config.ranks} rank(s), 0 to {config.ranks - 1})"
     if inj.kind == "delay-trainer" and not (math.isfinite(inj.seconds) and inj.seconds >= 0):
         return "the delay must be a finite number of seconds >= 0"
-    if inj.kind == "noop-transport" and config.update.transport != "dist":
+    dist_fault = inj.kind in ("noop-transport", *PROCESS_KILLS)
+    if dist_fault and config.update.transport != "dist":
         return "it is a fault of the dist transport; this run's update.transport is directory"
-    if inj.kind == "noop-transport" and config.engine != "torch":
+    if inj.kind in ("noop-transport", "kill-rank") and config.engine != "torch":
         return "a vLLM rank's workers receive the weights themselves; this fault is armed in the torch engine only"
+    if inj.kind in PROCESS_KILLS:
+        return (
+            f"it SIGKILLs the {inj.fired_by if inj.kind == 'kill-trainer' else 'rank'}'s process, and this run's "
+            "workers are threads of this one; the chaos harness arms it in a `rolledger worker` process "
+            f"(tests/chaos: inject:<proc>:{inj.spec})"
+        )
     if inj.kind == "kill-worker" and inj.after < 1:
         return f"a worker dies after N >= 1 units of work, not {inj.after}"
     return None

@@ -14,16 +14,19 @@ says what its `gc` may not delete.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
+from rolledger.events.disk_full import DiskFull, free_bytes, has_room
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo, WeightManifest
 from rolledger.workers import staging_loader, staging_store, transport_dist
@@ -105,6 +108,9 @@ class DistStagingStore:
         self._writer: threading.Thread | None = None
         self.last_copy: StageTimings | None = None  # how the last durable copy's write went (bench/bench_transport.py)
         self.last_stage: SnapshotTimings | None = None  # how the last stage's parts went
+        # fault injection (kill-trainer@copy): called with the version once its durable copy is written and before
+        # the server records it; the chaos harness's hook sets it in a trainer process (it SIGKILLs the process)
+        self.on_copied: Callable[[int], None] | None = None
         self.server = transport_dist.WeightServer(
             self.local.root,
             host,
@@ -146,6 +152,7 @@ class DistStagingStore:
         self.wait_persisted()
         t1 = time.perf_counter()
         prepared = staging_store.prepare_for_save(state_dict, version)
+        self._check_room(version, prepared)
         snapshot = self.server.reusable(prepared)  # the trainer trains on: serve a copy
         if snapshot is None:
             snapshot = {name: t.clone() for name, t in prepared.items()}
@@ -174,6 +181,23 @@ class DistStagingStore:
             timings=StageTimings(checksum_s=took, write_s=0.0, fsync_s=0.0, total_s=took),
         )
 
+    def _check_room(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """DiskFull (nothing offered) when the trainer's directory has no room for the durable copy: a version
+        offered without room for its copy would fail every transfer of it, so its update would abort. The free
+        file, overwritten in place, needs no new room. A disk that fills during the copy still fails the transfers
+        (the update aborts, the ranks keep serving the old version)."""
+        need = sum(t.numel() * t.element_size() for t in tensors.values()) + staging_store.STAGE_SLACK
+        free_file = self.local.root / FREE_FILE
+        with contextlib.suppress(FileNotFoundError):
+            need -= free_file.stat().st_size
+        if not has_room(self.local.root, need):
+            raise DiskFull(
+                self.local.root,
+                f"staging v{version}",
+                OSError(errno.ENOSPC, f"{free_bytes(self.local.root)} bytes free, the copy needs {need}"),
+                need=need,
+            )
+
     def _persist(self, dirname: str, manifest: WeightManifest, tensors: Mapping[str, torch.Tensor]) -> None:
         error = None
         try:
@@ -181,6 +205,8 @@ class DistStagingStore:
             self.last_copy = staged.timings
             if staged.manifest_digest != manifest.digest:
                 error = f"the copy's manifest is {staged.manifest_digest}, the offered one {manifest.digest}"
+            elif self.on_copied is not None:
+                self.on_copied(manifest.version)
         except Exception as e:  # noqa: BLE001 - reported to every transfer of this version, which then fails
             error = f"{type(e).__name__}: {e}"
         if error is not None:

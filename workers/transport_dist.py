@@ -358,6 +358,17 @@ DELTA_FALLBACKS: list[str] = []  # deltas this process fetched again in full (th
 Receiver = type[GroupCommunicator | NoOpCommunicatorFake]
 
 
+# Fault injection (kill-rank=R@receive): called with each bucket's tag once it is received, in whichever thread
+# receives; the chaos harness's hook sets it in a rank process (it SIGKILLs the process). None: nothing is called.
+on_bucket_received: Callable[[int], None] | None = None
+
+
+def _received(tag: int) -> None:
+    hook = on_bucket_received
+    if hook is not None:
+        hook(tag)
+
+
 def receive_verified(
     uri: str,
     version: int,
@@ -528,6 +539,7 @@ def _receive_full(
         except (dist.DistError, RuntimeError) as e:
             raise failed(e, tag) from e
         tb = time.perf_counter()
+        _received(tag)
         if not direct:
             src, at = srcs[tag % SLOTS], 0
             for i, lo, length in pieces:
@@ -578,6 +590,7 @@ def _receive_delta(
             comm.irecv(blob[at : at + n], tag)()
         except (dist.DistError, RuntimeError) as e:
             raise _failed(e, uri, manifest, pieces[0][0], tag) from e
+        _received(tag)
         at += n
     packed = raw_bytes(blob)
     dctx = zstandard.ZstdDecompressor()

@@ -12,6 +12,10 @@ The supervisor is systemd's `Restart=always` with `RestartSec`: a process the ha
 the fault's delay; a process that exits by itself before the run ended (a crash: recorded, with its log's tail) is
 restarted after 1 s, at most `CRASH_RESTARTS` times. Once `RunFinished` is in the log nothing is restarted, and every
 process must exit by itself within `exit_deadline_s`.
+
+A schedule with `net:` faults gives every process its own `FaultProxy` (tests/fault_proxy.py) in front of the run's
+redis-server and that process's `--redis` points at it (a restarted process gets the same one), so a network fault
+hits one process's path to Redis; the harness itself reads the log directly. Without `net:` faults there is no proxy.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from .schedule import Fault, Schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: its conftest's RedisProcess
 from conftest import RedisProcess
+from fault_proxy import FaultProxy
+
+from .schedule import NET_JITTER_S, NET_LATENCY_S
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
@@ -170,6 +177,7 @@ class Harness:
         self.deadline_is_violation = deadline_is_violation
         self.run_id = f"chaos-{schedule.seed}"
         self.redis = RedisProcess(workdir / "redis")
+        self.proxies: dict[str, FaultProxy] = {}  # per process, for schedules with net: faults
         self.procs: dict[str, Proc] = {}
         self.counts: Counter[str] = Counter()
         self.last_id = "-"
@@ -221,8 +229,20 @@ class Harness:
         p.restart_at = None
         p.killed_by_us = False
 
+    def redis_url_for(self, name: str) -> str:
+        """The --redis of process `name`: its own fault proxy's address when the schedule has network faults."""
+        if not self.s.has_net_faults:
+            return self.redis.url
+        if name not in self.proxies:
+            self.proxies[name] = FaultProxy(self.redis.port).start()
+        return self.proxies[name].url()
+
+    def _stop_proxies(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.stop()
+
     def _proc_args(self, name: str) -> list[str]:
-        common = ["--redis", self.redis.url, "--run", self.run_id]
+        common = ["--redis", self.redis_url_for(name), "--run", self.run_id]
         if name.startswith("coordinator"):
             return ["coordinator", *common]
         if name.startswith("rank"):
@@ -296,6 +316,20 @@ class Harness:
             self._client = None
             self.timers.append((now + f.seconds, "redis-start", ""))
             self.fired.append(f"{at} {f.render()}")
+        elif f.kind == "net":
+            proxy = self.proxies.get(f.proc)
+            if proxy is None:
+                return  # not in this schedule
+            if f.spec == "latency":
+                proxy.set_latency(NET_LATENCY_S, NET_JITTER_S)
+                self.timers.append((now + f.seconds, "net-clear", f.proc))
+            elif f.spec == "reset":
+                proxy.reset_all()
+            elif f.spec == "stall":
+                proxy.stall(f.seconds)
+            else:
+                proxy.partition(f.seconds)
+            self.fired.append(f"{at} {f.render()}")
         elif f.kind in ("freeze", "slow"):
             folder = self.dir / "arm" / f.proc
             folder.mkdir(parents=True, exist_ok=True)
@@ -345,6 +379,8 @@ class Harness:
                     p.popen.send_signal(signal.SIGCONT)
             elif action == "redis-start":
                 self.redis.start()
+            elif action == "net-clear":
+                self.proxies[target].set_latency(0.0)
 
     def _supervise(self, now: float) -> None:
         for p in self.procs.values():
@@ -379,7 +415,7 @@ class Harness:
         try:
             driver = Proc(
                 "driver",
-                ["run", "--redis", self.redis.url, "--run-id", self.run_id, "--config", str(cfg), "--runs-dir",
+                ["run", "--redis", self.redis_url_for("driver"), "--run-id", self.run_id, "--config", str(cfg), "--runs-dir",
                  str(self.dir / "runs"), "--external-workers", "--model-dir", str(self.model_dir)],
             )  # fmt: skip
             self.procs["driver"] = driver
@@ -408,6 +444,9 @@ class Harness:
                 self._supervise(now)
                 time.sleep(POLL_S)  # the supervisor's tick: polling processes and the log
             self._timers(time.monotonic(), force=True)  # SIGCONT whatever is stopped, bring Redis back
+            for proxy in self.proxies.values():  # and every process's path to it
+                proxy.heal()
+                proxy.resume()
             for p in self.procs.values():  # and a rank that froze itself after the last look at /proc
                 if p.alive:
                     assert p.popen is not None
@@ -425,9 +464,11 @@ class Harness:
                         hung.append(f"{p.name}.{p.incarnation}")
         except BaseException:
             self._kill_all()
+            self._stop_proxies()
             self.redis.stop(kill=True)
             raise
         self._kill_all()  # the hung ones: nothing appends while the log is read
+        self._stop_proxies()
         try:
             events, undecodable = self._read_log()
         finally:
@@ -521,6 +562,7 @@ def run_schedule(
     try:
         result = harness.run()
     except (RuntimeError, OSError, redis.RedisError) as exc:  # the harness itself failed: never a silent pass
+        harness._stop_proxies()
         harness.redis.stop(kill=True)
         verdict = Verdict(Ending.NOT_ENDED, violations=[f"harness: {type(exc).__name__}: {exc}"[:2000]])
         crashes = [c for p in harness.procs.values() for c in p.crashes]

@@ -2,9 +2,12 @@
 
 Schedule i has seed S+i (drawn by `schedule.draw`), so `--seed S+i --schedules 1` replays it; `--schedule JSON` runs
 one printed schedule as is. `--faults none` runs fault-free schedules (they must all finish); `--faults kill,stop`
-draws only those kinds. `--parallel 2` runs two schedules at once (each has its own redis-server and directory).
+draws only those kinds; `--faults net` only network faults (1 to --max-faults a schedule, through each process's
+fault proxy), `--transports dist` the dist transport (whose schedules also draw kill-trainer@copy and
+kill-rank=R@receive beside the other injections). `--parallel 2` runs two schedules at once (each has its own redis-server and directory).
 
-The last line is the summary:
+Before it, one line counts the faults that fired by kind (`faults fired by kind: kill 3, net:partition 1, inject:
+kill-rank 1, ...`: an injection by its --inject kind, a network fault by its kind). The last line is the summary:
     schedules N, faults injected F, runs finished A, runs failed-closed B, violations V, events lost L
 F counts faults that fired (signals sent, Redis stopped, armed injections that their process fired); V counts
 schedules with at least one violation other than lost events; L counts acknowledged event ids missing from the log.
@@ -19,14 +22,25 @@ import shlex
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checks import Ending, summary_line
 from .harness import Result, prepare_model, run_schedule
 from .schedule import ROLLOUT_CHOICES, FaultKind, Schedule, draw, parse_choices, parse_kinds, parse_transports
+
+
+def fired_kind(fired: str) -> str:
+    """The kind of one `Result.faults_fired` entry: `inject <spec>` -> inject:<its kind>, `t+Ns net:<proc>:<kind>:S`
+    -> net:<kind>, `t+Ns <kind>:...` -> <kind>."""
+    if fired.startswith("inject "):
+        return "inject:" + re.split(r"[=@]", fired.split(" ", 1)[1], maxsplit=1)[0]
+    fault = fired.split(" ", 1)[1] if fired.startswith("t+") else fired
+    parts = fault.split(":")
+    return f"net:{parts[2]}" if parts[0] == "net" and len(parts) > 2 else parts[0]
 
 
 @dataclass
@@ -37,14 +51,19 @@ class Totals:
     failed_closed: int = 0
     violations: int = 0
     lost: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
 
     def add(self, r: Result) -> None:
         self.schedules += 1
         self.faults += len(r.faults_fired)
+        self.by_kind.update(fired_kind(f) for f in r.faults_fired)
         self.finished += r.verdict.ending is Ending.FINISHED
         self.failed_closed += r.verdict.ending is Ending.FAILED_CLOSED
         self.violations += bool(r.verdict.violations)
         self.lost += len(r.verdict.lost)
+
+    def kinds_line(self) -> str:
+        return "faults fired by kind: " + (", ".join(f"{k} {n}" for k, n in sorted(self.by_kind.items())) or "none")
 
     def line(self) -> str:
         return summary_line(self.schedules, self.faults, self.finished, self.failed_closed, self.violations, self.lost)
@@ -158,6 +177,7 @@ def run_many(
         out("failure kinds:")
         for k in kinds:
             out(k)
+    out(totals.kinds_line())
     out(totals.line())
     return totals, results
 
@@ -167,7 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--schedules", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0, help="schedule i has seed SEED+i")
     ap.add_argument(
-        "--faults", default="all", help="all, none, or a comma list of kill,stop,redis-term,redis-kill,inject"
+        "--faults",
+        default="all",
+        help="all, none, or a comma list of kill,stop,freeze,slow,redis-term,redis-kill,inject,net (net: network "
+        "faults between one process and Redis, drawn beside the others from their own generator)",
     )
     ap.add_argument("--max-faults", type=int, default=3, help="faults per schedule: 1 to this many")
     ap.add_argument(

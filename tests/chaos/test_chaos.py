@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -26,8 +27,8 @@ from rolledger.schemas.statuses import RunStatus
 
 from .checks import Ack, Ending, judge, parse_ack_log, served_versions
 from .harness import HOOK_DIR, config_toml
-from .run_chaos import run_many
-from .schedule import FAULT_KINDS, Schedule, draw, parse_kinds
+from .run_chaos import fired_kind, run_many
+from .schedule import FAULT_KINDS, NET_KINDS, Fault, Schedule, draw, parse_kinds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import history  # tests/fixtures: the committed run logs
@@ -148,7 +149,9 @@ def test_a_schedule_is_a_function_of_its_seed_and_replays_from_its_json() -> Non
         s = draw(seed)
         assert s == draw(seed)
         assert Schedule.from_json(s.to_json()) == s
-        assert 1 <= len(s.faults) <= 3 and 2 <= s.steps <= 3 and 2 <= s.group_size <= 4
+        process_faults = [st for st in s.faults if st.fault.kind != "net"]
+        assert 1 <= len(process_faults) <= 3 and 2 <= s.steps <= 3 and 2 <= s.group_size <= 4
+        assert len(s.faults) - len(process_faults) <= 2  # network faults beside them
         assert all(step.fault.proc in ("", *s.processes) for step in s.faults)
     assert {step.fault.kind for seed in range(200) for step in draw(seed).faults} == set(FAULT_KINDS)
     assert [draw(seed).rollout for seed in range(4)] == ["plain", "recycle"] * 2  # every batch holds both
@@ -164,6 +167,76 @@ def test_a_schedule_is_a_function_of_its_seed_and_replays_from_its_json() -> Non
     assert {st.fault.kind for seed in range(30) for st in draw(seed, parse_kinds("stop")).faults} == {"stop"}
     with pytest.raises(ValueError, match="unknown kind"):
         parse_kinds("kill,nuke")
+
+
+# the process faults of these seeds as drawn before network faults and the dist kills existed (pinned)
+PINNED = [
+    (
+        '{"seed":0,"steps":3,"group_size":3,"groups_per_step":1,"coordinators":1,"faults":["after:UpdateCommitted#2 -> '
+        'slow:rank1:7.8","at:3.3 -> freeze:rank0:8.3","at:1.9 -> redis-term:3"],"transport":"dist","rollout":"plain"}'
+    ),
+    (
+        '{"seed":1,"steps":2,"group_size":4,"groups_per_step":1,"coordinators":1,"faults":["after:RankCommitted#4 -> '
+        'redis-kill:1.4"],"transport":"directory","rollout":"recycle"}'
+    ),
+    (
+        '{"seed":7,"steps":3,"group_size":2,"groups_per_step":2,"coordinators":2,"faults":["after:RankPrepared#1 -> '
+        'freeze:rank0:8.7"],"transport":"dist","rollout":"recycle"}'
+    ),
+]
+
+
+def _process_part(s: Schedule) -> Schedule:
+    """`s` without what the separate generators add: network faults and the dist transport's process kills."""
+    keep = [
+        st for st in s.faults if st.fault.kind != "net" and not st.fault.spec.startswith(("kill-trainer", "kill-rank"))
+    ]
+    return dataclasses.replace(s, faults=tuple(keep))
+
+
+def test_network_faults_and_dist_kills_leave_every_seeds_process_faults_as_they_were() -> None:
+    transports = ("directory", "dist")
+    for pinned in PINNED:
+        old = Schedule.from_json(pinned)
+        assert _process_part(draw(old.seed, transports=transports)) == old
+        assert (
+            draw(old.seed, tuple(k for k in FAULT_KINDS if k != "net"), transports=transports).faults[: len(old.faults)]
+            == old.faults
+        )
+    no_net = tuple(k for k in FAULT_KINDS if k != "net")
+    for seed in range(300):
+        assert _process_part(draw(seed)) == draw(seed, no_net)  # directory: nothing else moves
+        assert _process_part(draw(seed, transports=transports)) == _process_part(
+            draw(seed, no_net, transports=transports)
+        )
+    dist = [draw(seed, transports=("dist",)) for seed in range(60)]
+    specs = {st.fault.spec.split("=")[0] for s in dist for st in s.faults if st.fault.kind == "inject"}
+    assert {"kill-trainer@copy", "kill-rank"} <= specs
+    directory = [draw(seed) for seed in range(300)]
+    assert not any(st.fault.spec.startswith("kill-") for s in directory for st in s.faults)  # dist schedules only
+    net = [st.fault for seed in range(100) for st in draw(seed, parse_kinds("net")).faults]
+    assert {f.spec for f in net} == set(NET_KINDS) and all(f.kind == "net" for f in net)
+    assert all(
+        f.seconds <= 5.0 for f in net if f.spec in ("stall", "partition")
+    )  # inside the recovery deadlines (schedule.py's docstring)
+    assert all(1 <= len(draw(seed, parse_kinds("net")).faults) <= 3 for seed in range(100))
+    f = Fault.parse("net:rank0:partition:2.5")
+    assert f == Fault("net", proc="rank0", spec="partition", seconds=2.5) and f.render() == "net:rank0:partition:2.5"
+    with pytest.raises(ValueError):
+        Fault.parse("net:rank0:flood:2")
+
+
+def test_run_chaos_counts_the_faults_fired_by_kind() -> None:
+    fired = [
+        "t+1.0s kill:rank0:1.2",
+        "t+2.0s net:rank1:partition:3",
+        "t+2.5s net:driver:reset:0",
+        "inject kill-rank=1@receive",
+    ]
+    fired += ["inject kill-trainer@copy", "inject fail-rank=0@prepare", "t+3.1s freeze:rank0:7 (seen stopped)"]
+    assert [fired_kind(f) for f in fired] == [
+        "kill", "net:partition", "net:reset", "inject:kill-rank", "inject:kill-trainer", "inject:fail-rank", "freeze"
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------- the ack hook, in a real process
