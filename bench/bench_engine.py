@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
-from rolledger.workers.local_run import LocalRun, RunOptions
+from rolledger.workers.operator.local_run import LocalRun, RunOptions
 
 
 def measure(mode: str, steps: int, ranks: int, root: Path) -> dict[str, float]:

@@ -4,7 +4,7 @@
                                   [--queued 0] [--engine-process] [--no-aof] [--rounds 15]
 
 Workload (as bench/bench_engine.py): `--groups` prompts "<few-shot prefix> a+b=" on the tiny policy
-(workers.policy_model, default ModelConfig with positions widened to fit), `--n` samples per group, `--max-tokens`,
+(workers.policy.policy_model, default ModelConfig with positions widened to fit), `--n` samples per group, `--max-tokens`,
 temperature 1, seed = group index, so both paths sample exactly the same tokens (checked: the totals must match).
 
 Measured side by side in one process, each path on its own TorchEngine over the same weights, warmed up the same way,
@@ -18,7 +18,7 @@ per-round ratios is reported):
                   what a run with rank_slots > 1 builds), at most `--slots` a step (max_batch_groups; `--queued` more
                   wait in the engine for room, as a run with torch_engine.max_batch_groups below rank_slots does);
                   --one-group-per-step decodes one group at a time on both;
-  rolledger       a RankWorker (workers/rank.py) with `rank_slots = --slots + --queued` (the same concurrency), its
+  rolledger       a RankWorker (workers/roles/rank.py) with `rank_slots = --slots + --queued` (the same concurrency), its
                   engine in the worker's process or, with --engine-process, in a process of its own
                   (workers/engines/engine_process, torch_engine.process; direct's engine stays in-process), on its own
                   redis-server (AOF, appendfsync no as rolledger runs it, unless --no-aof), joined once for all
@@ -74,9 +74,9 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.config import ModelConfig, RunConfig, SamplingParams
 from rolledger.workers.engines.engine_process import EngineProcess
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-from rolledger.workers.rank import RankWorker
-from rolledger.workers.weights import state_digest
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.roles.rank import RankWorker
+from rolledger.workers.weights.tensors import state_digest
 from rolledger.workflows.admission import sample_reserve
 from rolledger.workflows.scheduler import PromptItem
 

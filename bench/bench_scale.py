@@ -6,13 +6,13 @@
 What runs, all in this process (as `rolledger run` runs it) against a real redis-server on loopback (AOF on,
 appendfsync no, as rolledger runs it):
 
-- the real coordinator (workers/coordinator.py), the real rank workers with their rollout threads (workers/rank.py,
-  workers/rollout.py), the real reward worker (workers/reward.py, the addition checker on a real tokenizer);
+- the real coordinator (workers/roles/coordinator.py), the real rank workers with their rollout threads (workers/roles/rank.py,
+  workers/roles/rollout.py), the real reward worker (workers/roles/reward.py, the addition checker on a real tokenizer);
 - `SimulatedEngine` (one per rank, defined here): an Engine that generates nothing. A group costs declared time,
   `--gen-ms`, spent waiting on an event (no CPU), its samples ending one by one across that time (it streams, as
   TorchEngine does); each sample is one random digit and <eos> with logprob -2.3. Pause/commit/prepare are real in
-  their bookkeeping; prepare reads the staged files through the verified path (workers.staging_loader).
-- `SimulatedTrainer` (defined here): the real trainer client (workers/trainer_client.py: next_batch, agreement,
+  their bookkeeping; prepare reads the staged files through the verified path (workers.weights.staging_loader).
+- `SimulatedTrainer` (defined here): the real trainer client (workers/roles/trainer_client.py: next_batch, agreement,
   publish) with no model: it reports the engine's own logprobs as its agreement, "trains" in zero time and stages
   a tiny state dict (4 float32 values) per version, so the update protocol (prepare, drain, commit, probe) runs for
   real with tiny weights.
@@ -35,12 +35,12 @@ Printed, measured between RunStarted and the run's end (setup excluded):
 
 The machine may be shared: the load average is printed with the numbers.
 
-`--gc`: the roles run inside `workers.gc_policy.serving()` as in `rolledger run` (serving, the default), or under
+`--gc`: the roles run inside `workers.runtime.gc_policy.serving()` as in `rolledger run` (serving, the default), or under
 CPython's collector defaults (default, the baseline), or both, one whole run after the other (a fresh redis-server
 each), each printed, then their ratio of control-plane CPU per event.
 
 `--fold`: the ranks and the reward worker share the process's one fold of the log, as in `rolledger run`
-(`workers.runtime.shared_follower`; shared, the default), or each folds it itself (own, the baseline: as before the
+(`workers.runtime.runtime.shared_follower`; shared, the default), or each folds it itself (own, the baseline: as before the
 fold was shared, and as ranks in processes of their own do), or both, compared the same way.
 """
 
@@ -71,9 +71,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_replay import redis_server
 
-import rolledger.workers.coordinator as coordinator_module
-import rolledger.workers.rank as rank_module
-import rolledger.workers.reward as reward_module
+import rolledger.workers.roles.coordinator as coordinator_module
+import rolledger.workers.roles.rank as rank_module
+import rolledger.workers.roles.reward as reward_module
 from rolledger.events.connection import connect
 from rolledger.events.envelope import make_event
 from rolledger.events.snapshots import take_snapshot
@@ -81,9 +81,7 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import AdmissionConfig, RunConfig, SamplingParams, TaskConfig, TrainerConfig
 from rolledger.schemas.weights import WeightManifest
-from rolledger.workers import gc_policy
-from rolledger.workers.coordinator import Coordinator
-from rolledger.workers.engine import (
+from rolledger.workers.engines.protocol import (
     CommitReport,
     EngineCapabilities,
     GroupOutput,
@@ -95,15 +93,17 @@ from rolledger.workers.engine import (
     WakeReport,
     refuse_unless_serving,
 )
-from rolledger.workers.local_run import prompt_items
-from rolledger.workers.policy_model import build_tokenizer
-from rolledger.workers.rank import RankWorker
-from rolledger.workers.reward import RewardWorker
-from rolledger.workers.runtime import LockedFollower, Worker
-from rolledger.workers.staging_loader import load_verified
-from rolledger.workers.trainer_client import RunOver, TrainerClient
-from rolledger.workers.transport import open_trainer_store
-from rolledger.workers.weights import state_digest
+from rolledger.workers.operator.local_run import prompt_items
+from rolledger.workers.policy.policy_model import build_tokenizer
+from rolledger.workers.roles.coordinator import Coordinator
+from rolledger.workers.roles.rank import RankWorker
+from rolledger.workers.roles.reward import RewardWorker
+from rolledger.workers.roles.trainer_client import RunOver, TrainerClient
+from rolledger.workers.runtime import gc_policy
+from rolledger.workers.runtime.runtime import LockedFollower, Worker
+from rolledger.workers.weights.staging_loader import load_verified
+from rolledger.workers.weights.tensors import state_digest
+from rolledger.workers.weights.transport import open_trainer_store
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
 
@@ -476,7 +476,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             workers.append(RankWorker(client, RUN_ID, r, engine, initial_weights=lambda: tiny_weights(0)))  # type: ignore[arg-type]
         workers.append(RewardWorker(client, RUN_ID, "reward", tokenizer))
         workers.append(SimulatedTrainer(client, RUN_ID, Path(tmp) / "staging", cfg))
-        if args.gc == "serving":  # as `rolledger run` does: the roles as built are frozen (workers/gc_policy.py)
+        if (
+            args.gc == "serving"
+        ):  # as `rolledger run` does: the roles as built are frozen (workers/runtime/gc_policy.py)
             collector.enter_context(gc_policy.serving())
         calls0, rcpu0, cpu0 = command_calls(client), redis_cpu(client), own_cpu()
         trips.install()
@@ -540,14 +542,14 @@ def main() -> None:
         "--gc",
         choices=("serving", "default", "both"),
         default="serving",
-        help="the collector as `rolledger run` sets it (workers/gc_policy.py), CPython's defaults (the baseline), "
+        help="the collector as `rolledger run` sets it (workers/runtime/gc_policy.py), CPython's defaults (the baseline), "
         "or both, one run after the other, with their ratio",
     )
     p.add_argument(
         "--fold",
         choices=("shared", "own", "both"),
         default="shared",
-        help="the ranks and the reward worker share the process's fold (workers/runtime.py shared_follower), each "
+        help="the ranks and the reward worker share the process's fold (workers/runtime/runtime.py shared_follower), each "
         "folds the log itself (the baseline), or both, one run after the other, with their ratio",
     )
     p.add_argument("--deadline-s", type=float, default=1800.0, help="the run's deadline")

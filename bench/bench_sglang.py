@@ -128,7 +128,7 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="rolledger-bench-sglang-")
     try:
         if args.url is None:
-            from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
+            from rolledger.workers.policy.policy_model import build_model, build_tokenizer, save_policy
 
             tok = build_tokenizer()
             model_dir = save_policy(

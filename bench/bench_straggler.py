@@ -108,9 +108,9 @@ from rolledger.client import TrainerClient, UpdateFailed, policy_weights
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.workers.engines.simulated_engine import SimulatedEngine
-from rolledger.workers.local_run import LocalRun, RunOptions
-from rolledger.workers.policy_model import load_policy
-from rolledger.workers.rank import RankWorker
+from rolledger.workers.operator.local_run import LocalRun, RunOptions
+from rolledger.workers.policy.policy_model import load_policy
+from rolledger.workers.roles.rank import RankWorker
 
 STEP_S = 0.045  # declared decode step
 PREFILL_S_PER_TOKEN = 0.0002

@@ -1,4 +1,4 @@
-"""Benchmark of the dist weight transport (workers/transport_dist.py), each side against its raw baseline in one run.
+"""Benchmark of the dist weight transport (workers/weights/transport_dist.py), each side against its raw baseline in one run.
 
 The update is a Qwen2.5-0.5B-shaped bf16 state dict (~0.99 GB; --layers for less), sent from this process (the
 trainer) to --ranks rank processes over loopback gloo, the ranks receiving concurrently into reused buffers:
@@ -51,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_update import qwen25_05b_shapes
 from rank_procs import RankProcesses
 
-from rolledger.workers import transport_dist as td
-from rolledger.workers.staging_checksums import raw_bytes
-from rolledger.workers.transport import DistStagingStore
-from rolledger.workers.weights import state_digest
+from rolledger.workers.weights import transport_dist as td
+from rolledger.workers.weights.staging_checksums import raw_bytes
+from rolledger.workers.weights.tensors import state_digest
+from rolledger.workers.weights.transport import DistStagingStore
 
 DEADLINE_S = 600.0
 

@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rank_procs import RankProcesses
 
 from rolledger.schemas.weights import WeightManifest
-from rolledger.workers.staging_loader import load_verified
-from rolledger.workers.staging_store import DirectoryStagingStore
-from rolledger.workers.weights import state_digest
+from rolledger.workers.weights.staging_loader import load_verified
+from rolledger.workers.weights.staging_store import DirectoryStagingStore
+from rolledger.workers.weights.tensors import state_digest
 
 RANK_DEADLINE_S = 600.0
 

@@ -77,7 +77,7 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="rolledger-bench-vllm-")
     try:
         if args.url is None:
-            from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
+            from rolledger.workers.policy.policy_model import build_model, build_tokenizer, save_policy
 
             tok = build_tokenizer()
             model_dir = save_policy(

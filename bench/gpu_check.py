@@ -54,7 +54,7 @@ class Deadline:
 def _verify_in_child(queue: Any, results: Any, device_type: str) -> None:
     """Another process: takes CUDA tensors (IPC handles) and a manifest, checks every tensor against it."""
     from rolledger.schemas.weights import WeightManifest
-    from rolledger.workers.staging_checksums import checksum
+    from rolledger.workers.weights.staging_checksums import checksum
 
     for _ in range(2):
         tensors, manifest_json = queue.get(timeout=120)
@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         from rolledger.schemas.config import ModelConfig, SamplingParams
         from rolledger.workers.engines import torch_memory
         from rolledger.workers.engines.torch_engine import TorchEngine
-        from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-        from rolledger.workers.staging_store import build_manifest, prepare_for_save
+        from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+        from rolledger.workers.weights.staging_store import build_manifest, prepare_for_save
     except ImportError as e:
         print(f"gpu_check: a dependency is missing ({e}); install the project first: pip install -e .")
         return 2

@@ -41,7 +41,7 @@ class MarkersMissing(Exception):
 def run_once(runs_dir: Path, run_id: str) -> dict[str, Any]:
     """One `rolledger run --seed 0` with the default config (its progress goes to this console), then its audit;
     the summary with the audit's verdict added as `audit`."""
-    cli = [sys.executable, "-m", "rolledger.workers.cli"]
+    cli = [sys.executable, "-m", "rolledger.workers.operator.cli"]
     where = ["--runs-dir", str(runs_dir)]
     subprocess.run([*cli, "run", "--seed", str(SEED), "--run-id", run_id, *where], check=True, stdout=sys.stderr)
     summary: dict[str, Any] = json.loads((runs_dir / run_id / "summary.json").read_text())

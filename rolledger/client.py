@@ -13,12 +13,12 @@
         client.serve_until_finished()
 
 `rolledger run --trainer external` starts everything but the trainer and waits for such a loop to connect;
-`examples/torch_trainer.py` is one, run by the tests. The implementation is `rolledger.workers.trainer_client`.
+`examples/torch_trainer.py` is one, run by the tests. The implementation is `rolledger.workers.roles.trainer_client`.
 """
 
-from rolledger.workers.policy_model import policy_state as policy_weights
-from rolledger.workers.trainer import token_logprobs
-from rolledger.workers.trainer_client import (
+from rolledger.workers.policy.policy_model import policy_state as policy_weights
+from rolledger.workers.roles.trainer import token_logprobs
+from rolledger.workers.roles.trainer_client import (
     Agreement,
     Batch,
     ClientError,
@@ -32,7 +32,7 @@ from rolledger.workers.trainer_client import (
     check_lineage,
     gap_stats,
 )
-from rolledger.workers.weights import state_digest as weights_digest
+from rolledger.workers.weights.tensors import state_digest as weights_digest
 
 __all__ = [
     "Agreement",

@@ -16,9 +16,9 @@ from slow_engine import SlowEngine
 
 from rolledger.events.connection import connect
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import load_policy
-from rolledger.workers.processes import _run_started, _serve
-from rolledger.workers.rank import RankWorker
+from rolledger.workers.operator.processes import _run_started, _serve
+from rolledger.workers.policy.policy_model import load_policy
+from rolledger.workers.roles.rank import RankWorker
 
 
 def main(url: str, run_id: str, rank: int, name: str, delay_s: float) -> int:

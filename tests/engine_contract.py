@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import (
+from rolledger.workers.engines.protocol import (
     Engine,
     EngineError,
     GroupOutput,
@@ -48,8 +48,8 @@ from rolledger.workers.engine import (
     StaleRequest,
     WeightValidationError,
 )
-from rolledger.workers.staging_format import StagingError
-from rolledger.workers.staging_store import StagedUpdate
+from rolledger.workers.weights.staging_format import StagingError
+from rolledger.workers.weights.staging_store import StagedUpdate
 
 
 def generate_in_thread(call: Callable[[], GroupOutput]) -> tuple[threading.Thread, list[GroupOutput | BaseException]]:
@@ -115,8 +115,8 @@ class ContractSubject:
 
     def torch_logprobs(self, state: Mapping[str, torch.Tensor], out: GroupOutput) -> list[list[float]]:
         """The logprobs of each sample's tokens under `state`, computed in torch (float32 from the staged tensors)."""
-        from rolledger.workers.grpo import sequence_logprobs
-        from rolledger.workers.policy_model import build_model
+        from rolledger.workers.policy.grpo import sequence_logprobs
+        from rolledger.workers.policy.policy_model import build_model
 
         vocab = int(state["model.embed_tokens.weight"].shape[0])
         model = build_model(self.model_config, vocab, seed=0)

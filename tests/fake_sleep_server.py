@@ -16,7 +16,7 @@ that client is driven unchanged:
   released, resuming one that is not, `/update_weights_from_disk` while the weights are released and `/generate`
   while any tag is released are violations; `/weights_checker` reports SGLang's per-parameter checksums of the live
   model (workers.engines.sglang_weights.expected_checksums: qkv/gate_up stacked, the vocabulary padded).
-- the vLLM weight RPCs are the real rolledger worker extension (workers.vllm_extension.RolledgerWorkerExtension) mixed
+- the vLLM weight RPCs are the real rolledger worker extension (workers.weights.vllm_extension.RolledgerWorkerExtension) mixed
   into a fake worker whose model runner is a real torch model; completions are that model's, run by a real
   TorchEngine over it (raw logprobs), so what the contract checks against torch holds.
 """
@@ -35,10 +35,10 @@ import torch
 from safetensors.torch import load_file
 
 from rolledger.schemas.config import SamplingParams
-from rolledger.workers.engine import EngineError, GroupOutput
+from rolledger.workers.engines.protocol import EngineError, GroupOutput
 from rolledger.workers.engines.sglang_weights import expected_checksums
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.vllm_extension import RolledgerWorkerExtension
+from rolledger.workers.weights.vllm_extension import RolledgerWorkerExtension
 
 TAGS = ("weights", "kv_cache")
 # the worker RPCs that read or write the model's weights (vLLM: memory that is unmapped while the weights sleep)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rolledger.workers.tasks import parse_answer
+from rolledger.workers.policy.tasks import parse_answer
 
 NOT_CALLABLE = 3  # `plugins_for_tests:NOT_CALLABLE` is not a function
 

@@ -1,5 +1,5 @@
 """A real engine made slow: every group takes `delay_s` longer, spent after its samples started (the heartbeat tests).
-Everything else is the wrapped engine's own; a wrapper like workers/faults.py's FaultyEngine, kept with the tests
+Everything else is the wrapped engine's own; a wrapper like workers/operator/faults.py's FaultyEngine, kept with the tests
 because a slow engine is not a fault the run's --inject vocabulary offers."""
 
 from __future__ import annotations

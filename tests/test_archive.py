@@ -28,8 +28,8 @@ from rolledger.events.keys import dedupe_key, log_key
 from rolledger.events.snapshots import latest_snapshot, take_snapshot
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
-from rolledger.workers.cli import main
-from rolledger.workers.runtime import Follower
+from rolledger.workers.operator.cli import main
+from rolledger.workers.runtime.runtime import Follower
 from rolledger.workflows.reducer import replay
 
 
@@ -312,7 +312,7 @@ def test_a_run_archives_as_it_goes_and_its_log_replays_and_audits(
     every stored snapshot agrees, and the audit passes."""
     from test_run_loop import small
 
-    from rolledger.workers.local_run import LocalRun, RunOptions
+    from rolledger.workers.operator.local_run import LocalRun, RunOptions
 
     cfg = small(steps=3, log={"keep_live": 15, "archive_every": 15})  # entries: one per append
     summary = LocalRun(RunOptions(config=cfg, redis_url=redis_url, run_id=run_id, runs_dir=tmp_path)).execute()

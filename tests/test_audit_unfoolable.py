@@ -18,7 +18,7 @@ from rolledger.events.keys import log_key
 from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD, EventLog, as_str, dead_letter
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import AdmissionReason, RunStatus
-from rolledger.workers.cli import main
+from rolledger.workers.operator.cli import main
 from rolledger.workflows.audit import audit
 from rolledger.workflows.reducer import replay
 

@@ -11,8 +11,8 @@ import pytest
 
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import check_injections, parse_injection
-from rolledger.workers.cli import main
-from rolledger.workers.local_run import LocalRun, RunOptions
+from rolledger.workers.operator.cli import main
+from rolledger.workers.operator.local_run import LocalRun, RunOptions
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from rolledger.events.store import EventLog
 from rolledger.schemas.config import RunConfig, suggest_field
 from rolledger.schemas.injection import InjectionKind
 from rolledger.schemas.statuses import RunStatus
-from rolledger.workers.cli import EXIT_RUN_FAILED, EXIT_USAGE, build_parser, main, run_exit_code
+from rolledger.workers.operator.cli import EXIT_RUN_FAILED, EXIT_USAGE, build_parser, main, run_exit_code
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import history  # tests/fixtures is not a package: it holds data and the scripts that make it
@@ -245,7 +245,7 @@ def test_each_error_is_one_line_with_its_exit_code(
 # ---------------------------------------------------------------- before the heavy imports
 PROBE = """
 import contextlib, io, json, sys
-from rolledger.workers.cli import main
+from rolledger.workers.operator.cli import main
 results = []
 for argv in json.loads(sys.argv[1]):
     err = io.StringIO()
@@ -282,7 +282,7 @@ def test_config_and_option_errors_come_before_torch_is_imported(tmp_path: Path) 
 
 
 def test_a_misspelt_config_field_from_the_real_entry_point(tmp_path: Path) -> None:
-    """`python -m rolledger.workers.cli run --config bad.toml`, as a user runs it: stderr is exactly one line, exit 2,
+    """`python -m rolledger.workers.operator.cli run --config bad.toml`, as a user runs it: stderr is exactly one line, exit 2,
     and at exit torch (and the rest) was never imported."""
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[trainer]\nwarm_start_step = 2\n")
@@ -290,7 +290,7 @@ def test_a_misspelt_config_field_from_the_real_entry_point(tmp_path: Path) -> No
         "import atexit, json, runpy, sys\n"
         f"atexit.register(lambda: print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))))\n"
         "sys.argv = ['rolledger', *sys.argv[1:]]\n"
-        "runpy.run_module('rolledger.workers.cli', run_name='__main__')\n"
+        "runpy.run_module('rolledger.workers.operator.cli', run_name='__main__')\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe, "run", "--config", str(cfg), "--runs-dir", str(tmp_path / "runs")],
@@ -419,9 +419,9 @@ def test_the_nccl_transport_without_cuda_is_one_line_before_anything_starts(
 def test_the_simulated_engine_may_declare_lengths_past_the_models_positions() -> None:
     """It generates declared lengths without the model (bench_straggler's 4,000-token samples on the tiny policy)."""
     from rolledger.schemas.config import RunConfig, SamplingParams
-    from rolledger.workers.local_run import check_fits
-    from rolledger.workers.policy_model import build_tokenizer
-    from rolledger.workers.run_inputs import RunRefused
+    from rolledger.workers.operator.local_run import check_fits
+    from rolledger.workers.policy.policy_model import build_tokenizer
+    from rolledger.workers.policy.run_inputs import RunRefused
 
     tok = build_tokenizer()
     check_fits(
@@ -437,9 +437,9 @@ def test_the_simulated_engine_may_declare_lengths_past_the_models_positions() ->
 def test_a_checkpoint_too_short_for_max_tokens_is_refused_naming_its_config(tmp_path: Path) -> None:
     """A checkpoint the user brings (`--model-dir`) has its own size: its config.json's max_position_embeddings."""
     from rolledger.schemas.config import ModelConfig, RunConfig, SamplingParams
-    from rolledger.workers.local_run import prepare_policy
-    from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
-    from rolledger.workers.run_inputs import RunRefused
+    from rolledger.workers.operator.local_run import prepare_policy
+    from rolledger.workers.policy.policy_model import build_model, build_tokenizer, save_policy
+    from rolledger.workers.policy.run_inputs import RunRefused
 
     tok = build_tokenizer()
     save_policy(tmp_path, build_model(ModelConfig(max_position_embeddings=16), len(tok), 0), tok)
@@ -547,12 +547,12 @@ FAILURES: dict[str, tuple[Callable[[RefusingRedis], str], str, float]] = {
 
 
 def _run_cli(argv: list[str], tmp: Path, deadline_s: float) -> tuple[subprocess.CompletedProcess[str], float]:
-    """`python -m rolledger.workers.cli ARGV` as a user runs it, with ROLLEDGER_REDIS_DEADLINE_S set."""
+    """`python -m rolledger.workers.operator.cli ARGV` as a user runs it, with ROLLEDGER_REDIS_DEADLINE_S set."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp)}
     env["ROLLEDGER_REDIS_DEADLINE_S"] = str(deadline_s)
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "rolledger.workers.cli", *argv],
+        [sys.executable, "-m", "rolledger.workers.operator.cli", *argv],
         check=False,
         capture_output=True,
         text=True,
@@ -573,7 +573,7 @@ def _check_one_line(done: subprocess.CompletedProcess[str], command: str, url: s
     for secret in SECRETS:
         assert secret not in done.stderr and secret not in done.stdout, done.stderr
     *before, last = done.stderr.strip().splitlines()
-    # (a worker process that gave up on Redis names itself: `rolledger reward reward: ...`, workers/processes.py)
+    # (a worker process that gave up on Redis names itself: `rolledger reward reward: ...`, workers/operator/processes.py)
     named = ("rolledger worker", "rolledger reward") if command == "worker" else (f"rolledger {command}",)
     assert last.startswith(named) and needle in last and redact(url) in last, last
     return before

@@ -233,7 +233,7 @@ def test_the_logs_scripts_leases_groups_and_a_multi_block_work_on_a_cluster(
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "rolledger.workers.cli", "--json-logs", *args],
+        [sys.executable, "-m", "rolledger.workers.operator.cli", "--json-logs", *args],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -252,7 +252,17 @@ def _runs_on_distinct_primaries(cluster: RedisClusterProcesses, n: int) -> list[
 def _audit_clean(url: str, run: str, tmp_path: Path) -> list[ev.Event]:
     """The CLI's `rolledger audit` passes (exit 0) and so does the audit function over the log read back."""
     done = subprocess.run(
-        [sys.executable, "-m", "rolledger.workers.cli", "audit", run, "--redis", url, "--runs-dir", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "rolledger.workers.operator.cli",
+            "audit",
+            run,
+            "--redis",
+            url,
+            "--runs-dir",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -293,7 +303,7 @@ def test_two_runs_at_once_finish_audit_clean_and_sit_on_different_shards(
     # without --redis the run directory's redis_url (the cluster URL) is where the log is read
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     done = subprocess.run(
-        [sys.executable, "-m", "rolledger.workers.cli", "audit", runs[0], "--runs-dir", str(tmp_path)],
+        [sys.executable, "-m", "rolledger.workers.operator.cli", "audit", runs[0], "--runs-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -15,8 +15,8 @@ from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.statuses import WakeTag
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer
-from rolledger.workers.rank import RankWorker
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer
+from rolledger.workers.roles.rank import RankWorker
 from rolledger.workflows.admission import throttle_bound
 from rolledger.workflows.audit import audit
 from rolledger.workflows.rank import Commit

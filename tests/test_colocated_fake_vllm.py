@@ -16,8 +16,8 @@ from test_run_loop import execute, of
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
-from rolledger.workers.local_run import prepare_policy
-from rolledger.workers.policy_model import load_policy
+from rolledger.workers.operator.local_run import prepare_policy
+from rolledger.workers.policy.policy_model import load_policy
 from rolledger.workflows.audit import audit
 
 RUN: dict[str, object] = {

@@ -1,4 +1,4 @@
-"""Leader election of the coordinator on a real redis-server: two `workers.coordinator.Coordinator` threads started at
+"""Leader election of the coordinator on a real redis-server: two `workers.roles.coordinator.Coordinator` threads started at
 once on one run decide through one leader lease. Exactly one of them decides (one producer, one fencing token); when
 it dies without giving the lease up, the other takes over once the lease expires, with a larger token.
 
@@ -19,7 +19,7 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.statuses import CacheKind, DrainMode
-from rolledger.workers.coordinator import Coordinator
+from rolledger.workers.roles.coordinator import Coordinator
 from rolledger.workflows.scheduler import PromptItem
 
 PROMPTS = [PromptItem(i, f"p{i}", (1, 2, 3), "5") for i in range(4)]

@@ -13,9 +13,9 @@ from test_coordinator_election import Harness, config, stop
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.injection import parse_injection
-from rolledger.workers.coordinator import Coordinator
-from rolledger.workers.faults import Injector, mortal_coordinator
-from rolledger.workers.runtime import WorkerKilled
+from rolledger.workers.operator.faults import Injector, mortal_coordinator
+from rolledger.workers.roles.coordinator import Coordinator
+from rolledger.workers.runtime.runtime import WorkerKilled
 
 
 def killed_after(h: Harness, decisions: int) -> Coordinator:

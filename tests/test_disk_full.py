@@ -33,9 +33,9 @@ from rolledger.events.disk_full import DiskFull, free_bytes
 from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
-from rolledger.workers.local_run import LocalRun, RunOptions
-from rolledger.workers.staging_store import DirectoryStagingStore
-from rolledger.workers.trainer import TrainerWorker
+from rolledger.workers.operator.local_run import LocalRun, RunOptions
+from rolledger.workers.roles.trainer import TrainerWorker
+from rolledger.workers.weights.staging_store import DirectoryStagingStore
 from rolledger.workflows.audit import audit
 from rolledger.workflows.summary import Summary
 
@@ -328,7 +328,7 @@ def test_the_dist_transport_offers_no_version_its_durable_copy_has_no_room_for(
     it is not offered (every transfer of it would fail, and its update abort); with room it is."""
     import torch
 
-    from rolledger.workers.transport import DistStagingStore
+    from rolledger.workers.weights.transport import DistStagingStore
 
     fs = small_fs(4 << 20)
     store = DistStagingStore(fs / "trainer", "127.0.0.1", 0, timeout_s=60, fsync=False)
@@ -351,7 +351,7 @@ def test_optimizer_state_on_a_full_disk_is_a_disk_full_naming_the_file(small_fs:
     """torch.save reports a full disk without an errno; save_optimizer still says DiskFull and leaves no file."""
     import torch
 
-    from rolledger.workers.trainer import save_optimizer
+    from rolledger.workers.roles.trainer import save_optimizer
 
     fs = small_fs(1 << 20)
     model = torch.nn.Linear(300, 300)

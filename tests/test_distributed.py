@@ -35,7 +35,7 @@ num_prompts = 64
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "rolledger.workers.cli", "--json-logs", *args],
+        [sys.executable, "-m", "rolledger.workers.operator.cli", "--json-logs", *args],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env=env,

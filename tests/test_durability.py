@@ -20,8 +20,8 @@ from rolledger.events.embedded import EmbeddedRedis, server_version
 from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
 from rolledger.schemas.events import Event, SampleScored
-from rolledger.workers.local_run import LocalRun, RunOptions
-from rolledger.workers.runtime import Follower
+from rolledger.workers.operator.local_run import LocalRun, RunOptions
+from rolledger.workers.runtime.runtime import Follower
 
 
 def _appendfsync(url: str) -> str:

@@ -12,11 +12,11 @@ import torch
 from engine_contract import ContractSubject, EngineContract
 
 from rolledger.schemas.config import ModelConfig
-from rolledger.workers.engine import Engine
 from rolledger.workers.engines.engine_process import EngineProcess
+from rolledger.workers.engines.protocol import Engine
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate
 
 CONFIG = ModelConfig(dtype="bfloat16")
 

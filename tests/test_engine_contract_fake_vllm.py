@@ -14,10 +14,10 @@ from engine_contract import GREEDY, ContractSubject, EngineContract
 from fake_sleep_server import FakeVllmSleepServer
 
 from rolledger.schemas.config import ModelConfig
-from rolledger.workers.engine import IllegalEngineOrder
+from rolledger.workers.engines.protocol import IllegalEngineOrder
 from rolledger.workers.engines.vllm_engine import VllmEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state, save_policy
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state, save_policy
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate
 
 CONFIG = ModelConfig(dtype="bfloat16")
 

@@ -13,8 +13,8 @@ from engine_contract import ContractSubject, EngineContract
 
 from rolledger.schemas.config import ModelConfig, SimulatedConfig
 from rolledger.workers.engines.simulated_engine import SimulatedEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate
 
 CONFIG = ModelConfig(dtype="bfloat16")
 FAST = SimulatedConfig(time_scale=0.01)  # a 0.45 ms decode step: the contract's 8-token groups take a few ms

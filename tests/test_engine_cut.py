@@ -1,4 +1,4 @@
-"""`workers.engine.cut_until_answered`: how a pause with abort waits for every request of its engine to come back,
+"""`workers.engines.protocol.cut_until_answered`: how a pause with abort waits for every request of its engine to come back,
 asking the server to cut again while one is unanswered (the vLLM and SGLang engines use it; their tiers test it on
 real servers, this tests its loop without one)."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rolledger.workers.engine import EngineError, cut_until_answered
+from rolledger.workers.engines.protocol import EngineError, cut_until_answered
 
 
 def test_it_cuts_again_until_every_request_has_answered() -> None:

@@ -1,4 +1,4 @@
-"""The rank-side faults as an engine wrapper (workers/faults.py FaultyEngine) around a real TorchEngine and a real
+"""The rank-side faults as an engine wrapper (workers/operator/faults.py FaultyEngine) around a real TorchEngine and a real
 staging store: each fires once, through the normal paths; and a rollout killed mid-group in a real run."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from test_run_loop import execute, of, small
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import ModelConfig, SamplingParams
 from rolledger.schemas.injection import parse_injection
-from rolledger.workers.engine import Engine, EngineError
+from rolledger.workers.engines.protocol import Engine, EngineError
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.faults import FaultyEngine, Injector, wrap_engine
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-from rolledger.workers.runtime import WorkerKilled
-from rolledger.workers.staging_format import StagingError
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate, read_manifest
+from rolledger.workers.operator.faults import FaultyEngine, Injector, wrap_engine
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.runtime.runtime import WorkerKilled
+from rolledger.workers.weights.staging_format import StagingError
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate, read_manifest
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=4, seed=3)
 

@@ -22,10 +22,10 @@ from test_run_loop import execute, small
 from test_worker_kill import _wait_for, _worker
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import EngineError, GroupOutput
 from rolledger.workers.engines.engine_process import EngineProcess
+from rolledger.workers.engines.protocol import EngineError, GroupOutput
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = 60.0

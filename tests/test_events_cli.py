@@ -16,7 +16,7 @@ from rolledger.events.codec import decode
 from rolledger.events.keys import dead_letter_key, log_key
 from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD
 from rolledger.schemas import events as ev
-from rolledger.workers.cli import main
+from rolledger.workers.operator.cli import main
 from rolledger.workflows.event_lines import EventFilter, iso_utc, lines, unknown_type_message
 from rolledger.workflows.incidents import IncidentFold, incidents, render_incidents
 from rolledger.workflows.reducer import fold

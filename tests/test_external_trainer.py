@@ -19,7 +19,7 @@ from test_run_loop import small
 
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
-from rolledger.workers.local_run import LocalRun, RunOptions
+from rolledger.workers.operator.local_run import LocalRun, RunOptions
 from rolledger.workflows.audit import audit
 from rolledger.workflows.summary import Summary
 

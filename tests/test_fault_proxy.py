@@ -176,7 +176,7 @@ def test_a_run_through_the_proxy_rides_out_a_2_second_partition_and_audits_clean
 
     from rolledger.events.store import EventLog
     from rolledger.schemas import events as ev
-    from rolledger.workers.local_run import LocalRun, RunOptions
+    from rolledger.workers.operator.local_run import LocalRun, RunOptions
 
     direct = redis.Redis.from_url(redis_url)
     with FaultProxy(_port(redis_url)) as p:

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import AdmissionReason
-from rolledger.workers.progress import LiveProgress, progress_line, status_table, warm_start_intro
+from rolledger.workers.operator.progress import LiveProgress, progress_line, status_table, warm_start_intro
 from rolledger.workflows.figures import (
     EDGE_STEPS,
     REWARD_EDGES_LABEL,

@@ -1,11 +1,11 @@
-"""workers/gc_policy.py: what `serving()` changes in the collector while a run's roles run, and that it undoes it."""
+"""workers/runtime/gc_policy.py: what `serving()` changes in the collector while a run's roles run, and that it undoes it."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from rolledger.workers import gc_policy
+from rolledger.workers.runtime import gc_policy
 
 
 def test_serving_freezes_what_exists_and_restores_on_exit() -> None:

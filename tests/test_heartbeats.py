@@ -25,9 +25,9 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state, save_policy
-from rolledger.workers.rank import RankWorker
-from rolledger.workers.weights import state_digest
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state, save_policy
+from rolledger.workers.roles.rank import RankWorker
+from rolledger.workers.weights.tensors import state_digest
 from rolledger.workflows.admission import sample_reserve
 from rolledger.workflows.audit import audit
 from rolledger.workflows.reducer import replay

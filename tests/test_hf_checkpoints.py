@@ -21,11 +21,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import ModelConfig
-from rolledger.workers.checkpoints import CheckpointRefused
-from rolledger.workers.cli import main
-from rolledger.workers.local_run import LocalRun, RunOptions, prepare_policy
-from rolledger.workers.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
-from rolledger.workers.weights import state_digest
+from rolledger.workers.operator.cli import main
+from rolledger.workers.operator.local_run import LocalRun, RunOptions, prepare_policy
+from rolledger.workers.policy.checkpoints import CheckpointRefused
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, load_policy, policy_state, save_policy
+from rolledger.workers.weights.tensors import state_digest
 from rolledger.workflows.audit import audit
 
 Architecture = Literal["qwen2", "llama"]

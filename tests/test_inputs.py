@@ -19,9 +19,9 @@ from rolledger.events.redact import redact, with_password
 from rolledger.events.snapshots import KEEP_LATEST, stored_snapshots, take_snapshot
 from rolledger.events.store import EventLog
 from rolledger.schemas.config import ConfigError, RunConfig
-from rolledger.workers.cli import main
-from rolledger.workers.local_run import LocalRun, RunOptions, RunRefused
-from rolledger.workers.netguard import EngineAddressError, check_engine_address
+from rolledger.workers.operator.cli import main
+from rolledger.workers.operator.local_run import LocalRun, RunOptions, RunRefused
+from rolledger.workers.runtime.netguard import EngineAddressError, check_engine_address
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.replay import check_replay
 

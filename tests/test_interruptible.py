@@ -13,10 +13,10 @@ from test_run_loop import execute, of, small
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import GroupOutput
+from rolledger.workers.engines.protocol import GroupOutput
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.grpo import sequence_logprobs
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.policy.grpo import sequence_logprobs
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workflows.audit import audit
 
 
@@ -225,7 +225,7 @@ def test_a_group_whose_request_finds_the_engine_paused_is_cut_not_failed(
     """The rollout slot started the group, then the engine refused its request (paused): its samples are cut before
     their first token, as the pause would have cut them a moment later. Recycled, they are continued once the rank
     serves again and the group completes; otherwise they are cancelled. None fails as if the engine had broken."""
-    from rolledger.workers import local_run
+    from rolledger.workers.operator import local_run
 
     real_wrap = local_run.wrap_engine
 
@@ -286,7 +286,7 @@ def test_a_group_whose_request_reaches_the_engine_after_a_whole_update_runs_on_t
     spans of their own) for every token.
     Before, the request ran on v+1 and its trajectories said v with no span: tokens from weights their stamp does not
     name, which the audit could not see."""
-    from rolledger.workers import local_run
+    from rolledger.workers.operator import local_run
 
     real_wrap = local_run.wrap_engine
     doubles: list[UpdatedBeforeItsFirstRequest] = []

@@ -16,7 +16,7 @@ from rolledger.schemas.events import RunFinished
 from rolledger.schemas.statuses import RunStatus
 
 PROBE = (
-    "import sys; from rolledger.workers.cli import main; rc = main(sys.argv[1:]); "
+    "import sys; from rolledger.workers.operator.cli import main; rc = main(sys.argv[1:]); "
     "print('torch imported' if 'torch' in sys.modules else 'torch not imported'); sys.exit(rc)"
 )
 
@@ -58,9 +58,9 @@ def test_a_rank_whose_run_ends_as_it_starts_exits(redis_client: redis.Redis, run
 
     from rolledger.schemas.config import RunConfig
     from rolledger.workers.engines.torch_engine import TorchEngine
-    from rolledger.workers.policy_model import build_model, build_tokenizer
-    from rolledger.workers.rank import RankWorker
-    from rolledger.workers.runtime import Follower
+    from rolledger.workers.policy.policy_model import build_model, build_tokenizer
+    from rolledger.workers.roles.rank import RankWorker
+    from rolledger.workers.runtime.runtime import Follower
 
     log = EventLog(redis_client, run_id)
     started = LogBuilder(run_id=run_id).start_run(join_ranks=False).build()

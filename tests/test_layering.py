@@ -6,7 +6,9 @@ with a constant name too):
   it imports no redis, rich, rolledger.workers, rolledger.events, time, datetime, random, secrets, uuid, os,
   socket, httpx or torch (nor the file, process and drawing libraries listed below);
 - `schemas/` (the models) imports no torch, clock, random source, os, redis, nor any layer above it;
-- `events/` (the log on Redis) imports neither rolledger.workers nor rolledger.workflows.
+- `events/` (the log on Redis) imports neither rolledger.workers nor rolledger.workflows;
+- inside `workers/` the sub-packages import only downwards, in the order runtime < policy < weights < engines <
+  roles < operator (each package's `__init__` says what it may import).
 
 A failure names every offending module, line and import.
 """
@@ -68,6 +70,12 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 
 
+# workers/ sub-packages, lowest first: each may import those before it, none after it
+WORKER_ORDER = ("runtime", "policy", "weights", "engines", "roles", "operator")
+for _i, _pkg in enumerate(WORKER_ORDER):
+    FORBIDDEN[f"workers/{_pkg}"] = tuple(f"rolledger.workers.{above}" for above in WORKER_ORDER[_i + 1 :])
+
+
 def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
     """(line, dotted module name) of every import in `source`, the source of module `module`."""
     package = module if is_package else module.rpartition(".")[0]
@@ -109,14 +117,14 @@ def violations(layer: str, rel: str, source: str) -> list[str]:
 
 
 def modules(layer: str) -> list[Path]:
-    return sorted(p for p in (ROOT / layer).rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(p for p in (ROOT / "rolledger" / layer).rglob("*.py") if "__pycache__" not in p.parts)
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_the_layer_imports_nothing_it_must_not(layer: str) -> None:
     files = modules(layer)
     assert files, f"no modules found under {ROOT / layer}"
-    bad = [v for p in files for v in violations(layer, str(p.relative_to(ROOT)), p.read_text())]
+    bad = [v for p in files for v in violations(layer, str(p.relative_to(ROOT / "rolledger")), p.read_text())]
     assert not bad, "forbidden imports:\n" + "\n".join(bad)
 
 
@@ -138,6 +146,13 @@ def test_the_layer_imports_nothing_it_must_not(layer: str) -> None:
         ("schemas", "schemas/x.py", "import torch.nn\n", "schemas/x.py:1 imports torch.nn"),
         ("schemas", "schemas/x.py", "from . import weights\nfrom ..workflows import reducer\n", "rolledger.workflows"),
         ("events", "events/x.py", "from rolledger.workflows.state import RunState\n", "imports rolledger.workflows"),
+        (
+            "workers/weights",
+            "workers/weights/x.py",
+            "from rolledger.workers.roles.trainer_client import restore\n",
+            "workers/weights/ must not import rolledger.workers.roles",
+        ),
+        ("workers/runtime", "workers/runtime/x.py", "from ..policy import tasks\n", "imports rolledger.workers.policy"),
     ],
 )
 def test_the_scan_names_the_module_and_the_import(layer: str, rel: str, source: str, named: str) -> None:
@@ -170,7 +185,7 @@ def test_importing_a_layer_loads_nothing_it_must_not_even_indirectly(layer: str)
     """Import every module of the layer in a fresh interpreter: nothing banned may end up in sys.modules."""
     names = []
     for p in modules(layer):
-        parts = p.relative_to(ROOT).with_suffix("").parts
+        parts = p.relative_to(ROOT / "rolledger").with_suffix("").parts
         names.append(".".join(("rolledger", *(parts[:-1] if parts[-1] == "__init__" else parts))))
     code = (
         "import importlib, sys\n"
@@ -182,3 +197,31 @@ def test_importing_a_layer_loads_nothing_it_must_not_even_indirectly(layer: str)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"importing {layer}/ loads: {done.stdout.strip()}"
+
+
+def test_workers_holds_sub_packages_only() -> None:
+    """`ls workers/` shows the architecture: the sub-packages of WORKER_ORDER and the package's own `__init__`."""
+    entries = sorted(p.name for p in (ROOT / "rolledger" / "workers").iterdir() if p.name != "__pycache__")
+    assert entries == sorted(("__init__.py", *WORKER_ORDER)), entries
+    for pkg in WORKER_ORDER:
+        doc = ast.get_docstring(ast.parse((ROOT / "rolledger" / "workers" / pkg / "__init__.py").read_text()))
+        assert doc and "May import" in doc, f"workers/{pkg}/__init__.py must say what the package may import"
+
+
+MAX_LINES = 500
+
+
+def test_no_module_is_over_500_lines_without_saying_why() -> None:
+    """A module over 500 lines says, in the first lines of its docstring, that it is "one concept" that reads better
+    whole; every other module is split by concern."""
+    long = []
+    for p in sorted((ROOT / "rolledger").rglob("*.py")):
+        if "__pycache__" in p.parts:
+            continue
+        text = p.read_text()
+        if text.count("\n") <= MAX_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if "one concept" not in " ".join(doc.splitlines()[:6]):
+            long.append(f"{p.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert not long, "modules over 500 lines that do not say why they are one concept:\n" + "\n".join(long)

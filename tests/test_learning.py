@@ -22,14 +22,14 @@ from transformers import PreTrainedTokenizerFast
 
 from rolledger.schemas.config import ModelConfig, SamplingParams, TaskConfig, TrainerConfig
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.grpo import (
+from rolledger.workers.policy.grpo import (
     RolloutSample,
     group_advantages,
     grpo_step,
     make_optimizer,
     warm_start,
 )
-from rolledger.workers.policy_model import (
+from rolledger.workers.policy.policy_model import (
     build_model,
     build_tokenizer,
     load_policy,
@@ -37,8 +37,8 @@ from rolledger.workers.policy_model import (
     policy_state,
     save_policy,
 )
-from rolledger.workers.tasks import Prompt, make_prompts, parse_answer, score, supervised_examples
-from rolledger.workers.weights import state_digest
+from rolledger.workers.policy.tasks import Prompt, make_prompts, parse_answer, score, supervised_examples
+from rolledger.workers.weights.tensors import state_digest
 
 SEED = 0
 # The warm start runs in chunks until greedy exact on the held-out prompts reaches WARM_ENOUGH (0.2-0.7 wanted), at
@@ -161,7 +161,7 @@ def test_warm_start_then_grpo_raises_reward() -> None:
     engine = TorchEngine(copy.deepcopy(model), tok)
 
     cfg = TrainerConfig(lr=RL_LR, groups_per_step=GROUPS_PER_STEP)
-    optimizer = make_optimizer(model, cfg.lr)  # a fresh AdamW, as workers/trainer.py does
+    optimizer = make_optimizer(model, cfg.lr)  # a fresh AdamW, as workers/roles/trainer.py does
     pool = make_prompts(task, SEED)[:POOL]
     step_rewards: list[float] = []
     for step in range(RL_STEPS):

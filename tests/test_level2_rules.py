@@ -13,12 +13,12 @@ import pytest
 from fake_sleep_server import FakeSglangSleepServer, FakeVllmSleepServer
 
 from rolledger.schemas.config import ModelConfig, RunConfig
-from rolledger.workers.engine import EngineError
 from rolledger.workers.engines.factory import check_level_2
+from rolledger.workers.engines.protocol import EngineError
 from rolledger.workers.engines.sglang_engine import SglangEngine
 from rolledger.workers.engines.sleep_state import level_2_refusal
 from rolledger.workers.engines.vllm_engine import VllmEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, save_policy
 
 CONFIG = ModelConfig(dtype="bfloat16")
 COLOCATED_2 = RunConfig(mode="colocated", sleep_level=2)

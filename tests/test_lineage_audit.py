@@ -11,8 +11,8 @@ import torch
 from logbuilder import LogBuilder, weights_digest_for
 
 from rolledger.schemas.weights import TensorEntry, WeightManifest
-from rolledger.workers.policy_model import policy_state
-from rolledger.workers.weights import state_digest
+from rolledger.workers.policy.policy_model import policy_state
+from rolledger.workers.weights.tensors import state_digest
 from rolledger.workflows.audit import audit
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.trainer import lineage
@@ -71,7 +71,7 @@ def test_the_parent_is_part_of_the_manifests_identity_only_when_recorded() -> No
 
 @pytest.mark.parametrize("restored", [False, True])
 def test_the_trainer_refuses_weights_outside_its_lineage(restored: bool) -> None:
-    from rolledger.workers.trainer_client import LineageError, check_lineage
+    from rolledger.workers.roles.trainer_client import LineageError, check_lineage
 
     model = torch.nn.Linear(3, 2)
     staged = {k: v.clone() + 1.0 for k, v in policy_state(model).items()}

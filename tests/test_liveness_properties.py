@@ -148,7 +148,7 @@ class World(RankSim):
 
     def start(self, r: int) -> None:
         if r in self.dead or about_to_be_quarantined(self.state, r, self.now):
-            return  # (as workers/rollout.py: a rank the open update will quarantine starts nothing)
+            return  # (as workers/roles/rollout.py: a rank the open update will quarantine starts nothing)
         super().start(r)
 
     def rank_turn(self, r: int) -> None:

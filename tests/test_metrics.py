@@ -6,7 +6,7 @@ from logbuilder import LogBuilder
 from prometheus_client import generate_latest
 
 from rolledger.schemas.statuses import AdmissionReason
-from rolledger.workers.metrics import RunMetrics
+from rolledger.workers.operator.metrics import RunMetrics
 from rolledger.workflows.reducer import replay
 
 

@@ -1,4 +1,4 @@
-"""workers.netguard: engine URLs outside loopback/private networks are refused unless allowed explicitly."""
+"""workers.runtime.netguard: engine URLs outside loopback/private networks are refused unless allowed explicitly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from rolledger.workers.netguard import EngineAddressError, check_engine_address, is_allowed_ip
+from rolledger.workers.runtime.netguard import EngineAddressError, check_engine_address, is_allowed_ip
 
 
 @pytest.mark.parametrize(

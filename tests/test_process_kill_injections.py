@@ -15,8 +15,8 @@ from chaos.schedule import Schedule
 
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import check_injections, parse_injection
-from rolledger.workers import transport_dist as td
-from rolledger.workers.transport import DistStagingStore
+from rolledger.workers.weights import transport_dist as td
+from rolledger.workers.weights.transport import DistStagingStore
 
 
 def _dist(**update: object) -> RunConfig:

@@ -99,7 +99,9 @@ class Sim:
     engines: dict[int, SimEngine] = field(default_factory=dict)
     now: float = 1_000_000.0
     groups: int = 0
-    incarnations: bool = False  # rank processes with incarnation ids (workers/rank.py), restarts announce themselves
+    incarnations: bool = (
+        False  # rank processes with incarnation ids (workers/roles/rank.py), restarts announce themselves
+    )
     restarts: int = 0
 
     def fresh_engine(self) -> SimEngine:

@@ -167,7 +167,7 @@ def test_a_rank_starts_no_more_groups_than_its_engines_kv_cache_holds(
     from test_worker_kill import _wait_for as wait_for
 
     from rolledger.workers.engines.simulated_engine import SimulatedEngine
-    from rolledger.workers.rank import RankWorker
+    from rolledger.workers.roles.rank import RankWorker
 
     run = Run(
         redis_url,
@@ -213,7 +213,7 @@ def test_in_sequences_a_straggler_holds_one_sequence_not_a_slot(
     from test_worker_kill import _wait_for as wait_for
 
     from rolledger.workers.engines.simulated_engine import SimulatedEngine
-    from rolledger.workers.rank import RankWorker
+    from rolledger.workers.roles.rank import RankWorker
 
     run = Run(
         redis_url,

@@ -60,7 +60,7 @@ class Cluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLEDGER_REDIS_DEADLINE_S": str(OUTAGE_DEADLINE_S)}
         out = (self.tmp / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "rolledger.workers.cli", "--json-logs", *args],
+            [sys.executable, "-m", "rolledger.workers.operator.cli", "--json-logs", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

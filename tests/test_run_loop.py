@@ -17,7 +17,7 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import parse_injection
-from rolledger.workers.local_run import LocalRun, RunOptions
+from rolledger.workers.operator.local_run import LocalRun, RunOptions
 from rolledger.workflows.audit import audit
 from rolledger.workflows.replay import check_replay
 from rolledger.workflows.summary import Summary

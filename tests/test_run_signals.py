@@ -40,7 +40,16 @@ def start_run(tmp_path: Path, run_id: str) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["ROLLEDGER_TEST_THREADS"] = "1"
     return subprocess.Popen(
-        [sys.executable, "-m", "rolledger.workers.cli", "run", "--config", str(cfg), "--runs-dir", str(tmp_path)]
+        [
+            sys.executable,
+            "-m",
+            "rolledger.workers.operator.cli",
+            "run",
+            "--config",
+            str(cfg),
+            "--runs-dir",
+            str(tmp_path),
+        ]
         + ["--run-id", run_id],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""One fold for the ranks (and the reward worker) of a process (workers/runtime.py `shared_follower`), against the real redis-server: the
+"""One fold for the ranks (and the reward worker) of a process (workers/runtime/runtime.py `shared_follower`), against the real redis-server: the
 rank workers of one process and run share one folded state and its lock; threads folding it at once fold each event
 exactly once; and a rank's report that stops its generation (EnginePaused) holds its starts until the shared state
 holds that report, whichever thread folds it."""
@@ -16,10 +16,10 @@ from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer
-from rolledger.workers.rank import RankWorker
-from rolledger.workers.reward import RewardWorker
-from rolledger.workers.runtime import shared_follower
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer
+from rolledger.workers.roles.rank import RankWorker
+from rolledger.workers.roles.reward import RewardWorker
+from rolledger.workers.runtime.runtime import shared_follower
 from rolledger.workflows import rank as rd
 from rolledger.workflows.reducer import replay
 from rolledger.workflows.replay import position

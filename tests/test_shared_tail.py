@@ -1,4 +1,4 @@
-"""workers/shared_tail.py against the real redis-server: the followers of one process read and decode the log once,
+"""workers/runtime/shared_tail.py against the real redis-server: the followers of one process read and decode the log once,
 each folds exactly the log, a follower created late reads its gap, and a catch_up sees every entry appended before
 it (its own writes included)."""
 
@@ -9,7 +9,7 @@ from logbuilder import LogBuilder
 
 from rolledger.events.store import EventLog
 from rolledger.schemas.events import Event
-from rolledger.workers.runtime import Follower
+from rolledger.workers.runtime.runtime import Follower
 from rolledger.workflows.reducer import fold
 from rolledger.workflows.state import RunState
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rolledger.schemas.config import ConfigError, ModelConfig, RunConfig, SamplingParams, SimulatedConfig
-from rolledger.workers.engine import GroupOutput, IllegalEngineOrder, SampleOutput
+from rolledger.workers.engines.protocol import GroupOutput, IllegalEngineOrder, SampleOutput
 from rolledger.workers.engines.simulated_engine import SimulatedEngine, sample_length
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
 
 CONFIG = ModelConfig()
 

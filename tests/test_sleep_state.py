@@ -12,7 +12,7 @@ import pytest
 
 from rolledger.events.codec import decode
 from rolledger.schemas import events as ev
-from rolledger.workers.engine import IllegalEngineOrder
+from rolledger.workers.engines.protocol import IllegalEngineOrder
 from rolledger.workers.engines.sleep_state import ORDER, SleepState
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))

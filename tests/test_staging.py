@@ -25,10 +25,10 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from rolledger.schemas.weights import TensorEntry, WeightManifest, digest_entries
-from rolledger.workers import staging_loader, staging_store
-from rolledger.workers.staging_format import StagingError, path_from_uri
-from rolledger.workers.staging_loader import load_verified
-from rolledger.workers.staging_store import (
+from rolledger.workers.weights import staging_loader, staging_store
+from rolledger.workers.weights.staging_format import StagingError, path_from_uri
+from rolledger.workers.weights.staging_loader import load_verified
+from rolledger.workers.weights.staging_store import (
     DirectoryStagingStore,
     StagedUpdate,
     StagingStore,
@@ -36,7 +36,7 @@ from rolledger.workers.staging_store import (
     open_version,
     read_manifest,
 )
-from rolledger.workers.weights import state_digest, tensor_checksum
+from rolledger.workers.weights.tensors import state_digest, tensor_checksum
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -351,7 +351,7 @@ def test_killed_writer_leaves_no_version(store: DirectoryStagingStore) -> None:
     script = f"""
 import os, sys, torch
 from pathlib import Path
-from rolledger.workers import staging_store
+from rolledger.workers.weights import staging_store
 def die(tensors, filename, metadata=None):
     Path(filename).write_bytes(b"\\x00" * 1000)
     os._exit(3)
@@ -497,9 +497,9 @@ def test_a_safetensors_file_written_in_place_reads_back_through_the_library(tmp_
     safetensors library itself reads back tensor for tensor, with its metadata, whatever size the file had."""
     from safetensors import safe_open
 
-    from rolledger.workers.staging_checksums import raw_bytes
-    from rolledger.workers.staging_format import overwrite_safetensors, safetensors_layout
-    from rolledger.workers.weights import dtype_name
+    from rolledger.workers.weights.staging_checksums import raw_bytes
+    from rolledger.workers.weights.staging_format import overwrite_safetensors, safetensors_layout
+    from rolledger.workers.weights.tensors import dtype_name
 
     gen = torch.Generator().manual_seed(0)
     tensors = {

@@ -17,12 +17,12 @@ from test_run_loop import execute, small
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, TaskConfig
 from rolledger.schemas.statuses import RunStatus
-from rolledger.workers.local_run import prompt_items
-from rolledger.workers.policy_model import build_tokenizer
-from rolledger.workers.rewards import RewardFn, RewardRefused, Rewards, import_reward, resolve
-from rolledger.workers.run_inputs import RunRefused, check_task
-from rolledger.workers.task_plugins import TaskRefused, load_prompts, prompt_token_ids
-from rolledger.workers.tasks import Prompt
+from rolledger.workers.operator.local_run import prompt_items
+from rolledger.workers.policy.policy_model import build_tokenizer
+from rolledger.workers.policy.rewards import RewardFn, RewardRefused, Rewards, import_reward, resolve
+from rolledger.workers.policy.run_inputs import RunRefused, check_task
+from rolledger.workers.policy.task_plugins import TaskRefused, load_prompts, prompt_token_ids
+from rolledger.workers.policy.tasks import Prompt
 from rolledger.workflows.audit import audit
 from rolledger.workflows.scheduler import dataset_prompt_id
 
@@ -137,13 +137,16 @@ def _prompts(*modes: str) -> list[Prompt]:
 
 
 def test_reward_functions_combine_by_weight_and_the_builtin_is_one_of_them() -> None:
-    builtin = import_reward("task.rewards[0].fn", "rolledger.workers.tasks:addition_reward")
+    builtin = import_reward("task.rewards[0].fn", "rolledger.workers.policy.tasks:addition_reward")
     rewards = Rewards(
-        [RewardFn("rolledger.workers.tasks:addition_reward", 2.0, builtin), RewardFn("c2", -0.25, plugins.constant_two)]
+        [
+            RewardFn("rolledger.workers.policy.tasks:addition_reward", 2.0, builtin),
+            RewardFn("c2", -0.25, plugins.constant_two),
+        ]
     )
     assert rewards.score(["2<eos>", "3", "", "12"], _prompts("ok", "ok", "ok", "ok")) == [1.5, -0.5, -0.5, 0.0]
     default = resolve(TaskConfig())  # the addition task without `rewards`: its checker, weight 1
-    assert [(f.path, f.weight) for f in default.fns] == [("rolledger.workers.tasks:addition_reward", 1.0)]
+    assert [(f.path, f.weight) for f in default.fns] == [("rolledger.workers.policy.tasks:addition_reward", 1.0)]
 
 
 @pytest.mark.parametrize(

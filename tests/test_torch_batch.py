@@ -26,9 +26,9 @@ from engine_contract import generate_in_thread
 from transformers import PreTrainedTokenizerFast
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import GroupOutput, PauseMode, SampleOutput
+from rolledger.workers.engines.protocol import GroupOutput, PauseMode, SampleOutput
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
 
 DEADLINE_S = 30.0
 TEXTS = ("1+2=", "23+19=", "12+30=42 7+8=15 23+5=")  # three prompt lengths: the batch pads the shorter ones

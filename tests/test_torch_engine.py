@@ -15,11 +15,11 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import Engine, GroupOutput, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.engines.protocol import Engine, GroupOutput, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.engines.torch_engine import TorchEngine
-from rolledger.workers.grpo import sequence_logprobs
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-from rolledger.workers.weights import state_digest
+from rolledger.workers.policy.grpo import sequence_logprobs
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.weights.tensors import state_digest
 
 DEADLINE_S = 10.0
 
@@ -136,7 +136,7 @@ def test_the_trainer_recomputes_processed_logprobs_in_every_sampling_mode(
     """The agreement gate compares like with like: processed logprobs against the trainer's processed ones (same
     weights: no gap), never against raw ones (a gap of ~0.27 at T=0.7 that halted clean runs). Other weights still
     show a gap when sampling, so the stale-weights check keeps its teeth."""
-    from rolledger.workers.trainer import logprob_agreement
+    from rolledger.workers.roles.trainer import logprob_agreement
 
     eng = make_engine(tok)
     ids = prompt(tok)

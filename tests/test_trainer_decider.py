@@ -28,11 +28,11 @@ from rolledger.events.lease import LeaderLease
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import AdmissionReason, WakeTag
-from rolledger.workers.coordinator import finish_as_coordinator
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-from rolledger.workers.staging_store import DirectoryStagingStore
-from rolledger.workers.trainer import TrainerWorker
-from rolledger.workers.weights import state_digest
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+from rolledger.workers.roles.coordinator import finish_as_coordinator
+from rolledger.workers.roles.trainer import TrainerWorker
+from rolledger.workers.weights.staging_store import DirectoryStagingStore
+from rolledger.workers.weights.tensors import state_digest
 from rolledger.workflows.admission import AdmissionInputs
 from rolledger.workflows.coordinator import decide, decide_terminal
 from rolledger.workflows.handoff import engines_asleep

@@ -13,9 +13,9 @@ import torch
 from test_run_loop import execute, small
 
 from rolledger.schemas import events as ev
-from rolledger.workers import local_run
-from rolledger.workers.runtime import WorkerKilled
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workers.operator import local_run
+from rolledger.workers.runtime.runtime import WorkerKilled
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate
 from rolledger.workflows.audit import audit
 
 pytestmark = pytest.mark.slow
@@ -51,8 +51,8 @@ def test_a_trainer_killed_between_staging_and_appending_restarts_and_stages_once
 
 
 def test_the_optimizer_state_saved_with_a_version_is_what_a_restarted_trainer_resumes(tmp_path: Path) -> None:
-    from rolledger.workers.grpo import make_optimizer
-    from rolledger.workers.trainer import load_optimizer, save_optimizer
+    from rolledger.workers.policy.grpo import make_optimizer
+    from rolledger.workers.roles.trainer import load_optimizer, save_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)

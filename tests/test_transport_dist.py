@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolledger.workers import transport_dist as td
-from rolledger.workers.staging_format import StagingError
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workers.weights import transport_dist as td
+from rolledger.workers.weights.staging_format import StagingError
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -299,8 +299,8 @@ def test_no_delta_when_the_server_lacks_the_base(stepped) -> None:
 
 
 def _offer(server: td.WeightServer, root: Path, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str]:
-    from rolledger.workers.staging_format import version_dir
-    from rolledger.workers.staging_store import build_manifest, prepare_for_save
+    from rolledger.workers.weights.staging_format import version_dir
+    from rolledger.workers.weights.staging_store import build_manifest, prepare_for_save
 
     tensors = prepare_for_save(state, version)
     manifest = build_manifest(tensors, version, version - 1, "xxh3_128")
@@ -369,7 +369,7 @@ def test_close_ends_every_transfer_before_it_returns(tmp_path: Path) -> None:
 
 
 def test_the_dist_store_serves_a_snapshot_and_writes_the_same_version_behind(tmp_path: Path) -> None:
-    from rolledger.workers.transport import DistStagingStore
+    from rolledger.workers.weights.transport import DistStagingStore
 
     weights = _state(4)
     want = {k: v.clone() for k, v in weights.items()}
@@ -416,7 +416,7 @@ def test_a_retired_snapshot_is_reused_only_once_no_transfer_reads_it(tmp_path: P
 
 
 def test_the_dist_store_copies_each_new_version_into_retired_memory(tmp_path: Path) -> None:
-    from rolledger.workers.transport import DistStagingStore
+    from rolledger.workers.weights.transport import DistStagingStore
 
     store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60, fsync=False)
     reused: list[bool] = []
@@ -455,9 +455,9 @@ def test_a_restarted_trainer_whose_last_copy_was_never_written_resumes_from_the_
     from logbuilder import LogBuilder
 
     from rolledger.events.store import EventLog
-    from rolledger.workers.policy_model import policy_state
-    from rolledger.workers.trainer import TrainerWorker
-    from rolledger.workers.transport import DistStagingStore
+    from rolledger.workers.policy.policy_model import policy_state
+    from rolledger.workers.roles.trainer import TrainerWorker
+    from rolledger.workers.weights.transport import DistStagingStore
 
     model = torch.nn.Linear(4, 3)
     v1_weights = {k: torch.randn_like(v) for k, v in policy_state(model).items()}
@@ -487,8 +487,8 @@ def test_the_dist_store_overwrites_a_collected_versions_file_in_place_unless_a_t
     import contextlib
     import os
 
-    from rolledger.workers.staging_format import FREE_FILE, WEIGHTS_FILE
-    from rolledger.workers.transport import DistStagingStore
+    from rolledger.workers.weights.staging_format import FREE_FILE, WEIGHTS_FILE
+    from rolledger.workers.weights.transport import DistStagingStore
 
     store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60, fsync=False)
     root = store.root

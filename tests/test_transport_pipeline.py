@@ -1,4 +1,4 @@
-"""The dist transport's pipeline (workers/transport_dist.py): `SLOTS` buckets in flight on both sides, buckets of one
+"""The dist transport's pipeline (workers/weights/transport_dist.py): `SLOTS` buckets in flight on both sides, buckets of one
 piece sent from the snapshot and received into their tensor without a copy, per-bucket timings; and its CUDA paths as
 far as a CPU goes. The device-bucket path NCCL takes (host bytes staged through `SLOTS` device buffers) runs here over
 gloo with CPU "device" buffers; a real NCCL transfer is skipped without CUDA. Everything else is real: a WeightServer
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolledger.workers import transport_dist as td
-from rolledger.workers.staging_format import StagingError, version_dir
-from rolledger.workers.staging_store import build_manifest, prepare_for_save
+from rolledger.workers.weights import transport_dist as td
+from rolledger.workers.weights.staging_format import StagingError, version_dir
+from rolledger.workers.weights.staging_store import build_manifest, prepare_for_save
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

@@ -14,9 +14,9 @@ from test_run_loop import execute, of, small
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
-from rolledger.workers import local_run
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate, StagingStore
-from rolledger.workers.transport import open_trainer_store
+from rolledger.workers.operator import local_run
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate, StagingStore
+from rolledger.workers.weights.transport import open_trainer_store
 from rolledger.workflows.audit import audit
 
 pytestmark = pytest.mark.slow

@@ -30,8 +30,8 @@ from rolledger.events.keys import log_key
 from rolledger.events.scan import LogScan, scan_log
 from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD
 from rolledger.schemas import events as ev
-from rolledger.workers.cli import main
-from rolledger.workers.ui_server import LiveLog, UiRefused, UiServer, bind_host, page_html, serve
+from rolledger.workers.operator.cli import main
+from rolledger.workers.operator.ui_server import LiveLog, UiRefused, UiServer, bind_host, page_html, serve
 from rolledger.workflows.ui_view import EventFilter, parse_filter, view_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -265,7 +265,7 @@ def test_ctrl_c_stops_it_cleanly(redis_url: str, run_id: str, redis_client: redi
     load(redis_client, run_id, "clean")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rolledger.workers.cli", "ui", run_id, "--redis", redis_url, "--port", "0"],
+        [sys.executable, "-m", "rolledger.workers.operator.cli", "ui", run_id, "--redis", redis_url, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -403,7 +403,7 @@ def test_a_live_run_whose_redis_went_away_is_read_again_through_a_reopened_clien
 
 
 def test_answers_mask_passwords_and_carry_no_nan() -> None:
-    from rolledger.workers.ui_server import _redacted
+    from rolledger.workers.operator.ui_server import _redacted
 
     data = {"a": ["uri redis://u:hunter2@h:6379/0 x", float("nan")], "b": 1.5, "c": "plain@text"}
     assert _redacted(data) == {"a": ["uri redis://u:***@h:6379/0 x", None], "b": 1.5, "c": "plain@text"}

@@ -22,8 +22,8 @@ from rolledger.events.codec import decode
 from rolledger.events.keys import log_key
 from rolledger.events.scan import scan_log
 from rolledger.events.store import PAYLOAD_FIELD, TYPE_FIELD
-from rolledger.workers.cli import main
-from rolledger.workers.ui_server import TOKEN_COOKIE, TOKEN_ENV, UiRefused, UiServer, serve, ui_token
+from rolledger.workers.operator.cli import main
+from rolledger.workers.operator.ui_server import TOKEN_COOKIE, TOKEN_ENV, UiRefused, UiServer, serve, ui_token
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
@@ -117,7 +117,7 @@ def test_a_bad_token_file_is_one_line_exit_2(
 
 def _serve_ui(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rolledger.workers.cli", *argv],
+        [sys.executable, "-m", "rolledger.workers.operator.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -3,9 +3,9 @@
 The simulation plays every party of a run with the real pure pieces:
 - the log is a list of events; every party folds it through `workflows.reducer.fold`;
 - the coordinator decides with the real `workflows.update.decide_update` (and `workflows.groups.decide_groups`) on
-  the fold of the whole log, as workers/coordinator.py does with its conditional append. It can crash after k
+  the fold of the whole log, as workers/roles/coordinator.py does with its conditional append. It can crash after k
   decisions; its successor holds the next fencing token, waits out the lease TTL and starts from `replay(log)`;
-- N simulated ranks react to the log like workers/rank.py's RankWorker, each from its own follower (its own fold,
+- N simulated ranks react to the log like workers/roles/rank.py's RankWorker, each from its own follower (its own fold,
   which lags the log until the rank reads on): PrepareRequested -> RankPrepared | RankPrepareFailed,
   AdmissionPaused(update) -> stop serving, drained -> EnginePaused, UpdateCommitted -> RankCommitted +
   CacheInvalidated + HealthPassed | HealthFailed, PolicyPublished / UpdateAborted -> resume, RankQuarantined ->
@@ -207,7 +207,7 @@ class Sim:
             "admission",
         )
 
-    # ------------------------------------------------------------ a rank's control thread (workers/rank.py _react)
+    # ------------------------------------------------------------ a rank's control thread (workers/roles/rank.py _react)
     def control(self, r: SimRank) -> None:
         if r.cursor < len(self.log):
             e = self.log[r.cursor]
@@ -371,7 +371,7 @@ class Sim:
             )
             return
         if not r.serving or not may_serve(r.state, r.rank) or about_to_be_quarantined(r.state, r.rank, self.now):
-            return  # (the last two as workers/rollout.py `_may_generate`, on the rank's folded state)
+            return  # (the last two as workers/roles/rollout.py `_may_generate`, on the rank's folded state)
         waiting = [g for g in self.state.groups.values() if g.status == "admitted" and g.group_id not in self.taken]
         if not waiting or waiting[0].group_id not in r.state.groups:
             return  # nothing queued, or the rank's follower has not seen the group yet (the rollout thread waits)

@@ -58,7 +58,7 @@ def test_the_wheel_holds_only_the_rolledger_package_and_its_dist_info(wheel: Pat
         for path in (ROOT / layer).rglob("*.py"):
             if "__pycache__" not in path.parts:
                 assert f"rolledger/{path.relative_to(ROOT).as_posix()}" in names, path
-    assert "rolledger/workers/ui_page.html" in names  # package data: the page `rolledger ui` serves
+    assert "rolledger/workers/operator/ui_page.html" in names  # package data: the page `rolledger ui` serves
     assert "rolledger/workers/engines/sglang_cpu_standin/sgl_kernel/__init__.py" in names  # the CPU stand-in
 
 
@@ -83,7 +83,7 @@ def test_installed_alone_it_imports_as_rolledger_and_not_as_top_level_folders(wh
         "    except ModuleNotFoundError:\n"
         "        continue\n"
         "    sys.exit(f'top-level {name} is importable')\n"
-        "from rolledger.workers.ui_server import page_html\n"
+        "from rolledger.workers.operator.ui_server import page_html\n"
         "assert '<script>' in page_html()\n"
         "print('ok')\n"
     )

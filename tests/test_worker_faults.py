@@ -1,4 +1,4 @@
-"""The worker faults of workers/faults.py on the real loop: a trainer, reward worker or coordinator killed by its
+"""The worker faults of workers/operator/faults.py on the real loop: a trainer, reward worker or coordinator killed by its
 wrapper is replaced by its respawn, and the run ends as it would have without the fault (every step trained, every
 update decided, a clean audit); the one update that may abort is the one a killed coordinator left undecided."""
 

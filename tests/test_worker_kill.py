@@ -21,8 +21,8 @@ from rolledger.events.envelope import make_event
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
-from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state, save_policy
-from rolledger.workers.weights import state_digest
+from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state, save_policy
+from rolledger.workers.weights.tensors import state_digest
 from rolledger.workflows.admission import sample_reserve
 from rolledger.workflows.scheduler import PromptItem
 
@@ -44,7 +44,7 @@ def _worker(redis_url: str, run_id: str, rank: int, name: str, log: Path) -> sub
     cmd = [
         sys.executable,
         "-m",
-        "rolledger.workers.cli",
+        "rolledger.workers.operator.cli",
         "--json-logs",
         "worker",
         "rank",

@@ -99,7 +99,7 @@ def prepare_model(model_dir: Path, warm_start_steps: int = 10) -> Path:
     """The policy every schedule of a session starts from (`--model-dir`), so no driver warms up."""
     if not (model_dir / "config.json").is_file():
         from rolledger.schemas.config import RunConfig, TrainerConfig
-        from rolledger.workers.local_run import prepare_policy
+        from rolledger.workers.operator.local_run import prepare_policy
 
         prepare_policy(RunConfig(trainer=TrainerConfig(warm_start_steps=warm_start_steps)), model_dir)
     return model_dir
@@ -196,7 +196,7 @@ class Harness:
     def _driver_resume_flag(self) -> list[str]:
         """`rolledger run` may refuse to reopen a run id unless told `--resume` (issue 11, item 5): a restarted
         driver passes it when the CLI has it."""
-        from rolledger.workers.cli import build_parser
+        from rolledger.workers.operator.cli import build_parser
 
         for action in build_parser()._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -219,7 +219,7 @@ class Harness:
         if p.name == "driver" and p.incarnation > 1:
             args += self._resume_flag
         p.popen = subprocess.Popen(
-            [sys.executable, "-m", "rolledger.workers.cli", "--json-logs", *args],
+            [sys.executable, "-m", "rolledger.workers.operator.cli", "--json-logs", *args],
             stdout=(logs / f"{p.name}.{p.incarnation}.log").open("wb"),
             stderr=subprocess.STDOUT,
             env=env,

@@ -24,7 +24,7 @@ import torch
 from rolledger.schemas.config import ModelConfig
 from rolledger.workers.engines.server_process import ServerProcess
 from rolledger.workers.engines.sglang_engine import SglangEngine
-from rolledger.workers.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ class SglangRank:
         return load_file(str(self.model_dir / "model.safetensors"))
 
     def other_state(self, seed: int) -> dict[str, torch.Tensor]:
-        from rolledger.workers.policy_model import build_model, policy_state
+        from rolledger.workers.policy.policy_model import build_model, policy_state
 
         vocab = int(self.base_state()["model.embed_tokens.weight"].shape[0])
         model = build_model(ModelConfig(dtype="bfloat16"), vocab, seed=seed)
@@ -93,7 +93,7 @@ def sglang_rank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRank
     if sglang_import_error():
         pytest.skip(skip_reason())
     from rolledger.workers.engines.sglang_server import start_sglang_server
-    from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
+    from rolledger.workers.policy.policy_model import build_model, build_tokenizer, save_policy
 
     root = tmp_path_factory.mktemp("sglang_tier")
     tok = build_tokenizer()

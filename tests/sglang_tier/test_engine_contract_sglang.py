@@ -13,7 +13,7 @@ import pytest
 from engine_contract import GREEDY, ContractSubject, EngineContract, generate_in_thread
 
 from rolledger.schemas.config import SamplingParams
-from rolledger.workers.engine import EngineError, GroupOutput, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.engines.protocol import EngineError, GroupOutput, IllegalEngineOrder, WeightValidationError
 from rolledger.workers.engines.sglang_weights import expected_checksums
 
 from .conftest import SglangRank

@@ -95,14 +95,14 @@ class VllmCluster:
 
     def other_state(self, seed: int) -> dict[str, torch.Tensor]:
         """Weights of a differently initialised policy of the same shape (a 'trained' update)."""
-        from rolledger.workers.policy_model import build_model, policy_state
+        from rolledger.workers.policy.policy_model import build_model, policy_state
 
         vocab = int(self.base_state()["model.embed_tokens.weight"].shape[0])
         model = build_model(ModelConfig(dtype="bfloat16"), vocab, seed=seed)
         return {k: v.clone() for k, v in policy_state(model).items()}
 
-    def stage(self, version: int, tensors: Mapping[str, torch.Tensor]):  # -> workers.staging_store.StagedUpdate
-        from rolledger.workers.staging_store import DirectoryStagingStore
+    def stage(self, version: int, tensors: Mapping[str, torch.Tensor]):  # -> workers.weights.staging_store.StagedUpdate
+        from rolledger.workers.weights.staging_store import DirectoryStagingStore
 
         base = max(e.policy_version for e in self.engines)
         return DirectoryStagingStore(self.staging_root).stage(version, min(base, version - 1), tensors)
@@ -114,7 +114,7 @@ class VllmCluster:
 
 
 def _build_checkpoint(directory: Path) -> Path:
-    from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
+    from rolledger.workers.policy.policy_model import build_model, build_tokenizer, save_policy
 
     torch.manual_seed(0)
     tok = build_tokenizer()
@@ -140,7 +140,7 @@ def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmClust
                 model_dir,
                 free_port(),
                 log_path=root / f"vllm-rank{rank}.log",
-                # rolledger's transport as a vLLM weight-transfer engine (workers/vllm_transfer_engine.py)
+                # rolledger's transport as a vLLM weight-transfer engine (workers/weights/vllm_transfer_engine.py)
                 extra_args=["--weight-transfer-config", json.dumps({"backend": "rolledger"})],
             )
         except BaseException as e:  # noqa: BLE001 - re-raised below on the test thread
@@ -238,7 +238,7 @@ def vllm_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loop
         pytest.skip(skip_reason())
     from rolledger.schemas.config import RunConfig
     from rolledger.workers.engines.factory import start_rank_servers
-    from rolledger.workers.local_run import prepare_policy
+    from rolledger.workers.operator.local_run import prepare_policy
 
     root = tmp_path_factory.mktemp("vllm_loop")
     cfg = RunConfig.model_validate(LOOP_CONFIG)
@@ -261,7 +261,7 @@ def unwarmed_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         pytest.skip(skip_reason())
     from rolledger.schemas.config import RunConfig
     from rolledger.workers.engines.factory import start_rank_servers
-    from rolledger.workers.local_run import prepare_policy
+    from rolledger.workers.operator.local_run import prepare_policy
 
     root = tmp_path_factory.mktemp("vllm_unwarmed")
     cfg = RunConfig.model_validate({**LOOP_CONFIG, "trainer": {"warm_start_steps": 0, "groups_per_step": 2}})

@@ -16,9 +16,9 @@ import torch
 from engine_contract import SAMPLED, ContractSubject
 
 from rolledger.schemas.config import SamplingParams
-from rolledger.workers.engine import Engine, EngineError, IllegalEngineOrder, WeightValidationError
-from rolledger.workers.staging_store import StagedUpdate
-from rolledger.workers.weights import state_digest
+from rolledger.workers.engines.protocol import Engine, EngineError, IllegalEngineOrder, WeightValidationError
+from rolledger.workers.weights.staging_store import StagedUpdate
+from rolledger.workers.weights.tensors import state_digest
 
 from .conftest import GREEDY, PROMPT, VllmCluster
 
@@ -229,8 +229,8 @@ def test_an_update_through_the_dist_transport_commits_on_both_servers(
 ) -> None:
     """The weights go over torch.distributed/gloo: a WeightServer in this process (the trainer) serves the version
     from its own directory, which the servers are never told about; each vLLM worker fetches it by its dist:// URI
-    through the same verified path (workers.transport.load_verified) and the commit is the usual one."""
-    from rolledger.workers.transport import DistStagingStore
+    through the same verified path (workers.weights.transport.load_verified) and the commit is the usual one."""
+    from rolledger.workers.weights.transport import DistStagingStore
 
     c = vllm_cluster
     before = _snapshot(c)
@@ -282,9 +282,9 @@ def test_vllms_own_update_routes_move_a_version_over_the_registered_rolledger_en
     nothing; a discarded session loads nothing. The live digest proves each step, and loading the start-up weights
     back through the same route gives the start-up live digest again (the route loads exactly the verified bytes)."""
     from rolledger.workers.engines.vllm_http import VllmHttpError
-    from rolledger.workers.staging_format import version_dir
-    from rolledger.workers.staging_store import build_manifest, prepare_for_save
-    from rolledger.workers.transport import DistStagingStore
+    from rolledger.workers.weights.staging_format import version_dir
+    from rolledger.workers.weights.staging_store import build_manifest, prepare_for_save
+    from rolledger.workers.weights.transport import DistStagingStore
 
     c = vllm_cluster
     e = c.engines[0]

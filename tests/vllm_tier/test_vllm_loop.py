@@ -19,8 +19,8 @@ from test_run_loop import execute as run_and_check
 
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig, SamplingParams
-from rolledger.workers.engine import EngineError
 from rolledger.workers.engines.factory import build_engines
+from rolledger.workers.engines.protocol import EngineError
 from rolledger.workflows.audit import audit
 from rolledger.workflows.summary import Summary
 
@@ -90,7 +90,7 @@ def test_build_engines_refuses_a_url_count_that_is_not_the_rank_count(
 def test_build_engines_refuses_a_public_address_before_any_request(
     vllm_loop_servers: LoopServers, tmp_path: Path
 ) -> None:
-    from rolledger.workers.netguard import EngineAddressError
+    from rolledger.workers.runtime.netguard import EngineAddressError
 
     cfg = vllm_loop_servers.config(vllm_urls=("http://8.8.8.8:8000", vllm_loop_servers.urls[1]))
     with pytest.raises(EngineAddressError):
@@ -98,7 +98,7 @@ def test_build_engines_refuses_a_public_address_before_any_request(
 
 
 def test_build_engines_refuses_servers_on_other_weights(fresh_loop_servers: LoopServers, tmp_path: Path) -> None:
-    from rolledger.workers.local_run import prepare_policy
+    from rolledger.workers.operator.local_run import prepare_policy
 
     other = fresh_loop_servers.config(seed=7)  # another seed: another warm-started initial policy
     prepare_policy(other, tmp_path / "model")
@@ -228,9 +228,9 @@ def test_after_an_update_the_server_computes_the_logprobs_of_the_new_weights(
     import torch
 
     from rolledger.workers.engines.vllm_engine import VllmEngine
-    from rolledger.workers.grpo import sequence_logprobs
-    from rolledger.workers.policy_model import build_model, load_policy, policy_state
-    from rolledger.workers.staging_store import DirectoryStagingStore
+    from rolledger.workers.policy.grpo import sequence_logprobs
+    from rolledger.workers.policy.policy_model import build_model, load_policy, policy_state
+    from rolledger.workers.weights.staging_store import DirectoryStagingStore
 
     from .conftest import LOOP_CONFIG
 

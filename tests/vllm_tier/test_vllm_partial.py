@@ -23,7 +23,7 @@ import pytest
 from engine_contract import generate_in_thread
 
 from rolledger.schemas.config import ModelConfig, SamplingParams
-from rolledger.workers.engine import GroupOutput, SampleOutput
+from rolledger.workers.engines.protocol import GroupOutput, SampleOutput
 
 from .conftest import PROMPT, free_port, skip_reason, vllm_import_error
 
@@ -48,7 +48,7 @@ def _endless_checkpoint(directory: Path) -> Path:
     others are scaled by 50, so a token's own logit dwarfs EOS's."""
     import torch
 
-    from rolledger.workers.policy_model import build_model, build_tokenizer, save_policy
+    from rolledger.workers.policy.policy_model import build_model, build_tokenizer, save_policy
 
     tok = build_tokenizer()
     model = build_model(_ENDLESS, len(tok), seed=0)
@@ -152,8 +152,8 @@ def test_a_sample_interrupted_by_a_commit_continues_under_the_new_version(
     import torch
 
     from rolledger.workers.engines.vllm_engine import VllmEngine
-    from rolledger.workers.policy_model import build_model, build_tokenizer, policy_state
-    from rolledger.workers.staging_store import DirectoryStagingStore
+    from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
+    from rolledger.workers.weights.staging_store import DirectoryStagingStore
 
     e = VllmEngine(endless_server.url, rank=0, model_name=endless_server.model, timeout_s=120.0)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprob_mode="raw")
@@ -276,7 +276,7 @@ def _serve(e: object, version: int, server: Server, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from rolledger.workers.engines.vllm_engine import VllmEngine
-    from rolledger.workers.staging_store import DirectoryStagingStore
+    from rolledger.workers.weights.staging_store import DirectoryStagingStore
 
     assert isinstance(e, VllmEngine)
     state = load_file(str(Path(server.model) / "model.safetensors"))

@@ -10,7 +10,7 @@ Two things, both wrappers, none inside production code:
 * **Armed injections** (ROLLEDGER_CHAOS_ARM_DIR=<dir>): the harness arms an `--inject` spec for this process at a
   point of the run by writing `<dir>/<n>.spec`; an `ArmedInjector` picks new specs up (renaming them `.taken`, so
   a restarted process cannot take one twice) and the process's rank engine / trainer step are wrapped with
-  `rolledger.workers.faults`, exactly as `LocalRun` wraps its threads. A spec that fires leaves `<n>.fired`.
+  `rolledger.workers.operator.faults`, exactly as `LocalRun` wraps its threads. A spec that fires leaves `<n>.fired`.
   `<n>.stall` files arm the hook's own rank faults at the start of the next group: `slow-generate=S` (a live rank
   whose group takes S s longer) and `freeze` (the process SIGSTOPs itself mid-group; the harness SIGCONTs it).
 
@@ -86,8 +86,8 @@ def install_ack_log(path: str) -> None:
 # ---------------------------------------------------------------- armed injections
 def install_armed_injections(arm_dir: str) -> None:
     from rolledger.schemas.injection import parse_injection
-    from rolledger.workers import faults, processes
-    from rolledger.workers.faults import FaultyEngine, Injector, slow_and_mortal_trainer
+    from rolledger.workers.operator import faults, processes
+    from rolledger.workers.operator.faults import FaultyEngine, Injector, slow_and_mortal_trainer
 
     folder = Path(arm_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -154,10 +154,10 @@ def install_armed_injections(arm_dir: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def serve(worker: Any) -> int:
-        from rolledger.workers import transport_dist
-        from rolledger.workers.rank import RankWorker
-        from rolledger.workers.trainer import TrainerWorker
-        from rolledger.workers.transport import DistStagingStore
+        from rolledger.workers.roles.rank import RankWorker
+        from rolledger.workers.roles.trainer import TrainerWorker
+        from rolledger.workers.weights import transport_dist
+        from rolledger.workers.weights.transport import DistStagingStore
 
         if isinstance(worker, RankWorker):
             worker.engine = FaultyEngine(worker.engine, worker.rank, injector)

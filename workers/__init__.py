@@ -1,1 +1,0 @@
-"""Stateless processes and the engines they drive: rollout, reward, trainer, rank agent, vLLM extension."""
