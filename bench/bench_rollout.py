@@ -37,7 +37,7 @@ much longer its engine's decode steps took than direct's, and how many groups a 
 the prompt tokens prefilled per group with the prefix cache vs without. The machine is shared: the load average is
 printed with them.
 
-What the flags show (bench table in the README): in-process, the worker's threads hold the engine's GIL, and that
+What the flags show (bench table in docs/performance.md): in-process, the worker's threads hold the engine's GIL, and that
 time is added to the decode steps one for one; --engine-process removes that (the steps take what direct's take),
 leaving the time a slot spends between two groups (logging the finished one, taking the next: a few ms), when the
 engine holds one group fewer; --queued keeps a request waiting in the engine for that time, and --groups 64 makes

@@ -54,7 +54,7 @@ class RedisProcess:
                 "--appendonly",
                 "yes",
                 "--appendfsync",
-                "no",  # written before every reply: a killed server loses nothing acknowledged (README, Durability)
+                "no",  # written before every reply: a killed server loses nothing acknowledged (docs/durability.md)
                 "--save",
                 "",
                 "--logfile",

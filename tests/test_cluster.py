@@ -337,7 +337,7 @@ def test_a_run_survives_a_coordinated_failover_of_its_primary(
     """`CLUSTER FAILOVER` on the replica of the run's primary, mid-run: the replica takes over only once it has every
     write of its primary, so nothing acknowledged is lost; clients follow the MOVED replies and blocked reads that
     the role change cut short are retried. (An uncoordinated failover, the primary killed, can lose acknowledged
-    writes: replication is asynchronous; see README, Durability.)"""
+    writes: replication is asynchronous; see docs/durability.md.)"""
     cfg = tmp_path / "run.toml"
     cfg.write_text(CONFIG)
     run = f"c-{uuid.uuid4().hex[:8]}"
@@ -383,7 +383,7 @@ def test_a_command_rides_out_an_uncoordinated_failover_and_lands_on_the_promoted
     """The run's primary is SIGKILLed: until its replica is promoted (the cluster's node timeout, 5 s here) the slot
     has no primary; an append made meanwhile waits (ConnectionError, then CLUSTERDOWN, ridden out within the outage
     deadline) and is written on the promoted replica. Only the waiting is checked: what the dead primary had
-    acknowledged but not yet replicated may be lost (asynchronous replication; README, Redis Cluster). The killed
+    acknowledged but not yet replicated may be lost (asynchronous replication; docs/deployment.md, Redis Cluster). The killed
     node is started again and rejoins as a replica, so the cluster is whole for whatever runs next."""
     from logbuilder import LogBuilder
 

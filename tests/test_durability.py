@@ -1,4 +1,4 @@
-"""What the README's durability claim rests on: the embedded server runs with the appendfsync it was asked for (asked
+"""What docs/durability.md rests on: the embedded server runs with the appendfsync it was asked for (asked
 of the server itself, CONFIG GET), `rolledger run --redis-fsync always` gets it through to the run's server, and
 `EventLog.wait_durable` on a server with WAITAOF (>= 7.2) answers for every acknowledged write, not for whatever
 pooled connection it happens to run on."""

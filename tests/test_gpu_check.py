@@ -1,6 +1,6 @@
 """bench/gpu_check.py on a machine without a GPU: one line saying it checks nothing, exit 0, within seconds; a bad
 argument is one line and exit 2; `--dry-run-on-cpu` runs the same steps on the CPU. (On a GPU it runs the CUDA
-checks; its figures go in the README.)"""
+checks; its figures go in docs/performance.md.)"""
 
 from __future__ import annotations
 
