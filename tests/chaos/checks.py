@@ -110,10 +110,11 @@ def served_versions(events: Sequence[ev.Event]) -> list[str]:
     allowed = {state.policy_version}
     if RunStatus(state.status) is not RunStatus.COMPLETED:
         allowed |= {v for v, u in state.updates.items() if u.status.is_decided_commit}
+    waiting = _waiting_for_reload(events, state.policy_version)
     for r, rank in sorted(state.ranks.items()):
         if not rank.status.in_service:
             continue
-        if rank.committed_version not in allowed:
+        if rank.committed_version not in allowed and r not in waiting:
             problems.append(
                 f"rank {r} ends on v{rank.committed_version}, the published version is v{state.policy_version}"
             )
@@ -137,11 +138,35 @@ def served_versions(events: Sequence[ev.Event]) -> list[str]:
         rank_state = state.ranks.get(r)
         if rank_state is not None and not rank_state.status.in_service:
             continue
-        if version not in allowed:
+        if version not in allowed and r not in waiting:
             problems.append(
                 f"rank {r} last announced v{version} ({eid}); the published version is v{state.policy_version}"
             )
     return problems
+
+
+def _waiting_for_reload(events: Sequence[ev.Event], published: int) -> set[int]:
+    """The ranks that rejoined on the version published at the time, saw a newer one published by an update they
+    were not part of, and had not reloaded it when the run ended. The rank decider holds such a rank's generation
+    until the coordinator's Reload lands (workflows/rank.py), so it served nothing stale. A rank that joined on a
+    version older than the one published when it joined, or started a sample on old weights after the newer
+    version was published, is not waiting: it is a violation."""
+    current = -1  # the version published so far, as the log is read
+    published_at = -1
+    waiting: set[int] = set()
+    for i, e in enumerate(events):
+        p = e.payload
+        if isinstance(p, ev.PolicyPublished):
+            current = max(current, p.version)
+            if p.version == published:
+                published_at = i
+        elif isinstance(p, ev.RankJoined) and p.policy_version >= current:
+            waiting.add(p.rank)
+        elif isinstance(p, ev.RankJoined | ev.RankCommitted):  # joined behind, or reloaded: not waiting
+            waiting.discard(p.rank)
+        elif isinstance(p, ev.SampleStarted) and p.policy_version < published and 0 <= published_at < i:
+            waiting.discard(p.rank)  # it served old weights after the newer version was published
+    return waiting if published_at >= 0 else set()
 
 
 def trained_twice(events: Iterable[ev.Event]) -> list[str]:

@@ -24,6 +24,7 @@ import redis
 from rolledger.events.codec import decode
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import RunStatus
+from rolledger.workflows.reducer import replay
 
 from .checks import Ack, Ending, judge, parse_ack_log, served_versions
 from .harness import HOOK_DIR, config_toml
@@ -128,6 +129,38 @@ def test_a_rank_that_announces_an_old_version_is_not_serving_the_published_one()
     stale = renamed(joined, "YYYY")  # the rank came back on v0 after the last publication
     problems = served_versions([*events[:i], stale, *events[i:]])
     assert any(f"rank {joined.payload.rank}" in p and "v0" in p for p in problems), problems
+
+
+def test_a_rank_that_rejoined_during_the_last_update_waits_for_its_reload_and_serves_nothing_stale() -> None:
+    """Seed 1002 (dist, inject,net): a rank quarantined by one update rejoins on the version published then while
+    the next update runs without it, and the run ends before the coordinator's Reload lands. The rank decider holds
+    its generation until then, so it is not serving old weights; a sample it starts on them after the publication
+    is."""
+    events = clean_log()
+    published = [i for i, e in enumerate(events) if isinstance(e.payload, ev.PolicyPublished)]
+    assert len(published) >= 2
+    before = events[published[-2]].payload
+    assert isinstance(before, ev.PolicyPublished)
+    joined = next(e for e in events if isinstance(e.payload, ev.RankJoined))
+    assert isinstance(joined.payload, ev.RankJoined)
+    rank = joined.payload.rank
+    back = msgspec.structs.replace(
+        renamed(joined, "YYYY"),
+        payload=msgspec.structs.replace(
+            joined.payload, policy_version=before.version, weights_digest=before.weights_digest
+        ),
+    )
+    j = published[-1]
+    log = [*events[:j], back, *events[j:]]
+    assert replay(log).ranks[rank].committed_version == before.version  # behind the published version at the end
+    assert served_versions(log) == []
+    started = next(e for e in events if isinstance(e.payload, ev.SampleStarted) and e.payload.rank == rank)
+    stale = msgspec.structs.replace(
+        renamed(started, "WWWW"), payload=msgspec.structs.replace(started.payload, policy_version=before.version)
+    )
+    end = next(i for i, e in enumerate(log) if isinstance(e.payload, ev.RunFinished))
+    problems = served_versions([*log[:end], stale, *log[end:]])
+    assert any(f"rank {rank} ends on v{before.version}" in p for p in problems), problems
 
 
 def test_a_process_without_the_hook_or_one_that_hangs_fails_the_schedule() -> None:
