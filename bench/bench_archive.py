@@ -1,4 +1,4 @@
-"""Redis memory of a long run with and without archiving (events/archive.py), and the archived log's replay.
+"""Redis memory of a long run with and without archiving (events/archiver.py), and the archived log's replay.
 
 Two real `rolledger run`s (embedded Redis, torch engine, the default small model) of the same length, one with
 `log.archive = false` (the baseline: the stream holds every entry) and one archiving with a small window
@@ -28,7 +28,8 @@ from typing import Any
 
 import redis
 
-from rolledger.events.archive import Archiver, archive_dir, read_manifest
+from rolledger.events.archive import archive_dir, read_manifest
+from rolledger.events.archiver import Archiver
 from rolledger.events.keys import dedupe_key, log_key, snapshots_key
 from rolledger.events.open_run import open_run
 from rolledger.events.snapshots import latest_snapshot

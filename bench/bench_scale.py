@@ -98,7 +98,8 @@ from rolledger.workers.policy.policy_model import build_tokenizer
 from rolledger.workers.roles.coordinator import Coordinator
 from rolledger.workers.roles.rank import RankWorker
 from rolledger.workers.roles.reward import RewardWorker
-from rolledger.workers.roles.trainer_client import RunOver, TrainerClient
+from rolledger.workers.roles.trainer_api import RunOver
+from rolledger.workers.roles.trainer_client import TrainerClient
 from rolledger.workers.runtime import gc_policy
 from rolledger.workers.runtime.runtime import LockedFollower, Worker
 from rolledger.workers.weights.staging_loader import load_verified

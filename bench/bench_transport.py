@@ -51,10 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_update import qwen25_05b_shapes
 from rank_procs import RankProcesses
 
-from rolledger.workers.weights import transport_dist as td
+from rolledger.schemas.weights import WeightManifest
+from rolledger.workers.weights import transport_dist_receive
 from rolledger.workers.weights.staging_checksums import raw_bytes
 from rolledger.workers.weights.tensors import state_digest
 from rolledger.workers.weights.transport import DistStagingStore
+from rolledger.workers.weights.transport_dist import chunks
+from rolledger.workers.weights.transport_dist_delta import DeltaBase
+from rolledger.workers.weights.transport_dist_receive import read_manifest, receive_verified
 
 DEADLINE_S = 600.0
 
@@ -87,7 +91,7 @@ def rank_main(
             views = [raw_bytes(t) for t in buf.values()]
             bucket = torch.empty(bucket_bytes, dtype=torch.uint8)
             src = raw_bytes(bucket)
-            for tag, pieces in enumerate(td._chunks([v.nbytes for v in views], bucket_bytes)):
+            for tag, pieces in enumerate(chunks([v.nbytes for v in views], bucket_bytes)):
                 n = sum(p[2] for p in pieces)
                 group.recv([bucket[:n]], 0, tag).wait()
                 at = 0
@@ -96,10 +100,10 @@ def rank_main(
                     at += length
         elif cmd == "checked":  # arg: (uri, version, manifest json, delta base version or 0)
             uri, version, manifest_json, base_version = arg
-            manifest = td.WeightManifest.model_validate_json(manifest_json)
-            got_manifest = td.read_manifest(uri, version, expected_digest=manifest.digest, timeout_s=DEADLINE_S)
-            base = td.DeltaBase(base_version, live) if base_version else None
-            got = td.receive_verified(uri, version, got_manifest, out=buf, timeout_s=DEADLINE_S, base=base)
+            manifest = WeightManifest.model_validate_json(manifest_json)
+            got_manifest = read_manifest(uri, version, expected_digest=manifest.digest, timeout_s=DEADLINE_S)
+            base = DeltaBase(base_version, live) if base_version else None
+            got = receive_verified(uri, version, got_manifest, out=buf, timeout_s=DEADLINE_S, base=base)
             detail = got.timings
         elif cmd == "commit":
             for k, v in buf.items():
@@ -120,7 +124,7 @@ def raw_send(master: dist.TCPStore, sd: dict[str, torch.Tensor], prefix: str, bu
     views = [raw_bytes(t) for t in sd.values()]
     bucket = torch.empty(bucket_bytes, dtype=torch.uint8)
     dst = raw_bytes(bucket)
-    for tag, pieces in enumerate(td._chunks([v.nbytes for v in views], bucket_bytes)):
+    for tag, pieces in enumerate(chunks([v.nbytes for v in views], bucket_bytes)):
         at = 0
         for i, lo, length in pieces:
             dst[at : at + length] = views[i][lo : lo + length]
@@ -288,7 +292,10 @@ def run(args: argparse.Namespace, workdir: Path) -> None:
             sd, base_version = nxt, version
             store.gc({version})
         deltas = store.server.deltas
-        assert len(deltas) == args.reps and not td.DELTA_FALLBACKS, (deltas, td.DELTA_FALLBACKS)
+        assert len(deltas) == args.reps and not transport_dist_receive.DELTA_FALLBACKS, (
+            deltas,
+            transport_dist_receive.DELTA_FALLBACKS,
+        )
     finally:
         ranks.close()
         for s in stores.values():

@@ -13,12 +13,14 @@
         client.serve_until_finished()
 
 `rolledger run --trainer external` starts everything but the trainer and waits for such a loop to connect;
-`examples/torch_trainer.py` is one, run by the tests. The implementation is `rolledger.workers.roles.trainer_client`.
+`examples/torch_trainer.py` is one, run by the tests. The implementation is `rolledger.workers.roles.trainer_client`
+(the client) and `rolledger.workers.roles.trainer_api` (its values and errors); this module re-exports them as the
+public API.
 """
 
 from rolledger.workers.policy.policy_model import policy_state as policy_weights
 from rolledger.workers.roles.trainer import token_logprobs
-from rolledger.workers.roles.trainer_client import (
+from rolledger.workers.roles.trainer_api import (
     Agreement,
     Batch,
     ClientError,
@@ -27,11 +29,11 @@ from rolledger.workers.roles.trainer_client import (
     RunOver,
     StepRefused,
     StepStats,
-    TrainerClient,
     UpdateFailed,
     check_lineage,
     gap_stats,
 )
+from rolledger.workers.roles.trainer_client import TrainerClient
 from rolledger.workers.weights.tensors import state_digest as weights_digest
 
 __all__ = [

@@ -14,6 +14,13 @@ import pytest
 import redis
 from redis_cluster import RedisClusterProcesses, redis_cli
 
+# torch.distributed's TCPStore looks up the host name of every socket it connects (c10d socket.cpp); a loopback peer of
+# its dual-stack server is ::ffff:127.0.0.1, which /etc/hosts does not name, so the lookup goes to the nameserver. Where
+# that one never answers (a sandbox, CI) about one connect in 25 waited out glibc's 5 s resolver timeout: a weight
+# transfer or a worker's start 5 s late at random. One try of 1 s (the least glibc takes) bounds it; the tests and the
+# processes they start inherit it. Set before any lookup: glibc reads RES_OPTIONS when a process first resolves.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -19,6 +19,10 @@ that client is driven unchanged:
 - the vLLM weight RPCs are the real rolledger worker extension (workers.weights.vllm_extension.RolledgerWorkerExtension) mixed
   into a fake worker whose model runner is a real torch model; completions are that model's, run by a real
   TorchEngine over it (raw logprobs), so what the contract checks against torch holds.
+- configured with a speculative draft (`server_config={"speculative_config": {...}}`), `/metrics` exports vLLM's
+  draft counters (`vllm:spec_decode_num_draft_tokens_total`, `..._accepted_tokens_total`): every generated token
+  counts `SPEC_TOKENS` drafted and `acceptance` of them accepted, so a test sets `acceptance` to what the draft
+  would achieve against the weights being served (the fake runs no draft model).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from rolledger.schemas.config import SamplingParams
 from rolledger.workers.engines.protocol import EngineError, GroupOutput
 from rolledger.workers.engines.sglang_weights import expected_checksums
 from rolledger.workers.engines.torch_engine import TorchEngine
+
+SPEC_TOKENS = 3  # draft tokens proposed per generated token, with a speculative draft configured
 from rolledger.workers.weights.vllm_extension import RolledgerWorkerExtension
 
 TAGS = ("weights", "kv_cache")
@@ -125,6 +131,10 @@ class FakeVllmSleepServer(_FakeServer):
         self.level = 0
         self.paused = False
         self.version = "default"
+        self.acceptance = 0.8  # with a speculative draft configured: the share of drafted tokens accepted,
+        self.acceptance_by_version: dict[str, float] = {}  # or this, while the version label is a key here
+        self.drafted = 0
+        self.accepted = 0.0
 
     # -- routes -------------------------------------------------------------------------------------------------
 
@@ -155,7 +165,7 @@ class FakeVllmSleepServer(_FakeServer):
                 case "/health":
                     return 200, None
                 case "/metrics":
-                    return 200, ""
+                    return 200, self._metrics()
                 case "/pause":
                     self.paused = True
                     return 200, {"status": "paused"}
@@ -184,6 +194,26 @@ class FakeVllmSleepServer(_FakeServer):
         if path == "/v1/completions":  # outside the lock: the model runs, sleep routes stay answerable
             return self._complete(body)
         return 404, {"error": {"message": f"fake vLLM: no route {method} {path}", "code": 404}}
+
+    def _metrics(self) -> str:
+        """The Prometheus page: vLLM's draft counters where a speculative draft is configured, else empty."""
+        if not (self.server_config.get("speculative_config") or {}):
+            return ""
+        return "".join(
+            f"# HELP vllm:{name}_total {name}.\n# TYPE vllm:{name}_total counter\n"
+            f'vllm:{name}_total{{engine="0",model_name="fake"}} {value:.1f}\n'
+            for name, value in (
+                ("spec_decode_num_draft_tokens", self.drafted),
+                ("spec_decode_num_accepted_tokens", self.accepted),
+            )
+        )
+
+    def _count_drafts(self, tokens: int) -> None:
+        if self.server_config.get("speculative_config"):
+            with self.lock:
+                self.drafted += SPEC_TOKENS * tokens
+                rate = self.acceptance_by_version.get(self.version, self.acceptance)
+                self.accepted += rate * SPEC_TOKENS * tokens
 
     def _sleep(self, level: int) -> tuple[int, Any]:
         if "weights" not in self.asleep:  # vLLM: "Executor is already sleeping." -> nothing
@@ -226,6 +256,7 @@ class FakeVllmSleepServer(_FakeServer):
         try:
             for prompt in prompts:
                 out = self._generate(prompt, int(body.get("n", 1)), sampling)
+                self._count_drafts(sum(len(s.token_ids) for s in out.samples))
                 prompt_tokens += len(prompt)
                 for s in out.samples:
                     choices.append(

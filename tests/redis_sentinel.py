@@ -1,6 +1,20 @@
 """A real Redis Sentinel setup on loopback for the tests: one primary, one replica (both redis-server with AOF on) and
 three sentinels (`redis-server --sentinel`, quorum 2), each in its own directory on a free port. Every wait has a
-deadline and names what it was waiting for."""
+deadline and names what it was waiting for.
+
+Two ways to switch primaries mid-run:
+
+- `coordinated_failover()`: what an operator does for maintenance. Writes are paused on the primary (CLIENT PAUSE
+  WRITE), the replica is waited for until it has every byte of the replication stream, then SENTINEL FAILOVER
+  promotes it; the sentinels' reconfiguration of the old primary disconnects its clients, whose paused commands were
+  never run there, so they are retried on the new primary. Nothing acknowledged is lost. (SENTINEL FAILOVER alone,
+  `failover()`, is not coordinated in Redis 7: it promotes the replica while the old primary still takes writes,
+  and those are lost when it resyncs.)
+- `lag_replica()` then `kill_primary()`: an uncoordinated switch. Started with `replication_proxy=True`, the replica
+  follows the primary through a tests/fault_proxy.py; `lag_replica()` drops what the primary sends it (the link
+  stays up, so the sentinels still count the replica fit to promote), the primary goes on acknowledging writes no
+  replica has, and `kill_primary()` SIGKILLs it: the sentinels promote the replica, and those writes are gone.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +25,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import redis
+from fault_proxy import Direction, FaultProxy
 
 from rolledger.events.embedded import find_redis_server
 
@@ -44,6 +59,7 @@ class SentinelProcesses:
         self.replica_port = _free_port()
         self.sentinel_ports = [_free_port() for _ in range(3)]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.proxy: FaultProxy | None = None  # between the replica and the primary (start(replication_proxy=True))
 
     @property
     def url(self) -> str:
@@ -56,12 +72,16 @@ class SentinelProcesses:
         log = open(d / "log", "wb")  # noqa: SIM115 - lives as long as the process
         self.procs[port] = subprocess.Popen([str(find_redis_server()), *args], cwd=d, stdout=log, stderr=log)
 
-    def start(self) -> SentinelProcesses:
+    def start(self, *, replication_proxy: bool = False) -> SentinelProcesses:
         data = ["--bind", "127.0.0.1", "--appendonly", "yes", "--save", ""]
         self._spawn(self.primary_port, ["--port", str(self.primary_port), *data])
+        follows = self.primary_port
+        if replication_proxy:
+            self.proxy = FaultProxy(self.primary_port).start()
+            follows = self.proxy.port
         self._spawn(
             self.replica_port,
-            ["--port", str(self.replica_port), *data, "--replicaof", "127.0.0.1", str(self.primary_port)],
+            ["--port", str(self.replica_port), *data, "--replicaof", "127.0.0.1", str(follows)],
         )
         _wait(
             "the replica's link to the primary",
@@ -110,6 +130,62 @@ class SentinelProcesses:
             _wait(f"old primary 127.0.0.1:{old} to answer as a replica", lambda: self.role(old) == "slave", deadline_s)
         return new
 
+    def coordinated_failover(self, deadline_s: float = 30.0) -> int:
+        """A switch that loses nothing acknowledged (see the module docstring); returns the new primary's port.
+
+        1. CLIENT PAUSE WRITE on the primary: writes (the appends' scripts, XREADGROUP) wait there, unrun;
+        2. the replica is waited for until its offset reaches the paused primary's;
+        3. SENTINEL FAILOVER, and the sentinels are waited for until they name the replica, which answers as master;
+        4. the old primary is made a replica of it (REPLICAOF: what the sentinels would do some seconds later) and
+           its clients are disconnected (CLIENT KILL TYPE normal), then unpaused: whatever was paused there is
+           retried on the new primary, or refused as READONLY and then retried there.
+
+        The pause is lifted in step 4, not at its end: a sentinel's hello (a PUBLISH) is paused as well and holds up
+        the sentinel's next commands to that node, so waiting for the sentinels to demote it would wait out the
+        pause."""
+        old = self.primary()
+        node = self.node(old)
+        node.execute_command("CLIENT", "PAUSE", int(deadline_s * 1000), "WRITE")
+        try:
+            offset = int(node.info("replication")["master_repl_offset"])
+            replica = self.replica_of(old)
+            _wait(
+                "the replica to hold the paused primary's whole replication stream",
+                lambda: int(self.node(replica).info("replication")["slave_repl_offset"]) >= offset,
+                deadline_s,
+            )
+            new = self.failover(deadline_s, until_demoted=False)
+            node.execute_command("REPLICAOF", "127.0.0.1", new)
+            node.execute_command("CLIENT", "KILL", "TYPE", "normal")
+        finally:
+            node.execute_command("CLIENT", "UNPAUSE")
+        _wait(f"old primary 127.0.0.1:{old} to answer as a replica", lambda: self.role(old) == "slave", deadline_s)
+        return new
+
+    def replica_of(self, primary: int) -> int:
+        """The port of the (one) replica of `primary`."""
+        return self.replica_port if primary == self.primary_port else self.primary_port
+
+    def lag_replica(self) -> None:
+        """Drop what the primary sends the replica from now on (needs start(replication_proxy=True))."""
+        assert self.proxy is not None, "start(replication_proxy=True) puts the proxy the lag needs in place"
+        self.proxy.cut(Direction.DOWN)
+
+    def kill_primary(self) -> int:
+        """SIGKILL the primary; returns its port."""
+        old = self.primary()
+        proc = self.procs[old]
+        proc.kill()
+        proc.wait(timeout=10)
+        return old
+
+    def wait_promoted(self, old: int, deadline_s: float = 30.0) -> int:
+        """Wait until the sentinels name another primary than `old` and it answers as master; its port."""
+        _wait("the sentinels to promote the replica", lambda: self.primary() != old, deadline_s)
+        new = self.primary()
+        _wait(f"127.0.0.1:{new} to answer as master", lambda: self.role(new) == "master", deadline_s)
+        return new
+
     def failover_settled(self, old: int, deadline_s: float = 30.0) -> None:
         """Wait until the old primary is a replica with its link up (it has resynced from the new primary)."""
         _wait(
@@ -123,3 +199,5 @@ class SentinelProcesses:
             proc.kill()
         for proc in self.procs.values():
             proc.wait(timeout=10)
+        if self.proxy is not None:
+            self.proxy.stop()

@@ -1,7 +1,7 @@
-"""Archive, then trim (events/archive.py) on a real redis-server: the archived + live log replays and audits exactly
-as the untrimmed log did; a deleted or altered segment is reported by its ids (replay, audit, lineage); trimming stays
-behind consumer groups and the latest snapshot; a crash between the steps of a pass loses and duplicates nothing; a
-follower starting on a trimmed log starts from the snapshot."""
+"""Archive, then trim (events/archiver.py, events/archive.py) on a real redis-server: the archived + live log replays
+and audits exactly as the untrimmed log did; a deleted or altered segment is reported by its ids (replay, audit,
+lineage); trimming stays behind consumer groups and the latest snapshot; a crash between the steps of a pass loses and
+duplicates nothing; a follower starting on a trimmed log starts from the snapshot."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from logbuilder import LogBuilder
 
 from rolledger.events.archive import (
     ArchiveBroken,
-    Archiver,
     archive_dir,
     iter_run,
     position,
@@ -24,6 +23,7 @@ from rolledger.events.archive import (
     scan_run,
     successor,
 )
+from rolledger.events.archiver import Archiver
 from rolledger.events.keys import dedupe_key, log_key
 from rolledger.events.snapshots import latest_snapshot, take_snapshot
 from rolledger.events.store import EventLog

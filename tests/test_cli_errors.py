@@ -21,7 +21,10 @@ from rolledger.events.store import EventLog
 from rolledger.schemas.config import RunConfig, suggest_field
 from rolledger.schemas.injection import InjectionKind
 from rolledger.schemas.statuses import RunStatus
-from rolledger.workers.operator.cli import EXIT_RUN_FAILED, EXIT_USAGE, build_parser, main, run_exit_code
+from rolledger.workers.operator.cli import main
+from rolledger.workers.operator.cli_errors import EXIT_RUN_FAILED, EXIT_USAGE
+from rolledger.workers.operator.cli_parser import build_parser
+from rolledger.workers.operator.cli_run import run_exit_code
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import history  # tests/fixtures is not a package: it holds data and the scripts that make it
@@ -622,11 +625,12 @@ def test_a_plain_client_on_a_tls_port_and_a_tls_client_on_a_plain_port(
 
 
 def test_refusals_are_told_apart_and_other_errors_are_not_refusals() -> None:
-    """The classification the command line exits 3 on (events/connection.py), on the errors redis-py raises; a
+    """The classification the command line exits 3 on (events/refusal.py), on the errors redis-py raises; a
     wrapped one counts by its cause; anything else is left to raise (a bug shows its traceback)."""
     import ssl
 
-    from rolledger.events.connection import RedisUnavailable, Refusal, TlsHandshakeFailed, refusal, refusal_line
+    from rolledger.events.outage import RedisUnavailable, TlsHandshakeFailed
+    from rolledger.events.refusal import Refusal, refusal, refusal_line
 
     assert refusal(redis.AuthenticationError("invalid username-password pair")) is Refusal.AUTH
     assert refusal(redis.ResponseError("NOAUTH Authentication required.")) is Refusal.AUTH

@@ -20,7 +20,8 @@ from audit_check import audited_clean
 from redis_cluster import RedisClusterProcesses
 
 from rolledger.events import keys
-from rolledger.events.connection import ClusterClient, cluster_nodes, connect
+from rolledger.events.cluster import ClusterClient
+from rolledger.events.connection import cluster_nodes, connect
 from rolledger.events.consumer import GroupConsumer
 from rolledger.events.lease import LeaderLease
 from rolledger.events.snapshots import latest_snapshot, take_snapshot

@@ -186,6 +186,18 @@ def _bounded(base: str, metadata: list[Any]) -> st.SearchStrategy[Any]:
     )
 
 
+def _text(metadata: list[Any]) -> st.SearchStrategy[str]:
+    """A str field's value within its declared `pattern` and `min_length`: drawn valid rather than filtered out
+    (a `module:function` reference drawn as free text almost never matches, and the run config was drawn ~80 times
+    per example kept)."""
+    for m in metadata:
+        pattern = getattr(m, "pattern", None)
+        if isinstance(pattern, str):
+            return st.from_regex(pattern, fullmatch=True).filter(lambda s: len(s) <= 40)
+    min_size = max((m.min_length for m in metadata if isinstance(m, annotated_types.MinLen)), default=0)
+    return st.text(min_size=min_size, max_size=max(12, min_size))
+
+
 def strategy_for(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[Any]:
     """A hypothesis strategy for one pydantic field type (the subset our config models use)."""
     origin = typing.get_origin(annotation)
@@ -197,15 +209,15 @@ def strategy_for(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[Any]
     if annotation is bool:
         return st.booleans()
     if annotation is str:
-        return _SHORT_TEXT
+        return _text(metadata)
     if annotation is type(None):
         return st.none()
     if annotation is Path:
         return st.sampled_from([Path("/tmp/staging"), Path("relative/dir"), Path(".")])
     if origin is Literal:
         return st.sampled_from(args)
-    if origin in (Union, types.UnionType):
-        return st.one_of(*(strategy_for(a, []) for a in args))
+    if origin in (Union, types.UnionType):  # `int | None` with `ge=1`: the bound is the int's
+        return st.one_of(*(strategy_for(a, [] if a is type(None) else metadata) for a in args))
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return st.lists(strategy_for(args[0], []), max_size=3).map(tuple)

@@ -132,7 +132,10 @@ def _set(path: tuple[int, ...], value: Any) -> Any:
             lambda: _positional(lambda raw: raw[3].append(1)),
             r"^invalid SampleScored: Expected `array` of at most length 4, got 5$",
         ),
-        (lambda: _positional(lambda raw: raw[2].pop()), "^invalid SampleScored: envelope has 6 fields, not 7$"),
+        (
+            lambda: _positional(lambda raw: raw[2].__delitem__(slice(6, None))),
+            "^invalid SampleScored: envelope has 6 fields, not 7 or 8$",
+        ),
         (lambda: _positional(_set((2, 5), -1)), "^invalid SampleScored: policy_version: Expected `int` >= 0"),
     ],
 )

@@ -85,7 +85,7 @@ def test_trainer_and_vllm_share_the_staging_volume(compose: dict[str, Any]) -> N
 
 def test_driver_starts_the_run_with_a_config_that_fits(compose: dict[str, Any]) -> None:
     from rolledger.schemas.config import RunConfig
-    from rolledger.workers.operator.cli import build_parser
+    from rolledger.workers.operator.cli_parser import build_parser
 
     cmd = compose["services"]["driver"]["command"]
     assert cmd[0] == "rolledger"

@@ -28,9 +28,11 @@ from conftest import _free_port, redis_binary
 from structlog.testing import capture_logs
 from test_run_loop import small
 
-from rolledger.events.connection import RedisRefusesWrites, connect, outages, refusal_line
+from rolledger.events.connection import connect
 from rolledger.events.disk_full import DiskFull, free_bytes
 from rolledger.events.envelope import make_event
+from rolledger.events.outage import RedisRefusesWrites, outages
+from rolledger.events.refusal import refusal_line
 from rolledger.events.store import EventLog
 from rolledger.schemas import events as ev
 from rolledger.workers.operator.local_run import LocalRun, RunOptions
@@ -281,7 +283,8 @@ def test_an_archive_segment_on_a_full_disk_trims_nothing_and_is_written_by_a_lat
 ) -> None:
     from test_archive import build_log, write_log
 
-    from rolledger.events.archive import Archiver, read_manifest
+    from rolledger.events.archive import read_manifest
+    from rolledger.events.archiver import Archiver
     from rolledger.events.keys import log_key
 
     fs = small_fs(1 << 20)

@@ -57,7 +57,7 @@ def test_the_trainers_allowed_parents_are_its_last_staged_version_and_the_publis
     b.update(1, weights=W(1), parent=W(0)).update(2, fail_rank=0, weights=W(2), parent=W(1))
     state = replay(b.build())
     assert lineage(state) == {W(1), W(2)}
-    assert w0 not in lineage(state)  # a fresh v0 model: the trainer refuses (trainer_client.LineageError)
+    assert w0 not in lineage(state)  # a fresh v0 model: the trainer refuses (trainer_api.LineageError)
 
 
 def test_the_parent_is_part_of_the_manifests_identity_only_when_recorded() -> None:
@@ -71,7 +71,7 @@ def test_the_parent_is_part_of_the_manifests_identity_only_when_recorded() -> No
 
 @pytest.mark.parametrize("restored", [False, True])
 def test_the_trainer_refuses_weights_outside_its_lineage(restored: bool) -> None:
-    from rolledger.workers.roles.trainer_client import LineageError, check_lineage
+    from rolledger.workers.roles.trainer_api import LineageError, check_lineage
 
     model = torch.nn.Linear(3, 2)
     staged = {k: v.clone() + 1.0 for k, v in policy_state(model).items()}

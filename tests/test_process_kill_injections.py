@@ -15,8 +15,9 @@ from chaos.schedule import Schedule
 
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.injection import check_injections, parse_injection
-from rolledger.workers.weights import transport_dist as td
+from rolledger.workers.weights import transport_dist_receive
 from rolledger.workers.weights.transport import DistStagingStore
+from rolledger.workers.weights.transport_dist_receive import receive_verified
 
 
 def _dist(**update: object) -> RunConfig:
@@ -77,7 +78,7 @@ def test_the_copy_hook_runs_after_the_copy_is_written_and_before_the_server_reco
     try:
         staged = store.stage(1, 0, _state())
         store.wait_persisted()
-        got = td.receive_verified(staged.uri, 1, staged.manifest, timeout_s=60)  # recorded after the hook: it goes
+        got = receive_verified(staged.uri, 1, staged.manifest, timeout_s=60)  # recorded after the hook: it goes
     finally:
         store.close()
     assert seen == [(1, True, False)]  # the copy on disk, the server not yet told
@@ -87,12 +88,12 @@ def test_the_copy_hook_runs_after_the_copy_is_written_and_before_the_server_reco
 def test_the_receive_hook_runs_once_per_bucket_received(tmp_path: Path) -> None:
     store = DistStagingStore(tmp_path / "trainer", "127.0.0.1", 0, timeout_s=60, fsync=False, bucket_bytes=1000)
     tags: list[int] = []
-    td.on_bucket_received = tags.append
+    transport_dist_receive.on_bucket_received = tags.append
     try:
         staged = store.stage(1, 0, _state())
-        td.receive_verified(staged.uri, 1, staged.manifest, timeout_s=60)
+        receive_verified(staged.uri, 1, staged.manifest, timeout_s=60)
     finally:
-        td.on_bucket_received = None
+        transport_dist_receive.on_bucket_received = None
         store.close()
     nbytes = sum(t.numel() * t.element_size() for t in _state().values())
     assert tags == list(range(-(-nbytes // 1000)))  # every bucket, in order

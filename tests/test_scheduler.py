@@ -20,7 +20,7 @@ from rolledger.schemas.trajectory import Trajectory
 from rolledger.workflows.admission import AdmissionInputs, decide_admission, gates
 from rolledger.workflows.groups import decide_groups
 from rolledger.workflows.reducer import fold, replay
-from rolledger.workflows.scheduler import PromptItem, est_completion_tokens, estimate_error
+from rolledger.workflows.scheduler import PromptItem, completion_cap, est_completion_tokens, estimate_error
 from rolledger.workflows.state import RunState
 
 SHORT, LONG = 2, 24  # completion tokens of a short and of a long prompt
@@ -213,3 +213,34 @@ def test_in_flight_groups_count_at_max_tokens_so_the_byte_cap_holds_whatever_the
         assert sim.state.admission.queued_bytes <= cfg.admission.max_queued_bytes
         assert g.projected_bytes <= cfg.admission.max_queued_bytes
     assert sim.admitted, "nothing was admitted under the cap"
+
+
+def test_srgf_estimates_an_episode_across_its_turns_not_as_one_turn() -> None:
+    """A task with an environment (issue 40): a sample is an episode of turns, each policy turn at most
+    `sampling.max_tokens`, the whole at most `task.max_episode_tokens`. Before anything is observed a group is
+    estimated at the episode's budget, and what is learned is an episode's length across its turns (24 tokens here,
+    three times a turn's cap of 8), not clamped to one turn: SRGF still tells short episodes from long ones."""
+    items, length = workload(8)
+    base = config("srgf", 2)
+    cfg = base.model_copy(
+        update={
+            "sampling": SamplingParams(max_tokens=8),
+            "task": base.task.model_copy(
+                update={"env": "plugins_for_tests:counting_env", "max_turns": 4, "max_episode_tokens": MAX_TOKENS}
+            ),
+        }
+    )
+    assert completion_cap(cfg) == MAX_TOKENS and completion_cap(base) == MAX_TOKENS
+    assert completion_cap(base.model_copy(update={"sampling": SamplingParams(max_tokens=8)})) == 8
+    sim = Sim(replay(LogBuilder(cfg).start_run().build()), items, length)
+    short = next(p for p in items if length[p.prompt_id] == SHORT)
+    long = next(p for p in items if length[p.prompt_id] == LONG)
+    assert est_completion_tokens(sim.state, cfg, short.prompt_id, len(short.token_ids)) == MAX_TOKENS
+    for now in range(60):
+        sim.tick(now)
+    assert sim.admitted[0].est_remaining_tokens == MAX_TOKENS * sim.admitted[0].n  # the episode's budget, not 8
+    assert est_completion_tokens(sim.state, cfg, long.prompt_id, len(long.token_ids)) == LONG  # > one turn's 8
+    assert est_completion_tokens(sim.state, cfg, short.prompt_id, len(short.token_ids)) == SHORT
+    # later admissions were ordered by those estimates: the learned long episodes were estimated past one turn
+    learned = [p.est_remaining_tokens // p.n for p in sim.admitted[4:]]
+    assert LONG in learned and SHORT in learned, learned

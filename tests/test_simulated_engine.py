@@ -15,7 +15,8 @@ import torch
 
 from rolledger.schemas.config import ConfigError, ModelConfig, RunConfig, SamplingParams, SimulatedConfig
 from rolledger.workers.engines.protocol import GroupOutput, IllegalEngineOrder, SampleOutput
-from rolledger.workers.engines.simulated_engine import SimulatedEngine, sample_length
+from rolledger.workers.engines.simulated_engine import SimulatedEngine
+from rolledger.workers.engines.simulated_samples import sample_length
 from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
 
 CONFIG = ModelConfig()

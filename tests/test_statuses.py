@@ -166,8 +166,10 @@ def golden_log() -> list[ev.Event]:
 # section; then the trainer config's `overlap_update`; then the run config's `torch_engine` section (issue 14: the
 # engine in a process of its own, max_batch_groups); then issue 12: a closed update's per-rank progress (prepared,
 # committed, invalidated, healthy, probe digests) leaves the state when it closes; then issue 12 again: closed update
-# records no decider reads retire to `retired_updates` tombstones, with the `updates_published`/`updates_aborted` counts.
-GOLDEN_DIGEST = "8ea14ba32491b74c564f601b5ac3535f"
+# records no decider reads retire to `retired_updates` tombstones, with the `updates_published`/`updates_aborted` counts;
+# then issue 40: the task config's environment fields (`env`, `max_turns`, `max_episode_tokens`, `env_timeout_s`,
+# `env_workers`).
+GOLDEN_DIGEST = "a4ed22f7dd9071b36305b4e9da558a1b"
 
 
 def test_state_digest_of_a_fixed_log_is_unchanged() -> None:

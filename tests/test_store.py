@@ -14,10 +14,11 @@ import redis
 from logbuilder import payload_of
 
 from rolledger.events.codec import encode, named_form
-from rolledger.events.connection import RedisUnavailable, connect
+from rolledger.events.connection import connect
 from rolledger.events.embedded import EmbeddedRedis
 from rolledger.events.envelope import make_event
 from rolledger.events.keys import dead_letter_key, log_key
+from rolledger.events.outage import RedisUnavailable
 from rolledger.events.store import (
     ConcurrencyConflict,
     EventLog,
@@ -27,7 +28,7 @@ from rolledger.events.store import (
     dead_letter,
     read_dead_letters,
 )
-from rolledger.schemas.events import AdmissionPaused, Event, RunFinished, SampleScored
+from rolledger.schemas.events import AdmissionPaused, AppendMark, Event, RunFinished, SampleScored
 from rolledger.schemas.statuses import AdmissionReason, RunStatus
 
 
@@ -53,10 +54,12 @@ def test_append_and_read_back_in_order(redis_client: redis.Redis, run_id: str) -
     assert list(log.read(batch=3)) == [StoredEvent(i, e) for i, e in zip(ids, events)]  # pages of 3 entries, then 1
     assert [s.event for s in log.read(ids[1], ids[2])] == events[1:4]  # an entry is read whole
     fields = redis_client.xrange(log.key, ids[0], ids[0])[0][1]  # type: ignore[index]  # redis-py types replies Any | Awaitable
-    assert fields == {b"e": encode(events[0]), b"t": b"SampleScored"}
+    first = AppendMark(origin=log.origin, n=1, acked=0)  # the writer's mark, in an append's first event
+    assert fields == {b"e": encode(events[0], first), b"t": b"SampleScored"}
     fields = redis_client.xrange(log.key, ids[4], ids[4])[0][1]  # type: ignore[index]
+    fourth = [encode(events[4], AppendMark(origin=log.origin, n=4, acked=3)), *(encode(e) for e in events[5:])]
     assert fields == {
-        b"b": msgpack.packb([encode(e) for e in events[4:]], use_bin_type=True),  # the events' bytes, in order
+        b"b": msgpack.packb(fourth, use_bin_type=True),  # the events' bytes, in order
         b"t": b"SampleScored,SampleScored,SampleScored",
     }
     assert log.append_many([]) == []

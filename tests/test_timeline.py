@@ -15,7 +15,10 @@ from logbuilder import LogBuilder
 from rolledger.events.codec import decode
 from rolledger.schemas import events as ev
 from rolledger.schemas.events import Event
-from rolledger.workers.operator.timeline_render import PANEL_TITLES, timeline_figure, timeline_html, write_timeline
+from rolledger.workers.operator.timeline_html import timeline_html
+from rolledger.workers.operator.timeline_png import timeline_figure
+from rolledger.workers.operator.timeline_render import write_timeline
+from rolledger.workers.operator.timeline_style import PANEL_TITLES
 from rolledger.workflows.timeline import Culprit, Timeline, build_timeline
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))

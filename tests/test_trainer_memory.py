@@ -13,7 +13,8 @@ from logbuilder import LogBuilder
 from rolledger.events.store import EventLog
 from rolledger.schemas.config import PartialPolicy, RunConfig
 from rolledger.schemas.events import SampleFailed
-from rolledger.workers.roles.trainer_client import TrainerClient, UpdateFailed
+from rolledger.workers.roles.trainer_api import UpdateFailed
+from rolledger.workers.roles.trainer_client import TrainerClient
 from rolledger.workers.weights.staging_store import DirectoryStagingStore
 from rolledger.workflows.state import UPDATES_KEPT
 

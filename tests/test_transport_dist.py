@@ -13,9 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolledger.workers.weights import transport_dist as td
+from rolledger.workers.weights import transport_dist_receive
 from rolledger.workers.weights.staging_format import StagingError
+from rolledger.workers.weights.staging_loader import VerifiedWeights
 from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate
+from rolledger.workers.weights.transport_dist import DEFAULT_TIMEOUT_S, DistAddress, Wait, dist_uri, parse_uri
+from rolledger.workers.weights.transport_dist_delta import DeltaBase
+from rolledger.workers.weights.transport_dist_receive import (
+    GroupCommunicator,
+    NoOpCommunicatorFake,
+    read_manifest,
+    receive_verified,
+)
+from rolledger.workers.weights.transport_dist_server import WeightServer
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -46,10 +56,10 @@ def _dirname(u: StagedUpdate) -> str:
 @pytest.mark.parametrize("bucket_bytes", [1000, 1 << 20])
 def test_a_rank_receives_every_byte_verified(staged, bucket_bytes: int) -> None:
     store, _, v2, want = staged
-    with td.WeightServer(store.root, bucket_bytes=bucket_bytes, timeout_s=60) as server:
+    with WeightServer(store.root, bucket_bytes=bucket_bytes, timeout_s=60) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, expected_digest=v2.manifest_digest, timeout_s=60)
-        got = td.receive_verified(uri, 2, manifest, timeout_s=60)
+        manifest = read_manifest(uri, 2, expected_digest=v2.manifest_digest, timeout_s=60)
+        got = receive_verified(uri, 2, manifest, timeout_s=60)
     assert list(got) == list(manifest.names)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
@@ -59,9 +69,9 @@ def test_a_rank_receives_every_byte_verified(staged, bucket_bytes: int) -> None:
 def test_into_the_ranks_own_buffers(staged) -> None:
     store, _, v2, want = staged
     out = {k: torch.zeros_like(v) for k, v in want.items()}
-    with td.WeightServer(store.root, timeout_s=60) as server:
+    with WeightServer(store.root, timeout_s=60) as server:
         uri = server.uri(_dirname(v2))
-        got = td.receive_verified(uri, 2, td.read_manifest(uri, 2, timeout_s=60), out=out, timeout_s=60)
+        got = receive_verified(uri, 2, read_manifest(uri, 2, timeout_s=60), out=out, timeout_s=60)
     assert all(got[k] is out[k] for k in out)
     assert torch.equal(out["layer.0.weight"], want["layer.0.weight"])
 
@@ -69,13 +79,13 @@ def test_into_the_ranks_own_buffers(staged) -> None:
 def test_several_receivers_at_once_each_get_the_version(staged) -> None:
     store, _, v2, want = staged
     results: list[object] = []
-    with td.WeightServer(store.root, bucket_bytes=4096, timeout_s=60) as server:
+    with WeightServer(store.root, bucket_bytes=4096, timeout_s=60) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=60)
+        manifest = read_manifest(uri, 2, timeout_s=60)
 
         def fetch() -> None:
             try:
-                results.append(td.receive_verified(uri, 2, manifest, timeout_s=60))
+                results.append(receive_verified(uri, 2, manifest, timeout_s=60))
             except Exception as e:  # noqa: BLE001 - reported below
                 results.append(e)
 
@@ -86,11 +96,11 @@ def test_several_receivers_at_once_each_get_the_version(staged) -> None:
             t.join(30)
     assert len(results) == 3
     for r in results:
-        assert isinstance(r, td.VerifiedWeights), r
+        assert isinstance(r, VerifiedWeights), r
         assert torch.equal(r["embed.weight"], want["embed.weight"])
 
 
-def _ends_the_abandoned_send_at_once(server: td.WeightServer) -> None:
+def _ends_the_abandoned_send_at_once(server: WeightServer) -> None:
     """The receiver gave up while the server was sending it a bucket: its side of the group is torn down, so the
     server's send fails on the closed connection and closing the server does not wait out the transfer's deadline."""
     t0 = time.monotonic()
@@ -101,14 +111,14 @@ def _ends_the_abandoned_send_at_once(server: td.WeightServer) -> None:
 
 def test_a_communicator_that_moves_nothing_is_caught_naming_the_tensor(staged) -> None:
     store, _, v2, _ = staged
-    with td.WeightServer(store.root, timeout_s=60) as server:
+    with WeightServer(store.root, timeout_s=60) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=60)
+        manifest = read_manifest(uri, 2, timeout_s=60)
         # zeroed buffers: fresh ones are uninitialised, and the allocator may hand back memory that held these very
         # bytes (an earlier copy of v2, freed), which a transfer moving nothing would then leave right
         out = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in manifest.tensors}
         with pytest.raises(StagingError) as e:
-            td.receive_verified(uri, 2, manifest, timeout_s=60, communicator=td.NoOpCommunicatorFake, out=out)
+            receive_verified(uri, 2, manifest, timeout_s=60, communicator=NoOpCommunicatorFake, out=out)
         _ends_the_abandoned_send_at_once(server)
     assert e.value.kind == "checksum"
     assert e.value.tensor == manifest.tensors[0].name
@@ -117,36 +127,36 @@ def test_a_communicator_that_moves_nothing_is_caught_naming_the_tensor(staged) -
 
 def test_a_byte_flipped_in_transit_names_the_tensor(staged) -> None:
     store, _, v2, _ = staged
-    with td.WeightServer(store.root, bucket_bytes=1000, timeout_s=60) as server:
+    with WeightServer(store.root, bucket_bytes=1000, timeout_s=60) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=60)
+        manifest = read_manifest(uri, 2, timeout_s=60)
         with pytest.raises(StagingError) as e:
-            td.receive_verified(uri, 2, manifest, timeout_s=60, corrupt="layer.0.weight")
+            receive_verified(uri, 2, manifest, timeout_s=60, corrupt="layer.0.weight")
     assert (e.value.kind, e.value.tensor) == ("checksum", "layer.0.weight")
 
 
 def test_the_bytes_of_another_version_are_caught(staged) -> None:
     """The server sends version 1's bytes under version 2's manifest (the wrong buffer): every changed tensor fails."""
     store, v1, v2, _ = staged
-    with td.WeightServer(store.root, timeout_s=60) as server:
-        m2 = td.read_manifest(server.uri(_dirname(v2)), 2, timeout_s=60)
+    with WeightServer(store.root, timeout_s=60) as server:
+        m2 = read_manifest(server.uri(_dirname(v2)), 2, timeout_s=60)
         wrong = server.uri(_dirname(v1)).replace("v000001", "v000002")  # v1's directory under v2's name
         with pytest.raises(StagingError) as e:
-            td.receive_verified(wrong, 2, m2, timeout_s=60)
+            receive_verified(wrong, 2, m2, timeout_s=60)
     assert e.value.kind == "not_found"  # the server checks the digest the rank asks for against what it holds
 
 
 def test_manifest_not_the_announced_digest(staged) -> None:
     store, _, v2, _ = staged
-    with td.WeightServer(store.root, timeout_s=60) as server, pytest.raises(StagingError) as e:
-        td.read_manifest(server.uri(_dirname(v2)), 2, expected_digest="0" * 32, timeout_s=60)
+    with WeightServer(store.root, timeout_s=60) as server, pytest.raises(StagingError) as e:
+        read_manifest(server.uri(_dirname(v2)), 2, expected_digest="0" * 32, timeout_s=60)
     assert e.value.kind == "manifest"
 
 
 def test_a_version_the_server_does_not_have(staged) -> None:
     store, _, _v2, _ = staged
-    with td.WeightServer(store.root, timeout_s=60) as server, pytest.raises(StagingError) as e:
-        td.read_manifest(server.uri("v000009-000000000000"), 9, timeout_s=60)
+    with WeightServer(store.root, timeout_s=60) as server, pytest.raises(StagingError) as e:
+        read_manifest(server.uri("v000009-000000000000"), 9, timeout_s=60)
     assert e.value.kind == "not_found"
 
 
@@ -154,9 +164,9 @@ def test_a_server_that_is_gone_fails_the_transfer_at_once_not_at_the_deadline(st
     """c10d retries a refused connection until its timeout; a rank would sit out the whole deadline (and miss the
     run's end) waiting for a trainer that died. The receiver probes the address first."""
     _, _, v2, _ = staged
-    server = td.WeightServer(staged[0].root, timeout_s=120)
+    server = WeightServer(staged[0].root, timeout_s=120)
     uri = server.uri(_dirname(v2))
-    manifest = td.read_manifest(uri, 2)
+    manifest = read_manifest(uri, 2)
     port = server.port
     server.close()
     del server  # the TCPStore server goes with its last reference
@@ -169,7 +179,7 @@ def test_a_server_that_is_gone_fails_the_transfer_at_once_not_at_the_deadline(st
         assert s.connect_ex(("127.0.0.1", port)) != 0, "the server still listens"
     t0 = time.monotonic()
     with pytest.raises(StagingError) as e:
-        td.receive_verified(uri, 2, manifest)
+        receive_verified(uri, 2, manifest)
     assert e.value.kind == "transport" and "unreachable" in str(e.value)
     assert time.monotonic() - t0 < 60  # the URI's deadline is 120 s
 
@@ -178,10 +188,10 @@ class _DiesAfterFirstBucket:
     """A receiver whose process dies after the first bucket: it stops receiving and its group goes away."""
 
     def __init__(self, wire) -> None:
-        self.inner = td.GroupCommunicator(wire)
+        self.inner = GroupCommunicator(wire)
         self.n = 0
 
-    def irecv(self, buf: torch.Tensor, tag: int) -> td.Wait:
+    def irecv(self, buf: torch.Tensor, tag: int) -> Wait:
         self.n += 1
         if self.n == 1:
             return self.inner.irecv(buf, tag)
@@ -194,36 +204,36 @@ class _DiesAfterFirstBucket:
 
 def test_a_receiver_dying_mid_transfer_ends_only_its_session(staged) -> None:
     store, _, v2, want = staged
-    with td.WeightServer(store.root, bucket_bytes=1000, timeout_s=30) as server:
+    with WeightServer(store.root, bucket_bytes=1000, timeout_s=30) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=30)
+        manifest = read_manifest(uri, 2, timeout_s=30)
         with pytest.raises(StagingError) as e:
-            td.receive_verified(uri, 2, manifest, timeout_s=30, communicator=_DiesAfterFirstBucket)  # type: ignore[arg-type]
+            receive_verified(uri, 2, manifest, timeout_s=30, communicator=_DiesAfterFirstBucket)  # type: ignore[arg-type]
         assert e.value.kind == "transport"
-        got = td.receive_verified(uri, 2, manifest, timeout_s=60)  # the next transfer: a fresh group
+        got = receive_verified(uri, 2, manifest, timeout_s=60)  # the next transfer: a fresh group
         assert torch.equal(got["embed.weight"], want["embed.weight"])
         _ends_the_abandoned_send_at_once(server)
     assert len(server.served) == 1
 
 
 def test_uri_round_trip_and_refusals() -> None:
-    uri = td.dist_uri("127.0.0.1", 29511, "v000007-0123456789ab")
+    uri = dist_uri("127.0.0.1", 29511, "v000007-0123456789ab")
     assert uri == "dist://127.0.0.1:29511/v000007-0123456789ab"
-    assert td.parse_uri(uri, 7) == td.DistAddress("127.0.0.1", 29511, "v000007-0123456789ab")
+    assert parse_uri(uri, 7) == DistAddress("127.0.0.1", 29511, "v000007-0123456789ab")
     with pytest.raises(StagingError):
-        td.parse_uri(uri, 8)
+        parse_uri(uri, 8)
     with pytest.raises(StagingError):
-        td.parse_uri("file:///tmp/v000007", 7)
-    timed = td.dist_uri("10.0.0.5", 29511, "v000007-0123456789ab", timeout_s=12.5)
-    assert timed.endswith("?timeout=12.5") and td.parse_uri(timed, 7).timeout_s == 12.5
-    assert td.parse_uri(uri, 7).timeout_s == td.DEFAULT_TIMEOUT_S
+        parse_uri("file:///tmp/v000007", 7)
+    timed = dist_uri("10.0.0.5", 29511, "v000007-0123456789ab", timeout_s=12.5)
+    assert timed.endswith("?timeout=12.5") and parse_uri(timed, 7).timeout_s == 12.5
+    assert parse_uri(uri, 7).timeout_s == DEFAULT_TIMEOUT_S
     with pytest.raises(StagingError, match="bad timeout"):
-        td.parse_uri(uri + "?timeout=-1", 7)
+        parse_uri(uri + "?timeout=-1", 7)
 
 
 def test_a_public_host_is_refused_unless_opted_in(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="outside loopback and private"):
-        td.WeightServer(tmp_path, host="8.8.8.8")
+        WeightServer(tmp_path, host="8.8.8.8")
 
 
 def _stepped(state: dict[str, torch.Tensor], lr: float = 1e-4) -> dict[str, torch.Tensor]:
@@ -246,15 +256,15 @@ def stepped(
 
 def test_a_delta_against_the_version_the_rank_serves_gives_the_new_bytes(stepped) -> None:
     store, v2, v1_state, v2_state = stepped
-    with td.WeightServer(store.root, bucket_bytes=4096, timeout_s=60, delta=True) as server:
+    with WeightServer(store.root, bucket_bytes=4096, timeout_s=60, delta=True) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=60)
-        before = len(td.DELTA_FALLBACKS)
-        got = td.receive_verified(uri, 2, manifest, timeout_s=60, base=td.DeltaBase(1, v1_state))
-        again = td.receive_verified(uri, 2, manifest, timeout_s=60, base=td.DeltaBase(1, v1_state))
+        manifest = read_manifest(uri, 2, timeout_s=60)
+        before = len(transport_dist_receive.DELTA_FALLBACKS)
+        got = receive_verified(uri, 2, manifest, timeout_s=60, base=DeltaBase(1, v1_state))
+        again = receive_verified(uri, 2, manifest, timeout_s=60, base=DeltaBase(1, v1_state))
     for name, t in v2_state.items():
         assert torch.equal(got[name], t) and torch.equal(again[name], t), name
-    assert len(td.DELTA_FALLBACKS) == before
+    assert len(transport_dist_receive.DELTA_FALLBACKS) == before
     assert len(server.deltas) == 1  # encoded once, sent twice
     d = server.deltas[0]
     assert (d.version, d.base_version, d.full_bytes) == (2, 1, manifest.total_bytes)
@@ -266,39 +276,39 @@ def test_a_base_that_is_not_what_the_rank_claims_falls_back_to_the_full_version(
     so, and the rank fetches the full version instead of failing or, worse, committing them."""
     store, v2, v1_state, v2_state = stepped
     lying = dict(v1_state) | {"big": v1_state["big"] + 1.0}
-    with td.WeightServer(store.root, timeout_s=60, delta=True) as server:
+    with WeightServer(store.root, timeout_s=60, delta=True) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=60)
-        before = len(td.DELTA_FALLBACKS)
-        got = td.receive_verified(uri, 2, manifest, timeout_s=60, base=td.DeltaBase(1, lying))
+        manifest = read_manifest(uri, 2, timeout_s=60)
+        before = len(transport_dist_receive.DELTA_FALLBACKS)
+        got = receive_verified(uri, 2, manifest, timeout_s=60, base=DeltaBase(1, lying))
     assert torch.equal(got["big"], v2_state["big"])
-    assert td.DELTA_FALLBACKS[before:] == ["v2 on base v1: big"]
+    assert transport_dist_receive.DELTA_FALLBACKS[before:] == ["v2 on base v1: big"]
 
 
 def test_a_byte_flipped_in_a_delta_is_still_caught(stepped) -> None:
     store, v2, v1_state, _ = stepped
-    with td.WeightServer(store.root, timeout_s=60, delta=True) as server:
+    with WeightServer(store.root, timeout_s=60, delta=True) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=60)
+        manifest = read_manifest(uri, 2, timeout_s=60)
         with pytest.raises(StagingError) as e:
-            td.receive_verified(uri, 2, manifest, timeout_s=60, base=td.DeltaBase(1, v1_state), corrupt="big")
+            receive_verified(uri, 2, manifest, timeout_s=60, base=DeltaBase(1, v1_state), corrupt="big")
     assert (e.value.kind, e.value.tensor) == ("checksum", "big")
 
 
 def test_no_delta_when_the_server_lacks_the_base(stepped) -> None:
     store, v2, v1_state, v2_state = stepped
-    with td.WeightServer(store.root, timeout_s=60, delta=True) as server:
+    with WeightServer(store.root, timeout_s=60, delta=True) as server:
         uri = server.uri(_dirname(v2))
-        manifest = td.read_manifest(uri, 2, timeout_s=60)
+        manifest = read_manifest(uri, 2, timeout_s=60)
         store.gc([2])  # v1 collected: nothing to take a delta against
-        got = td.receive_verified(uri, 2, manifest, timeout_s=60, base=td.DeltaBase(1, v1_state))
+        got = receive_verified(uri, 2, manifest, timeout_s=60, base=DeltaBase(1, v1_state))
     assert torch.equal(got["big"], v2_state["big"]) and server.deltas == []
 
 
 # ------------------------------------------------------------------ versions served from memory, written behind
 
 
-def _offer(server: td.WeightServer, root: Path, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str]:
+def _offer(server: WeightServer, root: Path, version: int, state: dict[str, torch.Tensor]) -> tuple[str, str]:
     from rolledger.workers.weights.staging_format import version_dir
     from rolledger.workers.weights.staging_store import build_manifest, prepare_for_save
 
@@ -310,15 +320,15 @@ def _offer(server: td.WeightServer, root: Path, version: int, state: dict[str, t
 
 def test_an_offered_version_is_held_back_until_the_trainers_copy_is_written(tmp_path: Path) -> None:
     want = _state(3)
-    with td.WeightServer(tmp_path, bucket_bytes=1000, timeout_s=60) as server:
+    with WeightServer(tmp_path, bucket_bytes=1000, timeout_s=60) as server:
         uri, dirname = _offer(server, tmp_path, 1, want)
-        manifest = td.read_manifest(uri, 1, timeout_s=60)
+        manifest = read_manifest(uri, 1, timeout_s=60)
         got: list[object] = []
         done = threading.Event()
 
         def fetch() -> None:
             try:
-                got.append(td.receive_verified(uri, 1, manifest, timeout_s=60))
+                got.append(receive_verified(uri, 1, manifest, timeout_s=60))
             except Exception as e:  # noqa: BLE001 - asserted below
                 got.append(e)
             done.set()
@@ -327,16 +337,16 @@ def test_an_offered_version_is_held_back_until_the_trainers_copy_is_written(tmp_
         assert not done.wait(2.0), "the last bucket went out before the trainer's copy was written"
         server.persisted(dirname)
         assert done.wait(60)
-    assert isinstance(got[0], td.VerifiedWeights), got[0]
+    assert isinstance(got[0], VerifiedWeights), got[0]
     assert all(torch.equal(got[0][k], v) for k, v in want.items())
 
 
 def test_a_copy_that_failed_to_write_fails_every_transfer_of_it(tmp_path: Path) -> None:
-    with td.WeightServer(tmp_path, bucket_bytes=1000, timeout_s=30) as server:
+    with WeightServer(tmp_path, bucket_bytes=1000, timeout_s=30) as server:
         uri, dirname = _offer(server, tmp_path, 1, _state(3))
         server.persisted(dirname, error="OSError: [Errno 28] No space left on device")
         with pytest.raises(StagingError) as e:
-            td.receive_verified(uri, 1, td.read_manifest(uri, 1, timeout_s=30), timeout_s=30)
+            receive_verified(uri, 1, read_manifest(uri, 1, timeout_s=30), timeout_s=30)
     assert e.value.kind == "transport"
     assert any("No space left" in f for f in server.failed), server.failed
 
@@ -345,14 +355,14 @@ def test_close_ends_every_transfer_before_it_returns(tmp_path: Path) -> None:
     """A transfer still running when the server closes (here: holding back its last bucket for a copy never written)
     has ended, and recorded why, by the time close returns: nothing of torch.distributed runs on a thread of it when
     the process exits (a gloo group torn down by the interpreter's exit aborts the process)."""
-    server = td.WeightServer(tmp_path, bucket_bytes=1000, timeout_s=60)
+    server = WeightServer(tmp_path, bucket_bytes=1000, timeout_s=60)
     uri, _ = _offer(server, tmp_path, 1, _state(3))
-    manifest = td.read_manifest(uri, 1, timeout_s=60)
+    manifest = read_manifest(uri, 1, timeout_s=60)
     got: list[BaseException] = []
 
     def fetch() -> None:
         try:
-            td.receive_verified(uri, 1, manifest, timeout_s=60)
+            receive_verified(uri, 1, manifest, timeout_s=60)
         except Exception as e:  # noqa: BLE001 - asserted below
             got.append(e)
 
@@ -378,8 +388,8 @@ def test_the_dist_store_serves_a_snapshot_and_writes_the_same_version_behind(tmp
         staged = store.stage(1, 0, weights)
         assert staged.timings.write_s == 0.0
         weights["embed.weight"].add_(1.0)  # the trainer trains on; what it staged must not change
-        manifest = td.read_manifest(staged.uri, 1, expected_digest=staged.manifest_digest, timeout_s=60)
-        got = td.receive_verified(staged.uri, 1, manifest, timeout_s=60)
+        manifest = read_manifest(staged.uri, 1, expected_digest=staged.manifest_digest, timeout_s=60)
+        got = receive_verified(staged.uri, 1, manifest, timeout_s=60)
         assert all(torch.equal(got[k], v) for k, v in want.items())
         store.wait_persisted()
         assert store.versions() == [1]
@@ -388,8 +398,8 @@ def test_the_dist_store_serves_a_snapshot_and_writes_the_same_version_behind(tmp
         # a delta against the offered base comes from memory, and is checked like any other
         v2 = store.stage(2, 1, {k: v + 0.5 if v.is_floating_point() else v for k, v in want.items()})
         store.server.delta = True
-        base = td.DeltaBase(1, {k: v.clone() for k, v in want.items()})
-        got2 = td.receive_verified(v2.uri, 2, v2.manifest, timeout_s=60, base=base)
+        base = DeltaBase(1, {k: v.clone() for k, v in want.items()})
+        got2 = receive_verified(v2.uri, 2, v2.manifest, timeout_s=60, base=base)
         assert torch.equal(got2["scale"], torch.tensor(2.0))
         assert store.server.deltas and store.server.deltas[-1].base_version == 1
     finally:
@@ -401,7 +411,7 @@ def test_a_retired_snapshot_is_reused_only_once_no_transfer_reads_it(tmp_path: P
     still reads: a version dropped mid-transfer keeps its bytes until that transfer ends."""
     import contextlib
 
-    with td.WeightServer(tmp_path, timeout_s=30) as server:
+    with WeightServer(tmp_path, timeout_s=30) as server:
         v1 = _state(1)
         _, dir1 = _offer(server, tmp_path, 1, v1)
         assert server.reusable(v1) is None  # nothing retired yet
@@ -432,7 +442,7 @@ def test_the_dist_store_copies_each_new_version_into_retired_memory(tmp_path: Pa
         for version in range(1, 5):
             want = {k: v + version if v.is_floating_point() else v for k, v in _state(2).items()}
             staged = store.stage(version, version - 1, want)
-            got = td.receive_verified(staged.uri, version, staged.manifest, timeout_s=60)
+            got = receive_verified(staged.uri, version, staged.manifest, timeout_s=60)
             assert all(torch.equal(got[k], v) for k, v in want.items()), f"v{version} arrived wrong"
             store.gc({version})  # as the trainer does: the older versions leave, their memory is free
         assert reused == [False, False, True, True]
@@ -443,7 +453,7 @@ def test_the_dist_store_copies_each_new_version_into_retired_memory(tmp_path: Pa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_nccl_is_refused_in_one_line_where_there_is_no_cuda(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nccl weight transport needs a CUDA device"):
-        td.WeightServer(tmp_path, backend="nccl")
+        WeightServer(tmp_path, backend="nccl")
 
 
 def test_a_restarted_trainer_whose_last_copy_was_never_written_resumes_from_the_published_version(
@@ -503,7 +513,7 @@ def test_the_dist_store_overwrites_a_collected_versions_file_in_place_unless_a_t
             staged = store.stage(version, version - 1, want)
             store.wait_persisted()
             inodes[version] = os.stat(weights_of(version)).st_ino
-            got = td.receive_verified(staged.uri, version, staged.manifest, timeout_s=60)
+            got = receive_verified(staged.uri, version, staged.manifest, timeout_s=60)
             assert all(torch.equal(got[k], v) for k, v in want.items()), f"v{version} arrived wrong"
             loaded = store.local.load_verified(version, staged.manifest)  # every tensor hashed against the manifest
             assert all(torch.equal(loaded.tensors[k], v) for k, v in want.items())

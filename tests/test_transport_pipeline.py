@@ -1,4 +1,4 @@
-"""The dist transport's pipeline (workers/weights/transport_dist.py): `SLOTS` buckets in flight on both sides, buckets of one
+"""The dist transport's pipeline (workers/weights/transport_dist*.py): `SLOTS` buckets in flight on both sides, buckets of one
 piece sent from the snapshot and received into their tensor without a copy, per-bucket timings; and its CUDA paths as
 far as a CPU goes. The device-bucket path NCCL takes (host bytes staged through `SLOTS` device buffers) runs here over
 gloo with CPU "device" buffers; a real NCCL transfer is skipped without CUDA. Everything else is real: a WeightServer
@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolledger.workers.weights import transport_dist as td
+from rolledger.workers.weights import transport_dist_receive, transport_dist_server
 from rolledger.workers.weights.staging_format import StagingError, version_dir
 from rolledger.workers.weights.staging_store import build_manifest, prepare_for_save
+from rolledger.workers.weights.transport_dist import SLOTS, Wait, Wire, backend_for, chunks
+from rolledger.workers.weights.transport_dist_receive import GroupCommunicator, read_manifest, receive_verified
+from rolledger.workers.weights.transport_dist_server import WeightServer
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -31,7 +34,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 BUCKET = 4000
 
 
-def _offer(server: td.WeightServer, root: Path, version: int, state: dict[str, torch.Tensor]) -> str:
+def _offer(server: WeightServer, root: Path, version: int, state: dict[str, torch.Tensor]) -> str:
     tensors = prepare_for_save(state, version)
     manifest = build_manifest(tensors, version, version - 1, "xxh3_128")
     dirname = version_dir(root, version, manifest.digest).name
@@ -41,16 +44,16 @@ def _offer(server: td.WeightServer, root: Path, version: int, state: dict[str, t
 
 
 def _buckets(state: dict[str, torch.Tensor]) -> int:
-    return len(list(td._chunks([t.numel() * t.element_size() for t in state.values()], BUCKET)))
+    return len(list(chunks([t.numel() * t.element_size() for t in state.values()], BUCKET)))
 
 
 def test_every_bucket_is_pipelined_received_verified_and_timed(tmp_path: Path) -> None:
     want = _state(1)
-    with td.WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=60) as server:
+    with WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=60) as server:
         uri = _offer(server, tmp_path, 1, want)
-        got = td.receive_verified(uri, 1, td.read_manifest(uri, 1, timeout_s=60), timeout_s=60)
+        got = receive_verified(uri, 1, read_manifest(uri, 1, timeout_s=60), timeout_s=60)
         n = _buckets(want)
-        assert n > 2 * td.SLOTS
+        assert n > 2 * SLOTS
         # the receiver timed every bucket, and the one-piece buckets (the embedding's) landed in place: no copy
         assert len(got.timings.buckets) == n
         assert sum(b.nbytes for b in got.timings.buckets) == got.manifest.total_bytes
@@ -65,11 +68,11 @@ class _FlipsOnTheWireFake:
     """A communicator whose bytes arrive with one bit flipped in bucket `bad`: what a corrupting link does, after the
     receive (so it hits a bucket received in place as well as one copied out)."""
 
-    def __init__(self, wire: td._Wire, bad: int) -> None:
-        self.inner = td.GroupCommunicator(wire)
+    def __init__(self, wire: Wire, bad: int) -> None:
+        self.inner = GroupCommunicator(wire)
         self.bad = bad
 
-    def irecv(self, buf: torch.Tensor, tag: int) -> td.Wait:
+    def irecv(self, buf: torch.Tensor, tag: int) -> Wait:
         wait = self.inner.irecv(buf, tag)
         if tag != self.bad:
             return wait
@@ -88,10 +91,10 @@ def test_a_corrupt_bucket_names_its_tensor(tmp_path: Path, bad: int | str, tenso
     want = _state(2)
     last = _buckets(want) - 1
     tag = last if bad == "last" else int(bad)
-    with td.WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=30) as server:
+    with WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=30) as server:
         uri = _offer(server, tmp_path, 1, want)
-        manifest = td.read_manifest(uri, 1, timeout_s=30)
-        pieces = list(td._chunks([e.nbytes for e in manifest.tensors], BUCKET))[tag]
+        manifest = read_manifest(uri, 1, timeout_s=30)
+        pieces = list(chunks([e.nbytes for e in manifest.tensors], BUCKET))[tag]
         flipped_at = sum(p[2] for p in pieces) // 2  # which tensor the flipped byte belongs to
         for i, _, length in pieces:
             if flipped_at < length:
@@ -99,11 +102,11 @@ def test_a_corrupt_bucket_names_its_tensor(tmp_path: Path, bad: int | str, tenso
                 break
             flipped_at -= length
 
-        def corrupting(wire: td._Wire) -> _FlipsOnTheWireFake:
+        def corrupting(wire: Wire) -> _FlipsOnTheWireFake:
             return _FlipsOnTheWireFake(wire, tag)
 
         with pytest.raises(StagingError) as e:
-            td.receive_verified(uri, 1, manifest, timeout_s=30, communicator=corrupting)  # type: ignore[arg-type]
+            receive_verified(uri, 1, manifest, timeout_s=30, communicator=corrupting)  # type: ignore[arg-type]
     assert e.value.kind == "checksum"
     assert e.value.tensor == tensor
 
@@ -111,27 +114,28 @@ def test_a_corrupt_bucket_names_its_tensor(tmp_path: Path, bad: int | str, tenso
 def test_the_device_bucket_path_moves_every_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """NCCL's path with the device being the CPU: each side stages its buckets through `SLOTS` buffers of its own
     (copy in before a send, out after a receive), slots reused in turn; the result is still verified byte for byte."""
-    monkeypatch.setattr(td, "wire_device", lambda backend: torch.device("cpu"))
+    for side in (transport_dist_server, transport_dist_receive):  # each side asks where its buckets go
+        monkeypatch.setattr(side, "wire_device", lambda backend: torch.device("cpu"))
     want = _state(3)
-    with td.WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=60) as server:
+    with WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=60) as server:
         uri = _offer(server, tmp_path, 1, want)
         out = {k: torch.zeros_like(v) for k, v in want.items()}
-        got = td.receive_verified(uri, 1, td.read_manifest(uri, 1, timeout_s=60), timeout_s=60, out=out)
+        got = receive_verified(uri, 1, read_manifest(uri, 1, timeout_s=60), timeout_s=60, out=out)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
         assert got[name].data_ptr() == out[name].data_ptr() or t.numel() == 0, name
 
 
 def test_the_backend_follows_the_device() -> None:
-    assert td.backend_for("cpu") == "gloo"
-    assert td.backend_for(torch.device("cuda", 0)) == "nccl"  # a decision on the device type: no GPU needed
-    assert td.backend_for("meta") == "gloo"
+    assert backend_for("cpu") == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"  # a decision on the device type: no GPU needed
+    assert backend_for("meta") == "gloo"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
 def test_nccl_is_refused_in_one_line_without_cuda(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a CUDA device") as e:
-        td.WeightServer(tmp_path, backend="nccl")
+        WeightServer(tmp_path, backend="nccl")
     assert "\n" not in str(e.value)
 
 
@@ -143,13 +147,13 @@ def test_an_nccl_transfer_is_verified_against_its_manifest(tmp_path: Path) -> No
     """The server's member on device 0, the receiver's on device 1 (its thread's current device): the same protocol
     as gloo through device buckets."""
     want = _state(4)
-    with td.WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=60, backend="nccl") as server:
+    with WeightServer(tmp_path, bucket_bytes=BUCKET, timeout_s=60, backend="nccl") as server:
         uri = _offer(server, tmp_path, 1, want)
         got: dict[str, torch.Tensor] = {}
 
         def receive() -> None:
             torch.cuda.set_device(1)
-            got.update(td.receive_verified(uri, 1, td.read_manifest(uri, 1, timeout_s=60), timeout_s=60))
+            got.update(receive_verified(uri, 1, read_manifest(uri, 1, timeout_s=60), timeout_s=60))
 
         receiver = threading.Thread(target=receive)
         receiver.start()

@@ -13,6 +13,10 @@ self-describing map `{"t": type, "v": version, "e": envelope, "p": payload}`) an
 version (named by their own locked layout, then upcast, schemas/events.UPCASTERS) are unpacked, named, upcast and
 converted to the current record, validated as strictly. Every failure is a DecodeError with a reason fit for a
 dead-letter entry, naming the field.
+
+Once per process, twice never: a work consumer and the log's tail of one process read the same bytes of an event its
+work group acts on; `SharedDecodes` (the process's `SHARED`, `decode_shared`) decodes them once for both. A
+SampleFinished is encoded once: its trajectory's bytes are those events/measured.measure made to count its size.
 """
 
 from __future__ import annotations
@@ -20,17 +24,22 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any
 
 import msgpack
 import msgspec
 
+from rolledger.events.measured import encoded_form
 from rolledger.schemas.base import ARRAY_EXT, PACKED_TYPES, Record
-from rolledger.schemas.events import PAYLOAD_TYPES, Event, Payload, current_version, upcast
+from rolledger.schemas.events import PAYLOAD_TYPES, AppendMark, Event, Payload, SampleFinished, current_version, upcast
 from rolledger.schemas.wire import dec_hook, enc_hook, ext_hook
 from rolledger.schemas.wire_layout import (
     ENVELOPE_FIELDS,
+    ENVELOPE_LENGTHS,
     LayoutMismatch,
     Namer,
     _model_of,
@@ -77,8 +86,13 @@ class _Envelope(Record, frozen=True, kw_only=True):
     correlation_id: str | None
     policy_version: Annotated[int, msgspec.Meta(ge=0)]
     wall_time: float
+    append: AppendMark | None = None  # envelope v2 (issue 41); a v1 envelope (7 fields) decodes with None
 
 
+if _Envelope.__struct_fields__ != ENVELOPE_FIELDS:  # pragma: no cover - a changed envelope fails every import
+    raise RuntimeError(f"the codec's envelope {_Envelope.__struct_fields__} is not the wire's {ENVELOPE_FIELDS}")
+
+_ENVELOPE_LENGTHS_TEXT = " or ".join(str(n) for n in ENVELOPE_LENGTHS)
 _encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 _frame = msgspec.msgpack.Decoder(tuple[str, int, _Envelope, msgspec.Raw])
 _DECODERS: dict[str, tuple[int, msgspec.msgpack.Decoder[Any]]] = {
@@ -87,10 +101,17 @@ _DECODERS: dict[str, tuple[int, msgspec.msgpack.Decoder[Any]]] = {
 }
 
 
-def encode(event: Event) -> bytes:
+def encode(event: Event, mark: AppendMark | None = None) -> bytes:
     """Event -> msgpack bytes: `[type, version, envelope, payload]`, the last two positional (arrays packed). The
-    version written is the one whose layout the payload is written in: its record's SCHEMA_VERSION."""
+    version written is the one whose layout the payload is written in: its record's SCHEMA_VERSION.
+
+    The envelope's `append` is `mark`, the writer's (EventLog stamps the first event of each append): the mark an
+    event read from a log holds says where that copy came from and is not carried into a new one.
+
+    A SampleFinished whose trajectory was measured (events/measured.measure, as a rank does for its `nbytes`) is
+    written with the trajectory's bytes from that measure: one encode of the trajectory, not two."""
     p = event.payload
+    body: Any = _with_measured_trajectory(p) if type(p) is SampleFinished else p
     return _encoder.encode(
         (
             p.type,
@@ -103,10 +124,24 @@ def encode(event: Event) -> bytes:
                 event.correlation_id,
                 event.policy_version,
                 event.wall_time,
+                mark,
             ),
-            p,
+            body,
         )
     )
+
+
+_SAMPLE_FINISHED_FIELDS = SampleFinished.__struct_fields__
+
+
+def _with_measured_trajectory(p: SampleFinished) -> Any:
+    """The payload's positional form (what msgspec writes for the record: an array of its fields) with the
+    trajectory as the bytes `measure` made of it; the payload itself when it was not measured."""
+    data = encoded_form(p.trajectory)
+    if data is None:
+        return p
+    raw = msgspec.Raw(data)
+    return tuple(raw if name == "trajectory" else getattr(p, name) for name in _SAMPLE_FINISHED_FIELDS)
 
 
 def decode(data: bytes, trust: Trust = Trust.VALIDATE) -> Event:
@@ -134,7 +169,62 @@ def decode(data: bytes, trust: Trust = Trust.VALIDATE) -> Event:
         policy_version=env.policy_version,
         wall_time=env.wall_time,
         payload=payload,
+        append=env.append,
     )
+
+
+# ---------------------------------------------------------------- one decode per process
+class SharedDecodes:
+    """The events of a few types decoded once in this process for every reader that is handed the same bytes.
+
+    A work consumer and the process's tail of the log read one event twice: the reward worker gets each
+    SampleFinished from its work stream and again from the log, a rank each GroupAdmitted (events/work.py: the work
+    entry holds the same codec bytes as the log's). A consumer of a work group asks for its types (`share`); then
+    `decode` keeps what it decodes of them until a second reader takes it (or it is pushed out: the newest `kept`
+    events, at most `kept_bytes` of their bytes). Keyed by the bytes themselves, so an event is only ever the decode
+    of exactly those bytes: decoding is a pure function of them, and events are frozen. Entries of other types, or of
+    the map form of older logs, are decoded as before, for the cost of one prefix check."""
+
+    def __init__(self, kept: int = 4096, kept_bytes: int = 32 << 20) -> None:
+        self.kept = kept
+        self.kept_bytes = kept_bytes
+        self.prefixes: tuple[bytes, ...] = ()  # how the entries of the shared types begin (`[type, ...`)
+        self.hits = 0  # decodes saved (tests and benchmarks count them)
+        self._events: OrderedDict[bytes, Event] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def share(self, types: Iterable[str]) -> None:
+        """Decode the events of `types` once for this process's readers from now on."""
+        with self._lock:
+            self.prefixes = tuple(sorted({*self.prefixes, *(b"\x94" + _encoder.encode(t) for t in types)}))
+
+    def decode(self, data: bytes, trust: Trust = Trust.VALIDATE) -> Event:
+        """`decode(data, trust)`, once per process for the shared types."""
+        if not self.prefixes or not data.startswith(self.prefixes):
+            return decode(data, trust)
+        with self._lock:
+            found = self._events.pop(data, None)
+            if found is not None:
+                self._bytes -= len(data)
+                self.hits += 1
+                return found
+        event = decode(data, trust)  # outside the lock: a DecodeError is the caller's, as for `decode`
+        with self._lock:
+            if data not in self._events:
+                self._events[data] = event
+                self._bytes += len(data)
+                while len(self._events) > self.kept or self._bytes > self.kept_bytes:
+                    gone, _ = self._events.popitem(last=False)
+                    self._bytes -= len(gone)
+        return event
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
+SHARED = SharedDecodes()  # this process's
+decode_shared = SHARED.decode
 
 
 def named_form(data: bytes) -> dict[str, Any]:
@@ -150,7 +240,13 @@ def named_form(data: bytes) -> dict[str, Any]:
     if name is None:
         raise DecodeError(f"{raw[0]} v{raw[1]} has no locked wire layout")
     try:
-        return {"t": raw[0], "v": raw[1], "e": dict(zip(ENVELOPE_FIELDS, raw[2], strict=True)), "p": name(raw[3])}
+        if len(raw[2]) not in ENVELOPE_LENGTHS:
+            raise LayoutMismatch(f"envelope has {len(raw[2])} fields, not {_ENVELOPE_LENGTHS_TEXT}")
+        env = dict(zip(ENVELOPE_FIELDS, raw[2]))
+        mark = env.get("append")
+        if type(mark) is list and len(mark) == len(AppendMark.__struct_fields__):
+            env["append"] = dict(zip(AppendMark.__struct_fields__, mark))
+        return {"t": raw[0], "v": raw[1], "e": env, "p": name(raw[3])}
     except (LayoutMismatch, ValueError) as exc:
         raise DecodeError(f"invalid {raw[0]}: {exc}") from None
 
@@ -210,6 +306,7 @@ def _decode_general(data: bytes) -> Event:
         policy_version=envelope.policy_version,
         wall_time=envelope.wall_time,
         payload=payload,
+        append=envelope.append,
     )
 
 
@@ -222,8 +319,8 @@ def _named_positional(raw: list[Any]) -> tuple[str, int, dict[str, Any], dict[st
         raise DecodeError("envelope type/version malformed")
     if type(env) is not list or type(payload) is not list:
         raise DecodeError(f"envelope and payload of {type_!r} must be arrays", type_)
-    if len(env) != len(ENVELOPE_FIELDS):
-        raise DecodeError(f"invalid {type_}: envelope has {len(env)} fields, not {len(ENVELOPE_FIELDS)}", type_)
+    if len(env) not in ENVELOPE_LENGTHS:
+        raise DecodeError(f"invalid {type_}: envelope has {len(env)} fields, not {_ENVELOPE_LENGTHS_TEXT}", type_)
     name = _NAMERS.get((type_, version))
     if name is None:
         try:
@@ -315,4 +412,15 @@ def _named(cls: type[Record], message: str) -> str:
     return f"{'.'.join(names)}: {message[: m.start()]}"
 
 
-__all__ = ["PACKED_TYPES", "DecodeError", "Payload", "Trust", "decode", "encode", "named_form"]
+__all__ = [
+    "PACKED_TYPES",
+    "SHARED",
+    "DecodeError",
+    "Payload",
+    "SharedDecodes",
+    "Trust",
+    "decode",
+    "decode_shared",
+    "encode",
+    "named_form",
+]

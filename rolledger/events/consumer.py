@@ -7,7 +7,7 @@ The read loop (`GroupConsumer.read`), in order:
 2. XAUTOCLAIM of entries pending longer than `claim_idle_ms` in any consumer of the group (dead or slow ones, and this
    one's own unacknowledged failures), on a timer: at most once per `claim_every_ms` (default a quarter of
    `claim_idle_ms`, at most 1 s), not on every read; `nack` makes the next read scan at once.
-   After a Redis outage the client rode out (events.connection.outages), step 1 runs again: an XREADGROUP whose reply
+   After a Redis outage the client rode out (events.outage.outages), step 1 runs again: an XREADGROUP whose reply
    was lost to the dropped connection left its entries in this consumer's pending list, and redis-py's retry read
    new ones; the lost ones come back from there. One scan step per read, the cursor kept between reads.
 3. New entries (XREADGROUP `>`), blocking up to `block_ms`.
@@ -45,9 +45,9 @@ from typing import Any, NamedTuple
 
 import redis
 
-from rolledger.events.codec import DecodeError, decode
-from rolledger.events.connection import outages
+from rolledger.events.codec import SHARED, DecodeError, decode_shared
 from rolledger.events.keys import log_key, work_key
+from rolledger.events.outage import outages
 from rolledger.events.store import (
     PAYLOAD_LOST,
     MalformedEntry,
@@ -57,7 +57,7 @@ from rolledger.events.store import (
     event_key,
     event_reason,
 )
-from rolledger.events.work import GROUPS, LOG_ID_FIELD, LOG_INDEX_FIELD
+from rolledger.events.work import GROUPS, LOG_ID_FIELD, LOG_INDEX_FIELD, ROUTES
 from rolledger.schemas.events import Event
 
 # For each id: refresh it if this consumer owns it (XPENDING names the owner), else leave it. Returns the owned ids.
@@ -144,6 +144,7 @@ class GroupConsumer:
         """A consumer of a work group's own stream (events/work.py), deleting entries as it acknowledges them."""
         if group not in GROUPS:
             raise ValueError(f"{group!r} is not a work group (events.work.GROUPS: {', '.join(GROUPS)})")
+        SHARED.share(t for t, g in ROUTES.items() if g == group)  # its events are decoded once in this process
         return cls(
             client,
             run_id,
@@ -262,7 +263,7 @@ class GroupConsumer:
                     self._dead_letter(stream_id, log_id, data, f"delivered {n} times", once=f"{self.group}/{once}")
                     continue
                 try:
-                    event = decode(data)
+                    event = decode_shared(data)  # the process's tail reads the same bytes: decoded once
                 except DecodeError as exc:
                     self._dead_letter(stream_id, log_id, data, event_reason(place, exc.reason), once=once)
                     continue

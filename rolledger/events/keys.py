@@ -17,7 +17,7 @@ def every_run_key() -> str:
 
 
 def log_key(run_id: str) -> str:
-    """The run's event log: the source of truth. Never trimmed by length; only the archiver (events/archive.py)
+    """The run's event log: the source of truth. Never trimmed by length; only the archiver (events/archiver.py)
     trims it, by MINID, behind entries it has written to verified archive segments."""
     return _k(run_id, "events")
 

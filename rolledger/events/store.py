@@ -9,12 +9,12 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
   an entry has the entry's stream id: a position in the log is an entry id, and a reader folds an entry whole. One
   XADD per append instead of one per event is what keeps Redis near half a command per event (bench_scale). Never
   trimmed by length: XTRIM/MAXLEN deletes entries no consumer has read (reference notes, section 1.4).
-  events/archive.py trims it by MINID behind verified archive segments; `read` and `tail` see only the live stream,
+  events/archiver.py trims it by MINID behind verified archive segments; `read` and `tail` see only the live stream,
   `archive.scan_run` / `iter_run` the whole log.
 - `dedupe_key(run)`: hash event id -> stream id, written by every append in the same Lua call as the XADD, so a
   retried append (a reply lost to a dropped connection, then redis-py's retry) returns the original stream id
   instead of writing a duplicate. Redis 7.0 has no idempotent XADD (IDMP arrived in 8.6), hence the scripts.
-  `append_once` records its batch key there as `once:<key>`. The archiver (events/archive.py) deletes the event ids
+  `append_once` records its batch key there as `once:<key>`. The archiver (events/archiver.py) deletes the event ids
   whose stream id it trimmed; `once:` keys stay.
 - the run's end: field `once:run-finished` (FINISHED_FIELD) of the dedupe hash, set by the script that appends the
   run's RunFinished (to its stream id). Any later append of an event not already recorded is refused (`RunClosed`)
@@ -29,21 +29,50 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
 
 - `durable_probe_key(run)`: a counter `wait_durable` increments before its WAITAOF (Redis >= 7.2 only).
 
+- append marks: each client's appends to a run's log are a writer (`_Writer`) with a random origin that numbers its
+  appends; the first event of each append carries `AppendMark(origin, n, acked)` in its envelope
+  (schemas/events.py), `acked` being the highest of the writer's appends whose reply said the mark is in the log
+  (status 1 of the scripts below). No extra command: the
+  mark is 8-12 bytes of the entry (16 at most; the append's other events hold a 1-byte nil), the acknowledgement
+  is the reply the append waits for anyway.
+
 Durability: the claims here are for one primary with AOF on (see `EventLog.wait_durable`). Replication is
-asynchronous and a failover can lose acknowledged writes (reference notes, section 1.9).
+asynchronous and a failover can lose acknowledged writes (reference notes, section 1.9); the append marks are how
+the audit finds such a loss afterwards (workflows/log_marks.py: what it proves, and the tail it cannot see).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+import weakref
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import msgpack
 import redis
 
-from rolledger.events.codec import DecodeError, Trust, decode, encode
+from rolledger.events.codec import DecodeError, Trust, decode_shared, encode
 from rolledger.events.connection import at_key, node_client
+from rolledger.events.entries import (  # the entry format and the log's records (see __all__)
+    BATCH_FIELD,
+    FINISHED_FIELD,
+    PAYLOAD_FIELD,
+    PAYLOAD_LOST,
+    TYPE_FIELD,
+    ConcurrencyConflict,
+    DeadLetter,
+    LogLostEntries,
+    MalformedEntry,
+    RunClosed,
+    StoredEvent,
+    as_str,
+    entry_payloads,
+    entry_types,
+    event_key,
+    event_reason,
+    stream_id_key,
+)
 from rolledger.events.keys import (
     dead_letter_key,
     dead_letter_seen_key,
@@ -52,289 +81,33 @@ from rolledger.events.keys import (
     log_key,
     work_key,
 )
-from rolledger.events.work import BATCHED, GROUPS, ROUTES
-from rolledger.schemas.events import Event
+from rolledger.events.store_scripts import APPEND_IF_LUA, APPEND_MANY_LUA, APPEND_ONCE_LUA, DEAD_LETTER_LUA
+from rolledger.events.work import GROUPS
+from rolledger.schemas.events import AppendMark, Event
 
-FINISHED_FIELD = "once:run-finished"  # the dedupe hash's field marking the run's end (the RunFinished's stream id)
-PAYLOAD_FIELD = b"e"  # an entry of one event: its codec bytes
-BATCH_FIELD = b"b"  # an entry of several: a msgpack array of their codec bytes
-TYPE_FIELD = b"t"  # the event type, or the types of a batch joined by commas
-PAYLOAD_LOST = "payload lost: the entry was trimmed or deleted before it was processed"
-
-
-class MalformedEntry(ValueError):
-    """An entry of the log that holds no event bytes it can be read as (`reason` fit for a dead letter)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def entry_payloads(fields: dict[bytes, bytes] | None) -> list[bytes]:
-    """The codec bytes of each event of a log entry, in order. Raises MalformedEntry for an entry with neither an
-    event nor a batch of them (a deleted one included: redis-py shows its fields as `{}`)."""
-    if not fields:
-        raise MalformedEntry(PAYLOAD_LOST)
-    data = fields.get(PAYLOAD_FIELD)
-    if data is not None:
-        return [data]
-    batch = fields.get(BATCH_FIELD)
-    if batch is None:
-        raise MalformedEntry(f"entry has no {PAYLOAD_FIELD!r} or {BATCH_FIELD!r} field")
-    try:
-        items = msgpack.unpackb(batch, raw=False)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types for garbage
-        raise MalformedEntry(f"batch is not msgpack: {exc.__class__.__name__}: {exc}") from None
-    if type(items) is not list or not items or any(type(b) is not bytes for b in items):
-        raise MalformedEntry("batch is not a non-empty array of event bytes")
-    return items
-
-
-def event_key(entry_id: str, place: int | str | None) -> str:
-    """How a dead letter names one event of a log entry: the entry's id for the sole event of an entry (`place`
-    None), else `<entry id>#<place>` (0-based). The log's readers and the work consumers name one bad event alike,
-    so it is dead-lettered once whoever finds it."""
-    return entry_id if place is None else f"{entry_id}#{place}"
-
-
-def event_reason(place: int | str | None, reason: str) -> str:
-    """A dead letter's reason for the event at `place` of its entry (None: the sole event)."""
-    return reason if place is None else f"event {place} of the entry: {reason}"
-
-
-def entry_types(fields: dict[bytes, bytes] | None) -> list[str]:
-    """The event types an entry's `t` field names, one per event ([] when it has none)."""
-    t = (fields or {}).get(TYPE_FIELD)
-    return as_str(t).split(",") if t else []
-
-
-class StoredEvent(NamedTuple):
-    """An event together with the stream id Redis gave it."""
-
-    stream_id: str
-    event: Event
-
-
-class DeadLetter(NamedTuple):
-    """One entry of the dead-letter stream."""
-
-    dead_letter_id: str
-    source: str | None
-    raw: bytes | None
-    reason: str
-    consumer: str
-    at: float
-
-
-class ConcurrencyConflict(Exception):
-    """`append_if` found another last entry than the caller expected (someone appended in between)."""
-
-    def __init__(self, expected: str | None, actual: str | None) -> None:
-        super().__init__(f"expected the log to end at {expected!r}, it ends at {actual!r}")
-        self.expected = expected
-        self.actual = actual
-
-
-class RunClosed(Exception):
-    """An append after the run's RunFinished: refused, nothing of the batch was written."""
-
-    def __init__(self, run_id: str, finished_at: str) -> None:
-        super().__init__(f"run {run_id} finished at {finished_at}: appends after RunFinished are refused")
-        self.run_id = run_id
-        self.finished_at = finished_at
-
-
-def as_str(value: Any) -> str:
-    """Redis replies are bytes (decode_responses=False); ids and names as str."""
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-# KEYS: dead-letter stream, seen hash. ARGV: once-field ('' = no dedupe), then field/value pairs for XADD.
-_DEAD_LETTER_LUA = """
-if ARGV[1] ~= '' then
-  local existing = redis.call('HGET', KEYS[2], ARGV[1])
-  if existing then return existing end
-end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
-if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], id) end
-return id
-"""
-
-# Every append script: KEYS = log, dedupe hash, then the work stream of each group of events.work.GROUPS. An event id
-# already in the dedupe hash is not written again (its original stream id comes back); the append of a RunFinished
-# sets the marker (FINISHED_FIELD of the dedupe hash, read by the same HMGET as the batch's ids) in the same call; a
-# batch with any event not yet recorded is refused while the marker is set ({-1, marker}). The call's new events are one entry (see the module docstring).
-# An event whose type events.work.ROUTES names is also added to that group's work stream (e = bytes, t = type, s = its
-# log stream id, k = its place in a log entry of several; for a group of events.work.BATCHED, the events of the call
-# as one entry: b, t, s and k, as in the log) in the same call, so it is there exactly once.
-# The dedupe hash costs two commands per call, not two per event: one HMGET of the batch's ids, one HSET of the new.
-_ROUTE_TABLE_LUA = (
-    "local route = {" + ", ".join(f"[{t!r}] = {3 + GROUPS.index(g)}" for t, g in sorted(ROUTES.items())) + "}\n"
-    "local batched = {" + ", ".join(f"[{3 + GROUPS.index(g)}] = true" for g in sorted(BATCHED)) + "}\n"
-    f"local FINISHED = {FINISHED_FIELD!r}\n"
-)
-_APPEND_COMMON_LUA = (
-    _ROUTE_TABLE_LUA
-    + """
-local CHUNK = 1000  -- arguments per unpack (Lua's C stack bounds it)
-local function be(n, bytes)  -- n big-endian in `bytes` bytes
-  local out = {}
-  for i = bytes, 1, -1 do out[i] = string.char(n % 256); n = math.floor(n / 256) end
-  return table.concat(out)
-end
-local function bin(s)  -- a msgpack bin holding s
-  local len = #s
-  if len < 256 then return string.char(196) .. be(len, 1) .. s end
-  if len < 65536 then return string.char(197) .. be(len, 2) .. s end
-  return string.char(198) .. be(len, 4) .. s
-end
-local pairs_of = pairs  -- (the name `pairs` is a local list below)
-local function array_of(n)  -- a msgpack array header of n items
-  if n < 16 then return string.char(144 + n) end
-  if n < 65536 then return string.char(220) .. be(n, 2) end
-  return string.char(221) .. be(n, 4)
-end
-local function recorded(n, first)  -- each event's stream id if recorded (else false), how many are not, the marker
-  local ids = {}
-  local fresh = 0
-  local closed = false
-  for lo = 1, n, CHUNK do
-    local hi = math.min(n, lo + CHUNK - 1)
-    local fields = {}
-    for i = lo, hi do fields[#fields + 1] = ARGV[first + 3 * (i - 1)] end
-    if lo == 1 then fields[#fields + 1] = FINISHED end  -- the run's end, in the same HMGET
-    local got = redis.call('HMGET', KEYS[2], unpack(fields))
-    for i = lo, hi do
-      local existing = got[i - lo + 1]
-      if existing then ids[i] = existing else ids[i] = false; fresh = fresh + 1 end
-    end
-    if lo == 1 then closed = got[#fields] end
-  end
-  return ids, fresh, closed
-end
-local function remember(pairs)
-  for lo = 1, #pairs, 2 * CHUNK do
-    redis.call('HSET', KEYS[2], unpack(pairs, lo, math.min(#pairs, lo + 2 * CHUNK - 1)))
-  end
-end
-local function batch_of(js)  -- the events at ARGV[j + 1] (bytes), ARGV[j + 2] (type): a msgpack array, the types
-  local parts, types = {array_of(#js)}, {}
-  for i, j in ipairs(js) do
-    parts[i + 1] = bin(ARGV[j + 1])
-    types[i] = ARGV[j + 2]
-  end
-  return table.concat(parts), table.concat(types, ',')
-end
-local function write(n, first, ids)
-  local fresh = {}
-  for i = 1, n do
-    if not ids[i] then fresh[#fresh + 1] = first + 3 * (i - 1) end
-  end
-  local id
-  if #fresh == 1 then
-    id = redis.call('XADD', KEYS[1], '*', 'e', ARGV[fresh[1] + 1], 't', ARGV[fresh[1] + 2])
-  elseif #fresh > 1 then  -- one entry for the batch
-    local b, t = batch_of(fresh)
-    id = redis.call('XADD', KEYS[1], '*', 'b', b, 't', t)
-  end
-  local pairs, held, finishing = {}, {}, false
-  for k, j in ipairs(fresh) do
-    pairs[#pairs + 1] = ARGV[j]
-    pairs[#pairs + 1] = id
-    local work = route[ARGV[j + 2]]
-    if work and #fresh == 1 then
-      redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id)
-    elseif work and batched[work] then  -- one work entry per append, written below
-      held[work] = held[work] or {js = {}, places = {}}
-      table.insert(held[work].js, j)
-      table.insert(held[work].places, k - 1)
-    elseif work then  -- k: its place in the log entry, 0-based
-      redis.call('XADD', KEYS[work], '*', 'e', ARGV[j + 1], 't', ARGV[j + 2], 's', id, 'k', k - 1)
-    end
-    if ARGV[j + 2] == 'RunFinished' and not finishing then  -- the marker (not set: the call would be refused)
-      finishing = true
-      pairs[#pairs + 1] = FINISHED
-      pairs[#pairs + 1] = id
-    end
-  end
-  for work, h in pairs_of(held) do
-    local b, t = batch_of(h.js)
-    redis.call('XADD', KEYS[work], '*', 'b', b, 't', t, 's', id, 'k', table.concat(h.places, ','))
-  end
-  for i = 1, n do
-    if not ids[i] then ids[i] = id end
-  end
-  remember(pairs)
-  table.insert(ids, 1, 1)
-  return ids
-end
-"""
-)
-
-# ARGV: (event id, bytes, type) triples. Returns {1, id...}, or {-1, marker} after the run's end.
-_APPEND_MANY_LUA = (
-    _APPEND_COMMON_LUA
-    + """
-local n = #ARGV / 3
-local ids, fresh, closed = recorded(n, 1)
-if fresh > 0 and closed then return {-1, closed} end
-return write(n, 1, ids)
-"""
-)
-
-# ARGV: expected last id ('' = empty stream), then (event id, bytes, type) triples.
-# Returns {1, id...} on success, {0, actual last id or ''} on conflict, {-1, marker} after the run's end.
-# A batch whose every event id is already recorded is a retry of a call that succeeded: its original ids come back
-# without a version check. Otherwise the check applies, and recorded events keep their original ids.
-_APPEND_IF_LUA = (
-    _APPEND_COMMON_LUA
-    + """
-local n = (#ARGV - 1) / 3
-local ids, fresh, closed = recorded(n, 2)
-if fresh == 0 then
-  table.insert(ids, 1, 1)
-  return ids
-end
-if closed then return {-1, closed} end
-local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local last = ''
-if #top > 0 then last = top[1][1] end
-if last ~= ARGV[1] then return {0, last} end
-return write(n, 2, ids)
-"""
-)
-
-# ARGV: k, then k once-keys, then (event id, bytes, type) triples. Returns {1, id...} when the batch was appended (and
-# every key recorded) or when every event of it was recorded before (a retry of a call that succeeded: the original
-# ids), {0, the first key already taken} when any key was taken before, {-1, marker} after the run's end.
-_APPEND_ONCE_LUA = (
-    _APPEND_COMMON_LUA
-    + """
-local k = tonumber(ARGV[1])
-local n = (#ARGV - 1 - k) / 3
-local ids, fresh, closed = recorded(n, k + 2)
-if fresh == 0 then
-  table.insert(ids, 1, 1)
-  return ids
-end
-for lo = 2, k + 1, CHUNK do  -- one HMGET of the keys (a step's keys name every group it consumes)
-  local hi = math.min(k + 1, lo + CHUNK - 1)
-  local taken = redis.call('HMGET', KEYS[2], unpack(ARGV, lo, hi))
-  for i = lo, hi do
-    if taken[i - lo + 1] then return {0, ARGV[i]} end
-  end
-end
-if closed then return {-1, closed} end
-ids = write(n, k + 2, ids)
-local claimed = {}
-for i = 2, k + 1 do
-  claimed[#claimed + 1] = ARGV[i]
-  claimed[#claimed + 1] = ids[2]
-end
-remember(claimed)
-return ids
-"""
-)
+# what importers name here: the log, dead letters, and the entry format and records of events/entries.py
+__all__ = [
+    "BATCH_FIELD",
+    "FINISHED_FIELD",
+    "PAYLOAD_FIELD",
+    "PAYLOAD_LOST",
+    "TYPE_FIELD",
+    "ConcurrencyConflict",
+    "DeadLetter",
+    "EventLog",
+    "LogLostEntries",
+    "MalformedEntry",
+    "RunClosed",
+    "StoredEvent",
+    "as_str",
+    "dead_letter",
+    "entry_payloads",
+    "entry_types",
+    "event_key",
+    "event_reason",
+    "read_dead_letters",
+    "stream_id_key",
+]
 
 
 def dead_letter(
@@ -365,7 +138,7 @@ def dead_letter(
         "at",
         repr(time.time()),
     ]
-    result = client.eval(_DEAD_LETTER_LUA, 2, dead_letter_key(run_id), dead_letter_seen_key(run_id), once, *fields)
+    result = client.eval(DEAD_LETTER_LUA, 2, dead_letter_key(run_id), dead_letter_seen_key(run_id), once, *fields)
     return as_str(result)
 
 
@@ -387,6 +160,50 @@ def read_dead_letters(client: redis.Redis, run_id: str) -> list[DeadLetter]:
     return out
 
 
+class _Writer:
+    """One writer of a run's log: a random origin, the number of its last append, and the highest of them Redis
+    acknowledged with its mark in the log (schemas.events.AppendMark).
+
+    One per client object and run, shared by every EventLog of that run on that client: the threads of a process
+    share its client, so a worker restarted in the process (a new EventLog) goes on numbering where the dead one
+    stopped, and any of them appending after a loss proves what the others had acknowledged. Never shared across
+    clients (another client may be another server's log of the same run id) or processes (a forked child starts its
+    own). No round trip: the mark rides in the first event's envelope, and the acknowledgement is the script's
+    reply status."""
+
+    def __init__(self) -> None:
+        self.origin = int.from_bytes(os.urandom(4), "big")
+        self._lock = threading.Lock()
+        self._appends = 0
+        self._acked = 0
+
+    def next_mark(self) -> AppendMark:
+        """The next append's mark: its number and the highest acknowledged before it."""
+        with self._lock:
+            self._appends += 1
+            return AppendMark(origin=self.origin, n=self._appends, acked=self._acked)
+
+    def acknowledged(self, n: int) -> None:
+        with self._lock:
+            self._acked = max(self._acked, n)
+
+
+_writers: weakref.WeakKeyDictionary[Any, dict[str, _Writer]] = weakref.WeakKeyDictionary()
+_writers_lock = threading.Lock()
+os.register_at_fork(after_in_child=_writers.clear)
+
+
+def _writer_for(client: Any, run_id: str) -> _Writer:
+    with _writers_lock:
+        runs = _writers.get(client)
+        if runs is None:
+            runs = _writers[client] = {}
+        writer = runs.get(run_id)
+        if writer is None:
+            writer = runs[run_id] = _Writer()
+        return writer
+
+
 class EventLog:
     """The event log of one run. Needs a client with `decode_responses=False` (what events.connection gives)."""
 
@@ -395,11 +212,12 @@ class EventLog:
         self.run_id = run_id
         self.key = log_key(run_id)
         self.dedupe = dedupe_key(run_id)
-        self._append_many = client.register_script(_APPEND_MANY_LUA)
-        self._append_if = client.register_script(_APPEND_IF_LUA)
-        self._append_once = client.register_script(_APPEND_ONCE_LUA)
+        self._append_many = client.register_script(APPEND_MANY_LUA)
+        self._append_if = client.register_script(APPEND_IF_LUA)
+        self._append_once = client.register_script(APPEND_ONCE_LUA)
         self._server_version: tuple[int, int, int] | None = None
         self.last_scanned_id: str | None = None  # last entry read()/tail() looked at, including skipped ones
+        self._writer: _Writer | None = None  # this client's writer of this run's log, taken at the first append
 
     # ------------------------------------------------------------------ appends
     # Every append is idempotent by event id (a retry after a lost reply returns the original stream ids and writes
@@ -413,10 +231,33 @@ class EventLog:
             raise RunClosed(self.run_id, as_str(reply[1]))
         return [as_str(i) for i in reply[1:]]
 
+    @property
+    def writer(self) -> _Writer:
+        """The writer whose marks this log's appends carry: one per client and run (see `_Writer`)."""
+        if self._writer is None:
+            self._writer = _writer_for(self.client, self.run_id)
+        return self._writer
+
+    @property
+    def origin(self) -> int:
+        return self.writer.origin
+
+    def _mark(self) -> AppendMark:
+        return self.writer.next_mark()
+
+    def _acknowledged(self, mark: AppendMark, reply: Any) -> None:
+        """Count `mark` acknowledged when the reply says its entry holds it (status 1: the call's first event is
+        in the entry it wrote; a retry of a recorded event wrote nothing, and the log holds the first call's mark)."""
+        if int(reply[0]) == 1:
+            self.writer.acknowledged(mark.n)
+
     @staticmethod
-    def _triples(events: Sequence[Event]) -> list[bytes | str]:
+    def _triples(events: Sequence[Event], mark: AppendMark) -> list[bytes | str]:
+        """The script's (event id, bytes, type) triples, the append's mark in the first event's envelope."""
         args: list[bytes | str] = []
-        for event in events:
+        first = events[0]
+        args += [first.event_id, encode(first, mark), first.type]
+        for event in events[1:]:
             args += [event.event_id, encode(event), event.type]
         return args
 
@@ -430,7 +271,11 @@ class EventLog:
         again."""
         if not events:
             return []
-        return self._ids(self._append_many(keys=self._keys, args=self._triples(events)))
+        mark = self._mark()
+        reply = self._append_many(keys=self._keys, args=self._triples(events, mark))
+        ids = self._ids(reply)
+        self._acknowledged(mark, reply)
+        return ids
 
     def append_idempotent(self, event: Event) -> str:
         """Append unless this event id was appended before; either way return the event's stream id (= append)."""
@@ -439,15 +284,22 @@ class EventLog:
     def append_if(self, events: Sequence[Event], expected_last_id: str | None) -> list[str]:
         """Atomically append `events` only if the log's last entry is `expected_last_id` (None: the log is empty).
 
-        Raises ConcurrencyConflict otherwise. Deduplicates by event id: retrying a call that succeeded returns the
-        original ids (even though the log has moved on), and an already recorded event keeps its original id.
+        Raises ConcurrencyConflict otherwise, or LogLostEntries where the log ends at an entry *before*
+        `expected_last_id` (an entry the caller read is gone; an empty log is a plain conflict). Deduplicates by event id: retrying a call that succeeded returns the original
+        ids (even though the log has moved on), and an already recorded event keeps its original id.
         """
         if not events:
             return []
-        reply = self._append_if(keys=self._keys, args=[expected_last_id or "", *self._triples(events)])
+        mark = self._mark()
+        reply = self._append_if(keys=self._keys, args=[expected_last_id or "", *self._triples(events, mark)])
         if int(reply[0]) == 0:
-            raise ConcurrencyConflict(expected_last_id, as_str(reply[1]) or None)
-        return self._ids(reply)
+            actual = as_str(reply[1]) or None
+            if expected_last_id and actual is not None and stream_id_key(actual) < stream_id_key(expected_last_id):
+                raise LogLostEntries(self.run_id, expected_last_id, actual)
+            raise ConcurrencyConflict(expected_last_id, actual)
+        ids = self._ids(reply)
+        self._acknowledged(mark, reply)
+        return ids
 
     def append_once(self, events: Sequence[Event], keys: Collection[str]) -> list[str] | None:
         """Atomically append `events` and claim `keys`, unless any of the keys was claimed before (then None, and
@@ -460,11 +312,14 @@ class EventLog:
         """
         if not events:
             return []
-        args: list[bytes | str] = [str(len(keys)), *("once:" + k for k in keys), *self._triples(events)]
+        mark = self._mark()
+        args: list[bytes | str] = [str(len(keys)), *("once:" + k for k in keys), *self._triples(events, mark)]
         reply = self._append_once(keys=self._keys, args=args)
         if int(reply[0]) == 0:
             return None
-        return self._ids(reply)
+        ids = self._ids(reply)
+        self._acknowledged(mark, reply)
+        return ids
 
     def finished_at(self) -> str | None:
         """The stream id of the run's RunFinished once one was appended (appends are refused from then on)."""
@@ -565,7 +420,7 @@ class EventLog:
                 continue
             for k, data in enumerate(payloads):
                 try:
-                    event = decode(data, trust)
+                    event = decode_shared(data, trust)  # once per process for a work consumer's types
                 except DecodeError as exc:
                     place = None if len(payloads) == 1 else k
                     dead_letter(

@@ -1,4 +1,7 @@
-"""The run configuration: sampling settings, group and partial policy, scheduler, admission caps, trainer, updates.
+"""The run configuration: sampling settings, group and partial policy, scheduler, admission caps, trainer, updates,
+task (its prompts, rewards and environment), engines. Over 500 lines as one concept: the declared run, section by
+section, every field with its bounds and its description, the reference a config file is written against; split by
+section, a reader would need every module to see what one run declares.
 
 Loaded from TOML/JSON/YAML or built in code; unknown or invalid fields raise a ValidationError naming the field.
 Numbers are numbers: a bool is refused where an int or float is declared (`steps = true` is not 1), and so are
@@ -213,6 +216,14 @@ class UpdateConfig(ConfigModel):
     max_consecutive_aborts: int = Field(
         3, ge=1, description="this many updates aborted in a row (none published between) fail the run, naming them"
     )
+    max_spec_acceptance_drop: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="where an engine runs a speculative draft: the health probe fails when the draft's acceptance "
+        "on the new weights is below (1 - this) x its acceptance before the commit (a draft the new policy no longer "
+        "matches); 1 never fails",
+    )
     staging_dir: Path | None = Field(
         None, description="defaults to runs/<run-id>/staging; under the dist transport it is the trainer's own"
     )
@@ -361,6 +372,33 @@ class TaskConfig(ConfigModel):
     max_consecutive_reward_failures: int = Field(
         64, ge=1, description="the run fails once this many samples in a row could not be scored"
     )
+    env: str | None = Field(
+        None,
+        pattern=REWARD_FN_PATTERN.pattern,
+        description="'module:function': the task's environment (schemas/episode.py); each sample is then an episode "
+        "of turns: the policy generates, `step(history) -> EnvReply` answers, its tokens are appended (never trained "
+        "on) and the policy continues, until the environment is done or a limit below is reached",
+    )
+    max_turns: int = Field(
+        4, ge=1, le=256, description="env: the most policy turns an episode runs (the environment answers each)"
+    )
+    max_episode_tokens: int = Field(
+        64,
+        ge=1,
+        description="env: the most tokens an episode's completion holds, the policy's and the environment's together "
+        "(each policy turn also at most sampling.max_tokens); admission reserves bytes and a rank KV cache for it",
+    )
+    env_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="env: a step that takes longer fails its sample (stage 'env')"
+    )
+    env_workers: int = Field(
+        4, ge=1, le=256, description="env: the processes a rank runs environment steps in (one step each at a time)"
+    )
+
+    @property
+    def episodes(self) -> bool:
+        """The task declares an environment: every sample is an episode of turns."""
+        return self.env is not None
 
     @model_validator(mode="after")
     def _source_given(self) -> TaskConfig:
@@ -504,6 +542,11 @@ class RunConfig(ConfigModel):
             raise ValueError(
                 f"rank_capacity = 'sequences' with {seqs} sequences a rank (rank_max_seqs, else simulated.max_num_seqs)"
                 f" is below group_size={self.group_size}: no group would fit"
+            )
+        if self.task.env is not None and self.task.max_episode_tokens < self.sampling.max_tokens:
+            raise ValueError(
+                f"task.max_episode_tokens={self.task.max_episode_tokens} is below sampling.max_tokens="
+                f"{self.sampling.max_tokens}: an episode's first turn alone may take more"
             )
         if self.trainer.overlap_update and self.mode != "disaggregated":
             raise ValueError(

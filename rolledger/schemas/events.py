@@ -1,4 +1,5 @@
-"""The event envelope and every event payload, as msgspec records (schemas.base.Record) named by their class.
+"""The event envelope and every event payload, as msgspec records (schemas.base.Record) named by their class: one
+concept, the catalogue of the log's vocabulary, kept whole (see the last paragraph for why).
 
 Event names are the contract of ../shared/DESIGN.md; payloads are ours. Each payload type has a `schema_version`;
 an older version on the wire is upcast (see UPCASTERS) before validation, a newer one is refused.
@@ -168,6 +169,10 @@ class SampleStarted(Payload, frozen=True, kw_only=True):
 
 
 class SampleFinished(Payload, frozen=True, kw_only=True):
+    """A sample ended and can be trained on. v2: its trajectory may carry an episode's turns (`Trajectory.turns`:
+    when each turn of the policy and of the environment began and ended, and its tokens); a v1 entry has none."""
+
+    SCHEMA_VERSION: ClassVar[int] = 2  # v2 added `trajectory.turns`
     trajectory: Trajectory
     answer: str = ""  # the group's ground truth, carried so the reward worker stays stateless
     gen_ms: float = 0.0
@@ -177,15 +182,18 @@ class SampleFinished(Payload, frozen=True, kw_only=True):
 
 
 class SampleFailed(Payload, frozen=True, kw_only=True):
-    """A sample that cannot be trained on. `stage`: "rollout" (its engine failed, or its rank lost the group), or
-    "reward" (it finished but its reward functions could not score it; `rank` is the rank that generated it)."""
+    """A sample that cannot be trained on. `stage`: "rollout" (its engine failed, or its rank lost the group),
+    "env" (its episode's environment raised, hung past its timeout or answered something that is not a reply; the
+    error names the environment and the turn), or "reward" (it finished but its reward functions could not score
+    it; `rank` is the rank that generated it)."""
 
+    SCHEMA_VERSION: ClassVar[int] = 2  # v2 added the stage "env"
     sample_id: str
     group_id: str
     index: int
     rank: int
     error: str
-    stage: Literal["rollout", "reward"] = "rollout"
+    stage: Literal["rollout", "env", "reward"] = "rollout"
 
 
 class SampleCancelled(Payload, frozen=True, kw_only=True):
@@ -337,10 +345,19 @@ class CacheInvalidated(Payload, frozen=True, kw_only=True):
 
 
 class HealthPassed(Payload, frozen=True, kw_only=True):
+    """A rank's probe on the committed weights passed. v2 added the speculative decoder's acceptance (the share of
+    the draft's tokens the target model accepted) where the engine runs a draft, None elsewhere:
+    `spec_acceptance_rate` over the probe on the new weights, `spec_acceptance_before` over what the rank served
+    between its previous probe and this commit (workflows/health.py fails the probe on a drop past
+    `update.max_spec_acceptance_drop`)."""
+
+    SCHEMA_VERSION: ClassVar[int] = 2
     rank: int
     version: int
     weights_digest: str
     probe_digest: str = ""
+    spec_acceptance_rate: Annotated[float, Meta(ge=0, le=1)] | None = None
+    spec_acceptance_before: Annotated[float, Meta(ge=0, le=1)] | None = None
 
 
 class HealthFailed(Payload, frozen=True, kw_only=True):
@@ -428,9 +445,33 @@ class WorkerLost(Payload, frozen=True, kw_only=True):
 PAYLOAD_TYPES: dict[str, type[Payload]] = {cls.type: cls for cls in Payload.__subclasses__()}
 
 
+class AppendMark(Record, frozen=True, kw_only=True):
+    """Which append of which log writer wrote an entry, and what that writer knew was already in the log.
+
+    Every `EventLog` (events/store.py) is a writer with a random `origin`; it numbers its appends 1, 2, 3, ... (`n`)
+    and stamps the first event of each with this mark, together with `acked`: the highest of its own appends that
+    Redis had acknowledged when this one was encoded (0: none yet). An acknowledged append is in the log unless the
+    log lost it, so a mark whose `acked` append is not in the log proves a loss of acknowledged events (an
+    uncoordinated failover to a replica that lagged, a restore from an older copy): workflows/log_marks.py finds it
+    and the audit names it. Numbers a writer used for an append that was refused or never answered are simply
+    absent, which proves nothing."""
+
+    origin: Annotated[int, Meta(ge=0)]  # the writer: random per EventLog instance (32 bits)
+    n: Annotated[int, Meta(ge=1)]  # the writer's append number, from 1
+    acked: NonNegative  # the writer's highest append acknowledged before this one (0: none), always < n
+
+    def __post_init__(self) -> None:
+        if self.acked >= self.n:
+            raise ValueError(f"acked: {self.acked} is not below the append's own number {self.n}")
+
+
 class Event(Record, frozen=True, kw_only=True):
     """The envelope: identity, causality and the policy version in force, around one payload. `event_id` is unique
-    and sortable (a ULID); `policy_version` is the version in force when the event was produced."""
+    and sortable (a ULID); `policy_version` is the version in force when the event was produced.
+
+    `append` is where this copy of the event came from, not part of the event: the mark of the log writer's append
+    that wrote it (AppendMark; on the first event of each append, None on the others and on events not read from
+    a log, or read from one written before issue 41). Two events are equal when everything but it is."""
 
     event_id: str
     schema_version: Annotated[int, Meta(ge=1)]
@@ -441,10 +482,37 @@ class Event(Record, frozen=True, kw_only=True):
     policy_version: NonNegative
     wall_time: float
     payload: Payload
+    append: AppendMark | None = None
 
     @property
     def type(self) -> str:
         return self.payload.type
+
+    def _key(self) -> tuple[Any, ...]:
+        return (
+            self.event_id,
+            self.schema_version,
+            self.run_id,
+            self.producer,
+            self.causation_id,
+            self.correlation_id,
+            self.policy_version,
+            self.wall_time,
+            self.payload,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Event:
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __ne__(self, other: object) -> bool:
+        if type(other) is not Event:
+            return NotImplemented
+        return self._key() != other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 # ---------------------------------------------------------------- upcasting
@@ -456,6 +524,9 @@ UPCASTERS: dict[tuple[str, int], Upcaster] = {
     ("UpdateCommitted", 1): lambda p: {**p, "weights_digest": ""},
     ("GroupAdmitted", 1): lambda p: {**p, "prompt_index": None},
     ("SampleCancelled", 1): lambda p: {**p, "tokens": 0},
+    ("SampleFinished", 1): lambda p: p,  # a v1 trajectory has no turns: the field's default, ()
+    ("SampleFailed", 1): lambda p: p,  # v1 knew the stages "rollout" and "reward" only
+    ("HealthPassed", 1): lambda p: p,  # v1 measured no acceptance: the fields' default, None
 }
 
 

@@ -50,7 +50,8 @@ def pack_array(owner: type, name: str, typecode: str, value: Any) -> msgpack.Ext
 def wire_form(obj: Any) -> Any:
     """The map form of a record or model (nested ones too): plain values msgpack packs, arrays as ext blobs."""
     if isinstance(obj, msgspec.Struct):
-        return {name: wire_form(getattr(obj, name)) for name in obj.__struct_fields__}
+        omit = _omitted(obj)
+        return {name: wire_form(getattr(obj, name)) for name in obj.__struct_fields__ if name not in omit}
     if isinstance(obj, PackedArray):
         return msgpack.ExtType(ARRAY_EXT, obj.TYPECODE.encode() + obj.tobytes())
     if isinstance(obj, BaseModel):
@@ -74,8 +75,17 @@ def encoded_size(record: Any) -> int:
     positionally nested model's field names as msgpack strings. The two forms differ only by those keys: a map and
     an array of the same length have headers of the same size (fix, 16- or 32-bit alike), and every value is packed
     the same way by both encoders (tests/test_sample_bytes.py checks it against `map_form_size`). About 3 us for a
-    trajectory where packing its map took 17."""
-    return len(_size_encoder.encode(record)) + _key_bytes(record)
+    trajectory where packing its map took 17.
+
+    `encoded_size_and_form` gives the positional encoding too (events/measured.py keeps it for the codec)."""
+    return encoded_size_and_form(record)[0]
+
+
+def encoded_size_and_form(record: Any) -> tuple[int, bytes]:
+    """`encoded_size` and the positional encoding it was counted from (the bytes msgspec gives the record inside any
+    record)."""
+    data = _size_encoder.encode(record)
+    return len(data) + _key_bytes(record), data
 
 
 def map_form_size(record: Any) -> int:
@@ -87,24 +97,64 @@ def _key_bytes(obj: Any) -> int:
     """The msgpack bytes of the field names the map form of `obj` adds to its positional form (nested records and
     positional models included)."""
     if isinstance(obj, msgspec.Struct):
-        keys, nested = _struct_keys(type(obj))
+        cls = type(obj)
+        keys, nested = _struct_keys(cls)
         n = keys
         for name in nested:
-            n += _key_bytes(getattr(obj, name))
+            value = getattr(obj, name)
+            if value:  # None and an empty tuple add no keys (a record or a model is always true)
+                n += _key_bytes(value)
+        omit = _omitted(obj)
+        if omit:
+            n -= _omitted_bytes(cls, omit)
         return n
     if isinstance(obj, BaseModel):
-        if type(obj).__name__ in MAP_ENCODED:
-            return 0  # encoded as its map form already
-        n = _name_bytes(tuple(obj.__dict__))
-        for value in obj.__dict__.values():
-            if type(value) not in SCALARS:
-                n += _key_bytes(value)
+        found = _MODEL_KEYS.get(id(obj))  # models are immutable and few (a run's sampling parameters)
+        if found is not None and found[0] is obj:
+            return found[1]
+        n = _model_key_bytes(obj)
+        if len(_MODEL_KEYS) >= _FORMS_SIZE:
+            _MODEL_KEYS.clear()
+        _MODEL_KEYS[id(obj)] = (obj, n)
         return n
     if isinstance(obj, (list, tuple)):
         return sum(_key_bytes(v) for v in obj if type(v) not in SCALARS)
     if isinstance(obj, dict):
         return sum(_key_bytes(v) for v in obj.values() if type(v) not in SCALARS)
     return 0
+
+
+def _model_key_bytes(obj: BaseModel) -> int:
+    if type(obj).__name__ in MAP_ENCODED:
+        return 0  # encoded as its map form already
+    n = _name_bytes(tuple(obj.__dict__))
+    for value in obj.__dict__.values():
+        if type(value) not in SCALARS:
+            n += _key_bytes(value)
+    return n
+
+
+_MODEL_KEYS: dict[int, tuple[BaseModel, int]] = {}  # id -> (model, its key bytes): the model kept alive while cached
+
+
+@functools.cache
+def _omitted_bytes(cls: type[msgspec.Struct], omit: tuple[str, ...]) -> int:
+    """What leaving `omit` out of the map form of a `cls` takes off: no key, no value (an empty array, 1 byte), and
+    the header of one entry less per field."""
+    count = len(cls.__struct_fields__)
+    return sum(len(_packer.pack(name)) + 1 for name in omit) - (_header_bytes(count - len(omit)) - _header_bytes(count))
+
+
+def _omitted(obj: msgspec.Struct) -> tuple[str, ...]:
+    """The fields of a record its map form leaves out: those of its class's `MAP_OMIT_EMPTY` that are empty (added
+    after the accounting size was defined, so a record without them counts as it did before they existed)."""
+    names: tuple[str, ...] = getattr(type(obj), "MAP_OMIT_EMPTY", ())
+    return tuple(name for name in names if not getattr(obj, name)) if names else ()
+
+
+def _header_bytes(count: int) -> int:
+    """The bytes of a msgpack array or map header of `count` entries (the two are the same size)."""
+    return 1 if count <= 15 else 3 if count <= 0xFFFF else 5
 
 
 @functools.cache
@@ -198,12 +248,16 @@ def nested_model_from(type_: type, obj: Any) -> Any:
 # ---------------------------------------------------------------- msgspec's hooks
 _FORMS: dict[int, tuple[BaseModel, Any]] = {}  # id -> (model, positional form): the model kept alive while cached
 _FORMS_SIZE = 1024
+_TYPECODE_BYTES: dict[type, bytes] = {c: c.TYPECODE.encode() for c in PACKED_TYPES.values()}
 
 
 def enc_hook(obj: Any) -> Any:
     """msgspec's hook for what it cannot encode natively: a packed array becomes its ext blob; a pydantic model
     nested in a record its positional form (the same few sampling parameters are encoded on every trajectory, so a
     model's form is kept by identity) or, MAP_ENCODED, its map form."""
+    typecode = _TYPECODE_BYTES.get(type(obj))
+    if typecode is not None:  # a packed array (5 per trajectory)
+        return msgspec.msgpack.Ext(ARRAY_EXT, typecode + obj.tobytes())
     if isinstance(obj, PackedArray):
         return msgspec.msgpack.Ext(ARRAY_EXT, obj.TYPECODE.encode() + obj.tobytes())
     found = _FORMS.get(id(obj))
@@ -222,10 +276,11 @@ def ext_hook(code: int, data: memoryview) -> Any:
     decode buffer, which msgspec reuses after the call); anything else is a ValidationError."""
     if code != ARRAY_EXT:
         raise msgspec.ValidationError(f"unknown msgpack extension {code}")
-    cls = PACKED_TYPES.get(chr(data[0])) if len(data) else None
-    if cls is None:
+    found = _ARRAY_OF_BYTE.get(data[0]) if len(data) else None
+    if found is None:
         raise msgspec.ValidationError(f"packed array with unknown typecode {chr(data[0]) if len(data) else ''!r}")
-    out = cls()
+    cls, typecode = found
+    out = _new_array(cls, typecode)  # not cls(): PackedArray.__new__ is a Python frame, 5 per trajectory
     try:
         out.frombytes(data[1:])
     except ValueError:
@@ -235,5 +290,7 @@ def ext_hook(code: int, data: memoryview) -> Any:
     return out
 
 
+_ARRAY_OF_BYTE: dict[int, tuple[type[PackedArray], str]] = {ord(tc): (c, tc) for tc, c in PACKED_TYPES.items()}
+_new_array = array.array.__new__
 _size_encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 dec_hook = nested_model_from  # the only types msgspec does not know in a record are the nested pydantic models

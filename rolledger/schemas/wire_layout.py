@@ -38,7 +38,14 @@ from rolledger.schemas.base import PackedField
 from rolledger.schemas.wire import MAP_ENCODED
 
 LOCK_PATH = Path(__file__).with_name("wire_layouts.json")
-ENVELOPE_FIELDS = ("event_id", "run_id", "producer", "causation_id", "correlation_id", "policy_version", "wall_time")
+# The envelope's positions. It is versioned by its length, not by a number: a field is only ever added at the end,
+# defaulted, so every older envelope is a prefix of the current one (msgspec fills the missing tail with defaults on
+# the typed path). v1 (7 fields): every log before issue 41. v2 (8): `append`, the writer's AppendMark
+# (schemas/events.py) as [origin, n, acked] or nil. events/codec.py checks at import that its envelope record has
+# exactly these fields.
+ENVELOPE_V1_FIELDS = ("event_id", "run_id", "producer", "causation_id", "correlation_id", "policy_version", "wall_time")
+ENVELOPE_FIELDS = (*ENVELOPE_V1_FIELDS, "append")
+ENVELOPE_LENGTHS = (len(ENVELOPE_V1_FIELDS), len(ENVELOPE_FIELDS))  # every envelope length ever written
 
 Field = list[Any]  # [name, kind, sub]
 Layout = list[Field]

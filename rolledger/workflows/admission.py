@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.config import RunConfig, SamplingParams
+from rolledger.schemas.config import RunConfig, SamplingParams, TaskConfig
 from rolledger.schemas.statuses import AdmissionReason, RunStatus
 from rolledger.schemas.trajectory import SPANS_RESERVED, reserved_nbytes
 from rolledger.workflows.scheduler import PromptItem, candidates, est_completion_tokens, pick_next
@@ -61,13 +61,33 @@ class AdmissionInputs:
     window: int = 16  # how many not-yet-admitted prompts the scheduler chooses among
 
 
-def sample_reserve(group_id: str, item: PromptItem, n: int, sampling: SamplingParams, spans: bool) -> int:
+def sample_reserve(
+    group_id: str,
+    item: PromptItem,
+    n: int,
+    sampling: SamplingParams,
+    spans: bool,
+    episode: TaskConfig | None = None,
+) -> int:
     """The bytes reserved for each sample of a group: the encoded size of the largest trajectory it may finish with
-    (`reserved_nbytes`: every array at `max_tokens`; version spans only where a sample may carry them: an
-    interruptible run, or one that recycles aborted samples). The rank fails a sample that encodes larger
-    (workers/roles/rollout.py), so completed groups never hold more than was reserved."""
+    (`reserved_nbytes`: every array at `max_tokens`, or for an `episode` - a task with an environment - at its
+    `max_episode_tokens` with a turn record for each of its turns, the policy's and the environment's; version spans
+    only where a sample may carry them: an interruptible run, or one that recycles aborted samples). The rank fails
+    a sample that encodes larger (workers/roles/rollout.py), so completed groups never hold more than was
+    reserved."""
     spans_reserved = SPANS_RESERVED if spans else 0
-    return reserved_nbytes(group_id, item.prompt_id, len(item.token_ids), n, sampling, spans_reserved)
+    if episode is None or episode.env is None:
+        return reserved_nbytes(group_id, item.prompt_id, len(item.token_ids), n, sampling, spans_reserved)
+    return reserved_nbytes(
+        group_id,
+        item.prompt_id,
+        len(item.token_ids),
+        n,
+        sampling,
+        spans_reserved,
+        width=episode.max_episode_tokens,
+        turns=2 * episode.max_turns,  # each policy turn and the environment's reply to it
+    )
 
 
 @dataclass(frozen=True)
@@ -233,7 +253,7 @@ def group_bytes(cfg: RunConfig, item: PromptItem, seq: int) -> int:
     so the groups in flight can never complete over the byte cap, whatever they generate."""
     n = cfg.group_size
     spans = cfg.interruptible or cfg.recycle_aborted  # a sample may carry version spans
-    return n * sample_reserve(group_name(seq), item, n, group_sampling(cfg, seq), spans)
+    return n * sample_reserve(group_name(seq), item, n, group_sampling(cfg, seq), spans, cfg.task)
 
 
 def group_name(seq: int) -> str:

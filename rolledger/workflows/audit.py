@@ -18,7 +18,10 @@ The precise definitions checked (v is a policy version, r a rank):
    segment's first and last stream ids, since the events in it were not checked; every dead-letter entry
    is a warning; an event after RunFinished is a violation (the first few named). Duplicate event ids are found
    over the whole log (the reducer's id window is bounded; its folds are idempotent by their own keys instead).
-   A log without RunFinished makes the report UNFINISHED, not OK (`AuditReport.verdict`).
+   No acknowledged append is missing: an append that its writer's later append mark says Redis acknowledged must
+   be in the log, else the violation names the writer, its producer and the missing appends (what an uncoordinated
+   failover loses; workflows/log_marks.py says what this proves and what it cannot). A log without RunFinished
+   makes the report UNFINISHED, not OK (`AuditReport.verdict`).
 
 1. One version per sample. A SampleFinished's trajectory holds one policy version (its `policy_version` and the
    version of every span) and one weights digest, unless the run's config says `interruptible` or
@@ -66,6 +69,13 @@ The precise definitions checked (v is a policy version, r a rank):
    (`parent_weights_digest`) names the weights digest of the trainer's previous UpdateStaged (aborted or not) or of
    the published version (the initial weights before the first publish); logs from before it was recorded are not
    checked (counted 0).
+10. Episodes (a task with an environment, issue 40; workflows/episode.py). A trajectory has turns exactly when its
+   run's task has an environment; its turns cover its generated tokens from 0 in order with no gap, start with the
+   policy and alternate, and each begins no earlier than the one before it ended; no environment token is trained on
+   (loss mask 0) or carries a logprob (0.0); every policy token has a version (where there are spans, a span covers
+   it) no newer than the newest version published when the sample finished and no older than the one it started
+   on; at most `task.max_turns` policy turns and `task.max_episode_tokens` tokens. Logs of runs without an
+   environment are not checked (counted 0).
 """
 
 from __future__ import annotations
@@ -88,6 +98,7 @@ from rolledger.workflows.audit_report import (
 )
 from rolledger.workflows.coordinator import DURABLE_DECISIONS
 from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.log_marks import lost_appends
 
 __all__ = ["DECISION_TYPES", "AuditReport", "AuditWarning", "Verdict", "Violation", "WarningKind", "audit"]
 
@@ -145,6 +156,8 @@ HANDLERS: Handlers[Auditor, None] = Handlers.merge(
 def _feed(ctx: Auditor, event: Event) -> None:
     ctx.order.setdefault(event.event_id, ctx.count)
     ctx.count += 1
+    if event.append is not None:  # a duplicate's copy is an append of its own (its mark counts, its event does not)
+        ctx.marked.append(event)
     prior = ctx.seen.get(event.event_id)
     if prior is not None:
         if prior == event:
@@ -222,6 +235,10 @@ def _log_findings(
         )
     if ctx.run_finished is not None:
         ctx.checked[LOG_INTEGRITY] += 1
+    marks = lost_appends(ctx.marked)
+    ctx.checked[LOG_INTEGRITY] += marks.checked
+    for gap in marks.lost:
+        ctx.violations.append(Violation(LOG_INTEGRITY, gap.message(), (gap.by_event,)))
     if ctx.after_end and ctx.run_finished is not None:
         named = ", ".join(f"{e.type} {e.event_id}" for e in ctx.after_end[:AFTER_END_NAMED])
         more = len(ctx.after_end) - AFTER_END_NAMED

@@ -76,6 +76,7 @@ class Auditor:
     def __init__(self) -> None:
         self.quarantined_in: dict[int, set[int]] = {}
         self.stopped: dict[int, Event] = {}  # rank -> the EnginePaused/EngineSlept that stopped its generation
+        self.marked: list[Event] = []  # every event with an append mark, duplicates included (audit.lost_appends)
         self.violations: list[Violation] = []
         self.warnings: list[AuditWarning] = []
         self.checked: Counter[int] = Counter()

@@ -10,7 +10,8 @@ from typing import Any
 LOG_INTEGRITY = 0  # the pseudo-invariant of the log itself: whole, decodable, nothing after its end
 
 INVARIANTS: dict[int, str] = {
-    LOG_INTEGRITY: "the log is whole: every decision decodes, no event after RunFinished",
+    LOG_INTEGRITY: "the log is whole: every decision decodes, no acknowledged append missing, no event after "
+    "RunFinished",
     1: "no sample holds tokens from two policy versions (unless interruptible, and then each span is stamped)",
     2: "no admission and no generation between an update's pause and its PolicyPublished/UpdateAborted",
     3: "every UpdateCommitted is preceded by RankPrepared from every rank (same version and manifest); "
@@ -21,6 +22,8 @@ INVARIANTS: dict[int, str] = {
     7: "every dispatched unit reached a terminal event",
     8: "replaying the log gives the same state digest twice and the digests recorded in snapshots",
     9: "every staged version was trained from the trainer's last staged version or the published one (lineage)",
+    10: "every episode's turns cover its tokens in order, policy first; no environment token is trained on or has a "
+    "logprob; every policy token has a version within the run's published ones",
 }
 
 

@@ -1,5 +1,6 @@
 """The audit's handlers for samples: one version per sample (invariant 1), no generation inside an update window (2),
-the published weights and cache generations behind every trajectory (4), and every sample reaching a terminal (7)."""
+the published weights and cache generations behind every trajectory (4), every sample reaching a terminal (7), and
+every episode's turns (10: workflows/episode.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rolledger.schemas.wire import encoded_size
 from rolledger.workflows.audit_context import Auditor, RankFacts, Unit, span_versions
 from rolledger.workflows.audit_report import WarningKind
 from rolledger.workflows.dispatch import Handlers
+from rolledger.workflows.episode import episode_problems
 
 handlers: Handlers[Auditor, None] = Handlers("audit: samples")
 
@@ -123,6 +125,25 @@ def _sample_finished(ctx: Auditor, e: Event, p: SampleFinished) -> None:
     _check_versions(ctx, e, t, start)
     _check_published_state(ctx, e, t, start)
     _check_bytes(ctx, e, p)
+    _check_episode(ctx, e, t)
+
+
+def _check_episode(ctx: Auditor, e: Event, t: Trajectory) -> None:
+    """Invariant 10: an episode's turns (workflows/episode.episode_problems), and the versions of its policy tokens
+    within bounds: none newer than the newest version published when it finished, none older than it started on."""
+    task = ctx.cfg.task if ctx.run_started is not None else None  # None: a log without its RunStarted
+    if not t.turns and (task is None or task.env is None):
+        return
+    ctx.checked[10] += 1
+    problems = episode_problems(t, task)
+    newest = max(ctx.version_digest, default=0)
+    for v, _ in span_versions(t):
+        if v > newest:
+            problems.append(f"tokens on v{v}, newer than the newest published version v{newest}")
+        if v < t.policy_version:
+            problems.append(f"tokens on v{v}, older than the v{t.policy_version} it started on")
+    if problems:
+        ctx.violate(10, f"episode {t.trajectory_id}: " + "; ".join(problems), e)
 
 
 def _check_bytes(ctx: Auditor, e: Event, p: SampleFinished) -> None:

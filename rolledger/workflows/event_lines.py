@@ -117,13 +117,16 @@ _show(ev.WorkerLost, "worker", "kind", "error")
 @_FIELDS.on(ev.SampleFinished)
 def _sample_finished(f: IncidentFold, e: ev.Event, p: ev.SampleFinished) -> Fields:
     t = p.trajectory
-    return {
+    fields: Fields = {
         "trajectory_id": t.trajectory_id,
         "rank": t.rank,
         "tokens": len(t.token_ids),
         "version": t.policy_version,
         "finish": t.finish_reason,
     }
+    if t.turns:  # an episode: its turns, each source with its tokens' range (policy [0,3) env [3,5) ...)
+        fields["turns"] = " ".join(f"{turn.source}[{turn.start},{turn.end})" for turn in t.turns)
+    return fields
 
 
 @_FIELDS.on(ev.TrainStepFinished)

@@ -41,6 +41,7 @@ from rolledger.schemas.events import (
     UpdateCommitted,
     UpdateStaged,
 )
+from rolledger.schemas.trajectory import Trajectory
 from rolledger.workflows.audit_attempts import UpdateTracker
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.lineage_model import (
@@ -340,6 +341,9 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
         sampling_matches_group=(adm.sampling == t.sampling) if isinstance(adm, GroupAdmitted) else None,
         versions=versions,
         spans=tuple(msgspec.structs.asdict(s) for s in t.spans),
+        turns=tuple(
+            {**msgspec.structs.asdict(turn), "versions": _turn_versions(t, turn.start, turn.end)} for turn in t.turns
+        ),
         policies=policies,
         rank=RankLink(
             rank=t.rank,
@@ -373,3 +377,10 @@ def lineage(events: Iterable[Event], trajectory_id: str) -> Lineage:
         if dropped is not None and isinstance(dp, TrajectoryDropped)
         else None,
     )
+
+
+def _turn_versions(t: Trajectory, start: int, end: int) -> list[int]:
+    """The versions that produced tokens [start, end) of `t`: its spans' over that range, or its one version."""
+    if not t.spans:
+        return [t.policy_version]
+    return sorted({s.policy_version for s in t.spans if s.start < max(end, start + 1) and s.end > start})

@@ -150,6 +150,9 @@ class Lineage:
     reward: RewardLink | None
     consumed: ConsumptionLink | None
     dropped: DropLink | None
+    # an episode's turns (a task with an environment): start, end, source, began, ended, and the versions that
+    # produced a policy turn's tokens; empty for a single completion
+    turns: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -208,6 +211,19 @@ class Lineage:
                     f"before it: update to v{a.version} aborted {a.event_id}: {a.reason} "
                     f"(failed ranks {list(a.failed_ranks)})",
                 )
+        if self.turns:
+            policy = sum(1 for t in self.turns if t["source"] == "policy")
+            node(
+                0,
+                f"episode: {len(self.turns)} turns ({policy} of the policy, {len(self.turns) - policy} of the environment)",
+            )
+        for k, t in enumerate(self.turns):
+            took = f"{t['ended'] - t['began']:.3f} s"
+            if t["source"] == "policy":
+                by = ", ".join(f"v{v}" for v in t["versions"])
+                node(1, f"turn {k}: policy, tokens [{t['start']},{t['end']}) by {by}, trained on ({took})")
+            else:
+                node(1, f"turn {k}: environment, tokens [{t['start']},{t['end']}), not trained on ({took})")
         node(0, f"rank {r.rank} ({r.engine}): weights {r.weights_digest}")
         node(1, f"rank weights from {r.rank_weights_event_id or '?'} ({r.rank_weights_digest})")
         if r.rank_weights_cause_id is not None:

@@ -110,7 +110,8 @@ class Commit:
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Run the health probe on the committed weights -> HealthPassed | HealthFailed."""
+    """Run the health probe on the committed weights -> HealthPassed | HealthFailed (also when a speculative draft's
+    acceptance fell by more than the run's `update.max_spec_acceptance_drop`: workflows/health.py)."""
 
     version: int
     cause: str = field(kw_only=True)  # the id of the command event this answers

@@ -17,12 +17,15 @@ import copy
 from collections.abc import Iterable
 
 from rolledger.schemas import events as ev
+from rolledger.schemas.statuses import RunStatus
 from rolledger.workflows import reducer_engine, reducer_rollout, reducer_run, reducer_trainer, reducer_update
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly
 from rolledger.workflows.state import RunState
 
 _RECENT_IDS = 1024
+_RUN_TERMINAL = frozenset(m for m in RunStatus if m.is_terminal)
+_RUN_FINISHED = ev.RunFinished
 
 HANDLERS: Handlers[RunState, None] = Handlers.merge(
     "reducer",
@@ -39,23 +42,33 @@ _TABLE = HANDLERS.table  # fold looks its handler up here directly: one dict loo
 def fold(state: RunState, event: ev.Event) -> RunState:
     """Apply one event. A duplicate event id (within the recent window) is recorded and not applied twice; an older
     duplicate reaches its handler, whose fold is idempotent by its own key (a step, a group, a sample, a version).
-    An event after RunFinished is recorded as an anomaly (and applied: the log says it happened)."""
-    if event.event_id in state.recent_ids:
+    An event after RunFinished is recorded as an anomaly (and applied: the log says it happened).
+
+    The hot path of every replay and every role (cProfile, bench_replay's 200k-event run): attributes read once into
+    locals, the terminal check a frozenset lookup (an enum property is a Python call), `max` a comparison."""
+    event_id = event.event_id
+    recent = state.recent_ids
+    if event_id in recent:
         anomaly(state, event, "duplicate event id; not applied again")
         return state
-    if state.status.is_terminal and type(event.payload) is not ev.RunFinished:
-        anomaly(state, event, f"{event.type} after RunFinished ({state.status})")
-    state.recent_ids[event.event_id] = None
-    if len(state.recent_ids) > _RECENT_IDS:
-        state.recent_ids.popitem(last=False)
-    if state.events_applied == 0:
-        state.first_wall_time = event.wall_time
-    state.last_wall_time = max(state.last_wall_time, event.wall_time)
-    state.events_applied += 1
-    state.last_event_id = event.event_id
     p = event.payload
-    state.counts[p.type] = state.counts.get(p.type, 0) + 1
-    _TABLE[type(p)](state, event, p)
+    cls = type(p)
+    if state.status in _RUN_TERMINAL and cls is not _RUN_FINISHED:
+        anomaly(state, event, f"{p.type} after RunFinished ({state.status})")
+    recent[event_id] = None
+    if len(recent) > _RECENT_IDS:
+        recent.popitem(last=False)
+    wall = event.wall_time
+    if state.events_applied == 0:
+        state.first_wall_time = wall
+    if wall > state.last_wall_time:  # noqa: PLR1730 - max(last, wall) without the call: the hot path
+        state.last_wall_time = wall
+    state.events_applied += 1
+    state.last_event_id = event_id
+    counts = state.counts
+    t = p.type
+    counts[t] = counts.get(t, 0) + 1
+    _TABLE[cls](state, event, p)
     return state
 
 

@@ -18,13 +18,24 @@ group); anything else is an anomaly, as it was while such groups stayed in the s
 from __future__ import annotations
 
 from rolledger.schemas import events as ev
-from rolledger.schemas.statuses import GroupStatus, SampleStatus
+from rolledger.schemas.statuses import GroupOutcome, GroupStatus, SampleStatus
 from rolledger.workflows.dispatch import Handlers
 from rolledger.workflows.reducer_common import anomaly, find_group, moving_average, sample_index
 from rolledger.workflows.scheduler import observe_completion
 from rolledger.workflows.state import GroupState, RunState, SampleState, retire_if_done
 
 handlers: Handlers[RunState, None] = Handlers("reducer: rollout and reward")
+
+# The statuses the hot handlers compare with, as module constants: an enum member read off its class, and an enum
+# predicate (a property), are each a Python-level lookup per event (cProfile over bench_replay's log).
+_STARTED = SampleStatus.STARTED
+_FINISHED = SampleStatus.FINISHED
+_FAILED = SampleStatus.FAILED
+_ADMITTED = GroupStatus.ADMITTED
+_GENERATING = GroupStatus.GENERATING
+_SCORED = GroupStatus.SCORED
+_COMPLETED = frozenset(m for m in GroupStatus if m.is_completed)
+_OUTCOME_STATUS = {o: GroupStatus(o.value) for o in GroupOutcome}  # GroupStatus(outcome) without the enum call
 
 
 def _late(s: RunState, group_id: str, sample_id: str, rank: int | None, *, start: bool = False) -> bool:
@@ -46,11 +57,20 @@ def _late(s: RunState, group_id: str, sample_id: str, rank: int | None, *, start
     return False
 
 
+def _live_group(
+    s: RunState, e: ev.Event, group_id: str, sample_id: str, rank: int | None, *, start: bool = False
+) -> GroupState | None:
+    """The live group a sample event is for; None when it is not live: an expected late event (`_late`, counted) or
+    an anomaly (`find_group`). One lookup where the group is live, which is almost always."""
+    g = s.groups.get(group_id)
+    if g is None and not _late(s, group_id, sample_id, rank, start=start):
+        find_group(s, e, group_id)
+    return g
+
+
 @handlers.on(ev.SampleStarted)
 def _sample_started(s: RunState, e: ev.Event, p: ev.SampleStarted) -> None:
-    if _late(s, p.group_id, p.sample_id, None, start=True):
-        return
-    g = find_group(s, e, p.group_id)
+    g = _live_group(s, e, p.group_id, p.sample_id, None, start=True)
     if g is None:
         return
     # A group the coordinator closed while a worker was starting it is a race, not an error: the worker sees the
@@ -58,14 +78,12 @@ def _sample_started(s: RunState, e: ev.Event, p: ev.SampleStarted) -> None:
     if p.index in g.samples:
         anomaly(s, e, f"sample {p.sample_id} started twice")
         return
-    if g.status == GroupStatus.ADMITTED:
-        g.status = GroupStatus.GENERATING
+    if g.status == _ADMITTED:
+        g.status = _GENERATING
         rank = s.ranks.get(p.rank)
         if rank is not None:
             rank.groups_generated += 1
-    g.samples[p.index] = SampleState(
-        p.sample_id, p.index, SampleStatus.STARTED, p.rank, p.policy_version, p.weights_digest
-    )
+    g.samples[p.index] = SampleState(p.sample_id, p.index, _STARTED, p.rank, p.policy_version, p.weights_digest)
 
 
 def _sample(
@@ -74,16 +92,14 @@ def _sample(
     """The sample an end event is for, while it is still running; None (recorded) otherwise. `rank`: the rank the
     event comes from, when it says (a late result from the rank that lost the sample's group is counted, not an
     anomaly)."""
-    if _late(s, group_id, sample_id, rank):
-        return None
-    g = find_group(s, e, group_id)
+    g = _live_group(s, e, group_id, sample_id, rank)
     if g is None:
         return None
     smp = g.samples.get(index)
     if smp is None:
         anomaly(s, e, f"sample {sample_id} has no SampleStarted")
-        smp = g.samples[index] = SampleState(sample_id, index, SampleStatus.STARTED, -1, e.policy_version)
-    elif smp.status.is_terminal:
+        smp = g.samples[index] = SampleState(sample_id, index, _STARTED, -1, e.policy_version)
+    elif smp.status is not _STARTED:  # terminal (SampleStatus.is_terminal)
         if rank is not None and s.reclaimed.get(sample_id) == rank:
             s.late_results += 1
         else:
@@ -99,16 +115,19 @@ def _sample_finished(s: RunState, e: ev.Event, p: ev.SampleFinished) -> None:
     if found is None:
         return
     g, smp = found
-    smp.status, smp.tokens = SampleStatus.FINISHED, len(t.token_ids)
+    tokens = len(t.token_ids)
+    smp.status, smp.tokens = _FINISHED, tokens
     smp.nbytes = t.legacy_nbytes if p.nbytes is None else p.nbytes
-    observe_completion(s.scheduler, g, smp.tokens)
-    if t.policy_version != smp.policy_version and smp.rank >= 0 and not t.spans:  # spans: interruptible, stamped
-        anomaly(s, e, f"sample {t.trajectory_id} started on v{smp.policy_version}, finished on v{t.policy_version}")
-    smp.policy_version, smp.weights_digest = t.policy_version, t.weights_digest
-    for v in t.versions:
-        if v not in g.versions:
-            g.versions.append(v)
-            g.versions.sort()
+    observe_completion(s.scheduler, g, tokens)
+    version, spans = t.policy_version, t.spans
+    if version != smp.policy_version and smp.rank >= 0 and not spans:  # spans: interruptible, stamped
+        anomaly(s, e, f"sample {t.trajectory_id} started on v{smp.policy_version}, finished on v{version}")
+    smp.policy_version, smp.weights_digest = version, t.weights_digest
+    versions = g.versions
+    for v in t.versions if spans else (version,):  # without spans, t.versions is {policy_version}: no set built
+        if v not in versions:
+            versions.append(v)
+            versions.sort()
     retire_if_done(s, g)
 
 
@@ -172,11 +191,11 @@ def _maybe_scored(g: GroupState) -> None:
     # `scored` counts the samples with a reward (it moves only with one), so fewer than the accepted cannot cover
     # them: the scan over the accepted runs once per group, not once per score
     if (
-        g.status.is_completed
+        g.status in _COMPLETED
         and g.scored >= len(g.accepted)
         and all(g.samples[sample_index(sid)].reward is not None for sid in g.accepted)
     ):
-        g.status = GroupStatus.SCORED
+        g.status = _SCORED
 
 
 @handlers.on(ev.GroupCompleted)
@@ -189,11 +208,11 @@ def _group_completed(s: RunState, e: ev.Event, p: ev.GroupCompleted) -> None:
         return
     for sid in p.accepted:
         smp = g.samples.get(sample_index(sid))
-        if smp is None or smp.status != SampleStatus.FINISHED:
+        if smp is None or smp.status != _FINISHED:
             anomaly(s, e, f"group {p.group_id} accepts {sid}, which did not finish")
     if len(p.accepted) < g.required:
         anomaly(s, e, f"group {p.group_id} completed with {len(p.accepted)} < {g.required} required samples")
-    g.status, g.accepted, g.bytes = GroupStatus(p.status), list(p.accepted), p.bytes
+    g.status, g.accepted, g.bytes = _OUTCOME_STATUS[p.status], list(p.accepted), p.bytes
     if g.admitted_at:
         s.admission.gen_latency_s = moving_average(s.admission.gen_latency_s, max(e.wall_time - g.admitted_at, 0.0))
     s.admission.inflight -= 1
@@ -221,16 +240,14 @@ def _group_cancelled(s: RunState, e: ev.Event, p: ev.GroupCancelled) -> None:
 
 @handlers.on(ev.SampleScored)
 def _sample_scored(s: RunState, e: ev.Event, p: ev.SampleScored) -> None:
-    if _late(s, p.group_id, p.sample_id, None):
-        return
-    g = find_group(s, e, p.group_id)
+    g = _live_group(s, e, p.group_id, p.sample_id, None)
     if g is None:
         return
     smp = g.samples.get(sample_index(p.sample_id))
-    if smp is not None and smp.status == SampleStatus.FAILED and p.sample_id in s.reclaimed:
+    if smp is not None and smp.status == _FAILED and p.sample_id in s.reclaimed:
         s.late_results += 1  # the score of a late result (the reward worker scored it before seeing the reclaim)
         return
-    if smp is None or smp.status != SampleStatus.FINISHED:
+    if smp is None or smp.status != _FINISHED:
         anomaly(s, e, f"score for {p.sample_id}, which did not finish")
         return
     if smp.reward is not None:

@@ -15,7 +15,9 @@ so ordering the prompts at admission orders the groups that have not started. A 
 The estimate needs no ground truth. A group's per-sample estimate is, in this order: the mean completion length
 observed for that prompt (earlier epochs, and its own samples as they finish), the mean observed for prompts of about
 its length (the same power-of-two bucket of prompt tokens: "from the prompt"), the mean over every completion
-observed in the run, and before anything was observed `sampling.max_tokens`. The reducer keeps the observations
+observed in the run, and before anything was observed the completion cap (`completion_cap`: `sampling.max_tokens`,
+or for a task with an environment the episode's `task.max_episode_tokens`, its turns and the environment's replies
+together, so an episode is estimated across its turns, not as one). The reducer keeps the observations
 (`SchedulerState`, bounded); the estimate's error, per finished sample against the estimate its group was admitted
 with, is telemetry (`estimate_error`), and orders nothing.
 """
@@ -60,10 +62,16 @@ def length_bucket(prompt_tokens: int) -> int:
     return prompt_tokens.bit_length()
 
 
+def completion_cap(cfg: RunConfig) -> int:
+    """The most tokens one sample's completion holds: `sampling.max_tokens`, or for a task with an environment the
+    episode's budget (`task.max_episode_tokens`: every policy turn and environment reply together, issue 40)."""
+    return cfg.task.max_episode_tokens if cfg.task.episodes else cfg.sampling.max_tokens
+
+
 def est_completion_tokens(state: RunState, cfg: RunConfig, prompt_id: str, prompt_tokens: int) -> int:
     """Expected tokens of one completion of `prompt_id` (any epoch) with `prompt_tokens` tokens: its observed mean,
-    else its length bucket's, else the run's, else the sampling cap. Never above `sampling.max_tokens`, never below
-    1."""
+    else its length bucket's, else the run's, else the completion cap. Never above `completion_cap(cfg)` (for an
+    episode, its whole budget across turns), never below 1."""
     sch = state.scheduler
     seen = sch.prompt_lengths.get(dataset_prompt_id(prompt_id))
     bucket = sch.bucket_lengths.get(length_bucket(prompt_tokens))
@@ -74,8 +82,8 @@ def est_completion_tokens(state: RunState, cfg: RunConfig, prompt_id: str, promp
     elif sch.observed_samples:
         mean = sch.observed_tokens / sch.observed_samples
     else:
-        return cfg.sampling.max_tokens
-    return min(max(round(mean), 1), cfg.sampling.max_tokens)
+        return completion_cap(cfg)
+    return min(max(round(mean), 1), completion_cap(cfg))
 
 
 def remaining_tokens(group: GroupState, per_sample: int) -> int:
@@ -95,14 +103,22 @@ def group_remaining_tokens(state: RunState, cfg: RunConfig, group: GroupState) -
 def observe_completion(sch: SchedulerState, group: GroupState, tokens: int) -> None:
     """The reducer's update when a sample of `group` finishes with `tokens` completion tokens: the per-prompt,
     per-bucket and run-wide means, and the error of the estimate the group was admitted with."""
-    key = dataset_prompt_id(group.prompt_id)
-    seen = sch.prompt_lengths.pop(key, None) or [0, 0]
+    prompt_id = group.prompt_id
+    key = dataset_prompt_id(prompt_id) if "@" in prompt_id else prompt_id
+    lengths = sch.prompt_lengths
+    seen = lengths.get(key)
+    if seen is None:
+        seen = lengths[key] = [0, 0]
+    else:
+        lengths.move_to_end(key)  # the dict is oldest-observed first
     seen[0] += 1
     seen[1] += tokens
-    sch.prompt_lengths[key] = seen  # re-inserted: the dict is oldest-observed first
-    if len(sch.prompt_lengths) > PROMPT_STATS_KEPT:
-        sch.prompt_lengths.popitem(last=False)
-    bucket = sch.bucket_lengths.setdefault(length_bucket(group.prompt_tokens), [0, 0])
+    if len(lengths) > PROMPT_STATS_KEPT:
+        lengths.popitem(last=False)
+    b = length_bucket(group.prompt_tokens)
+    bucket = sch.bucket_lengths.get(b)
+    if bucket is None:
+        bucket = sch.bucket_lengths[b] = [0, 0]
     bucket[0] += 1
     bucket[1] += tokens
     estimated = group.est_remaining_tokens // max(group.n, 1)

@@ -358,9 +358,14 @@ def owes_nothing(g: GroupState) -> bool:
     if g.status not in _TERMINAL_GROUP:
         return False
     for smp in g.samples.values():
-        if smp.status is SampleStatus.STARTED or (smp.status is SampleStatus.FINISHED and smp.reward is None):
+        status = smp.status
+        if status is _STARTED or (status is _FINISHED and smp.reward is None):
             return False
     return True
+
+
+_STARTED = SampleStatus.STARTED  # module constants: an enum member read off its class is a Python-level lookup
+_FINISHED = SampleStatus.FINISHED
 
 
 def group_record(g: GroupState) -> list[Any]:
@@ -452,9 +457,10 @@ def retire_if_done(state: RunState, g: GroupState) -> None:
     del state.groups[g.group_id]
     keep_newest(state.retired, g.group_id, g.status, RETIRED_KEPT)
     state.retired_groups += 1
-    state.retired_digest = xxhash.xxh3_128_hexdigest(
-        msgpack.packb([state.retired_digest, group_record(g)], use_bin_type=True)
-    )
+    state.retired_digest = xxhash.xxh3_128_hexdigest(_packer.pack([state.retired_digest, group_record(g)]))
+
+
+_packer = msgpack.Packer(use_bin_type=True)  # what msgpack.packb(..., use_bin_type=True) builds on every call
 
 
 def _canonical(obj: Any) -> Any:

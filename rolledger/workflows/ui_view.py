@@ -107,10 +107,13 @@ def event_detail(e: ev.Event) -> str:
         return f"steps={c.steps} ranks={c.ranks} mode={c.mode} engine={c.engine} seed={c.seed}"
     if isinstance(p, ev.SampleFinished):
         t = p.trajectory
-        return (
+        line = (
             f"trajectory={t.trajectory_id} rank={t.rank} v{t.policy_version} tokens={len(t.token_ids)} "
             f"finish={t.finish_reason} gen_ms={p.gen_ms:.1f}"
         )
+        if t.turns:  # an episode: each turn's source and its tokens
+            line += " turns=" + " ".join(f"{turn.source}[{turn.start},{turn.end})" for turn in t.turns)
+        return line
     parts = []
     for name in p.__struct_fields__:
         value = getattr(p, name)

@@ -35,9 +35,9 @@ from typing import Any
 
 import redis
 
-from rolledger.events.codec import decode
+from rolledger.events.archive import scan_run
 from rolledger.events.keys import log_key
-from rolledger.events.store import MalformedEntry, entry_payloads, entry_types
+from rolledger.events.store import entry_types
 from rolledger.schemas import events as ev
 
 from .checks import Ack, Ending, Verdict, judge, parse_ack_log
@@ -196,7 +196,7 @@ class Harness:
     def _driver_resume_flag(self) -> list[str]:
         """`rolledger run` may refuse to reopen a run id unless told `--resume` (issue 11, item 5): a restarted
         driver passes it when the CLI has it."""
-        from rolledger.workers.operator.cli import build_parser
+        from rolledger.workers.operator.cli_parser import build_parser
 
         for action in build_parser()._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -404,12 +404,20 @@ class Harness:
             if len(p.crashes) <= CRASH_RESTARTS:
                 p.restart_at = now + CRASH_RESTART_S
 
+    # ------------------------------------------------------------ what a subclass (soak.py) adds
+    def config_text(self) -> str:
+        """The run's config (run.toml)."""
+        return config_toml(self.s, self.dir / "staging", self.run_deadline_s)
+
+    def tick(self, now: float) -> None:
+        """Called on every supervisor tick while the run goes (`now`: time.monotonic())."""
+
     # ------------------------------------------------------------ the run
     def run(self) -> Result:
         start = time.monotonic()
         self.dir.mkdir(parents=True, exist_ok=True)
         cfg = self.dir / "run.toml"
-        cfg.write_text(config_toml(self.s, self.dir / "staging", self.run_deadline_s))
+        cfg.write_text(self.config_text())
         self.redis.start()
         hung: list[str] = []
         try:
@@ -442,6 +450,7 @@ class Harness:
                 self._frozen(now)
                 self._timers(now)
                 self._supervise(now)
+                self.tick(now)
                 time.sleep(POLL_S)  # the supervisor's tick: polling processes and the log
             self._timers(time.monotonic(), force=True)  # SIGCONT whatever is stopped, bring Redis back
             for proxy in self.proxies.values():  # and every process's path to it
@@ -507,29 +516,15 @@ class Harness:
                 p.popen.wait()
 
     def _read_log(self) -> tuple[list[ev.Event], int]:
-        """The whole log, decoded here without the store's reader (which dead-letters into the run's Redis)."""
+        """The whole log, archived segments (a long run's driver archives and trims) and the live stream, decoded
+        without the store's reader (which dead-letters into the run's Redis). A missing or tampered segment counts
+        as its entries undecodable (the checks cannot see them)."""
         client = redis.Redis.from_url(self.redis.url)
-        events: list[ev.Event] = []
-        bad = 0
-        lo = "-"
-        while True:
-            page: Any = client.xrange(log_key(self.run_id), lo, "+", count=1000)
-            for _, fields in page:
-                try:
-                    payloads = entry_payloads(fields)
-                except MalformedEntry:
-                    bad += 1
-                    continue
-                for data in payloads:
-                    try:
-                        events.append(decode(data))
-                    except (ValueError, TypeError, KeyError):  # pydantic's and msgpack's errors are ValueErrors
-                        bad += 1
-            if len(page) < 1000:
-                break
-            lo = "(" + page[-1][0].decode()
-        client.close()
-        return events, bad
+        try:
+            scan = scan_run(client, self.run_id)
+        finally:
+            client.close()
+        return [s.event for s in scan.entries], len(scan.undecodable) + len(scan.problems)
 
     def _read_acks(self) -> tuple[list[Ack], list[str]]:
         acks: list[Ack] = []

@@ -1,5 +1,8 @@
 """Run N chaos schedules and print the counts: `python -m tests.chaos.run_chaos --schedules 200 --seed S`.
 
+`--soak M` runs one long run of M minutes under a steady rate of faults instead, its memory sampled and checked flat
+(tests/chaos/soak.py; `--fault-every S`, `--sample-every S`).
+
 Schedule i has seed S+i (drawn by `schedule.draw`), so `--seed S+i --schedules 1` replays it; `--schedule JSON` runs
 one printed schedule as is. `--faults none` runs fault-free schedules (they must all finish); `--faults kill,stop`
 draws only those kinds; `--faults net` only network faults (1 to --max-faults a schedule, through each process's
@@ -217,7 +220,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="count a run ended by its run deadline as failed closed (default: it stalled, a violation)",
     )
     ap.add_argument("--print-only", action="store_true", help="print the schedules and exit")
+    ap.add_argument(
+        "--soak",
+        type=float,
+        metavar="MINUTES",
+        help="instead of schedules: one run of MINUTES (fractions too) under a steady rate of faults, process RSS and "
+        "Redis used_memory sampled, checked flat (tests/chaos/soak.py)",
+    )
+    ap.add_argument("--fault-every", type=float, default=30.0, help="--soak: seconds between faults (default 30)")
+    ap.add_argument(
+        "--sample-every", type=float, default=60.0, help="--soak: seconds between memory samples (default 60)"
+    )
     args = ap.parse_args(argv)
+    if args.soak is not None:
+        from .soak import run_soak
+
+        workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rolledger-soak-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            report = run_soak(
+                args.soak, workdir, seed=args.seed, fault_every_s=args.fault_every, sample_every_s=args.sample_every
+            )
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        return 0 if report.ok else 1
     try:
         kinds: tuple[FaultKind, ...] = parse_kinds(args.faults)
         transports = parse_transports(args.transports)

@@ -146,6 +146,10 @@ class HealthReport:
     ok: bool
     detail: str
     probe_digest: str = ""  # digest of the probe's greedy tokens/logits, comparable across ranks
+    # where a speculative draft runs (else None): its acceptance over the probe on the new weights, and over what the
+    # rank served between its previous probe and the commit (workers/engines/spec_counters.py)
+    spec_acceptance_rate: float | None = None
+    spec_acceptance_before: float | None = None
 
 
 @dataclass(frozen=True)

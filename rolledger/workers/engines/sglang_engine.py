@@ -1,4 +1,6 @@
-"""The SGLang engine: one inference rank, an SGLang server driven over its HTTP routes.
+"""The SGLang engine: one inference rank, an SGLang server driven over its HTTP routes. This module connects to the
+server and owns generation, pause/resume, sleep/wake, the prefix cache and the health probe; the weight update is
+workers.engines.sglang_update's (a part of `SglangEngine`).
 
 `SglangEngine` implements workers.engines.protocol.Engine against `python -m sglang.launch_server` (workers.engines.sglang_server
 starts one; on CPU it runs with a stand-in for the CUDA-only `sgl_kernel`, see that module):
@@ -36,26 +38,19 @@ The rank agent (this process) and the server must share a filesystem: the server
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import xxhash
 from safetensors.torch import load_file
 
 from rolledger.schemas.config import SamplingParams
-from rolledger.schemas.weights import WeightManifest
-from rolledger.workers.engines import torch_weights
 from rolledger.workers.engines.protocol import (
-    CommitReport,
     EngineCapabilities,
     EngineError,
     EngineStats,
@@ -68,18 +63,18 @@ from rolledger.workers.engines.protocol import (
     TensorSpec,
     WakeReport,
     WakeTag,
-    WeightValidationError,
     cut_until_answered,
     refuse_unless_serving,
 )
-from rolledger.workers.engines.sglang_weights import differing, expected_checksums, write_checkpoint
+from rolledger.workers.engines.server_engine import probe_report, refuse_level_2
+from rolledger.workers.engines.sglang_state import SglangRankState
+from rolledger.workers.engines.sglang_update import SglangUpdate
+from rolledger.workers.engines.sglang_weights import differing
 from rolledger.workers.engines.sleep_state import TAGS, SleepState, level_2_refusal
 from rolledger.workers.engines.vllm_completions import PROBE_PROMPT
 from rolledger.workers.engines.vllm_http import JsonHttp
 from rolledger.workers.runtime.netguard import check_engine_address
-from rolledger.workers.weights.tensors import dtype_name, state_digest
-from rolledger.workers.weights.transport import DeltaBase, load_verified
-from rolledger.workers.weights.vllm_extension import TiedHeadDiffers, drop_tied_head
+from rolledger.workers.weights.tensors import dtype_name
 
 _HELD_POLL_S = 0.2  # how long a pause with abort waits for its requests before it lets held ones in to cut them
 _FINISH: dict[str, Literal["stop", "length", "abort"]] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -88,29 +83,6 @@ _PAUSE_MODE = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 
 class SglangHttp(JsonHttp):
     server = "SGLang"
-
-
-@dataclass(frozen=True)
-class _Loaded:
-    """A version the server can load: its directory, HF-named tensors, digest and expected live checksums."""
-
-    version: int
-    directory: Path
-    tensors: dict[str, torch.Tensor]
-    digest: str
-    checksums: dict[str, tuple[str, tuple[str, ...]]]
-
-
-@dataclass
-class _RankState:
-    live: _Loaded
-    previous: _Loaded | None = None
-    staged: _Loaded | None = None
-    cache_generation: int = 0
-    paused: bool = False
-    sleep: SleepState = field(default_factory=SleepState)  # per tag (workers/engines/sleep_state)
-    inflight: int = 0
-    stats: EngineStats = field(default_factory=EngineStats)
 
 
 def _sample(item: Mapping[str, Any], rank: int, version: int) -> SampleOutput:
@@ -134,7 +106,7 @@ def _sample(item: Mapping[str, Any], rank: int, version: int) -> SampleOutput:
     )
 
 
-class SglangEngine:
+class SglangEngine(SglangUpdate):
     """One rank: an SGLang server reached over HTTP. See the module docstring for what each method sends."""
 
     def __init__(
@@ -178,7 +150,7 @@ class SglangEngine:
         label = str(self.http.get("/model_info").get("weight_version", "default"))
         version = 0 if label == "default" else _parse_version(label)
         tensors = _load_checkpoint(self.model_dir)
-        self._st = _RankState(live=self._loaded(version, self.model_dir, tensors))
+        self._st = SglangRankState(live=self._loaded(version, self.model_dir, tensors))
         bad = differing(self._st.live.checksums, self.live_checksums())
         if bad:
             param, names, what = bad[0]
@@ -190,9 +162,6 @@ class SglangEngine:
         if label == "default":  # a fresh server serves its start-up checkpoint: policy version 0, say so
             self.http.post("/update_weight_version", json={"new_version": "0", "abort_all_requests": False})
         self._specs = {n: TensorSpec(tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
-
-    def _loaded(self, version: int, directory: Path, tensors: dict[str, torch.Tensor]) -> _Loaded:
-        return _Loaded(version, directory, tensors, state_digest(tensors), expected_checksums(tensors))
 
     # -- Engine protocol: identity ------------------------------------------------------------------------------
 
@@ -379,8 +348,7 @@ class SglangEngine:
     def sleep(self, level: int) -> SleepReport:
         if not self._can_sleep:
             raise self._sleep_unavailable("sleep")
-        if level == 2 and self.level_2_refused:
-            raise EngineError(f"rank {self.rank}: sleep(2) refused: {self.level_2_refused}; sleep at level 1")
+        refuse_level_2(self.rank, level, self.level_2_refused)
         with self._cond:
             after = self._st.sleep.slept(level, self.rank)  # ValueError / IllegalEngineOrder before the server
             if self._st.inflight:
@@ -415,150 +383,7 @@ class SglangEngine:
         """The server's KV pool in tokens (`max_total_num_tokens` of /server_info, read at connect), or None."""
         return self._kv_tokens
 
-    # -- weights ------------------------------------------------------------------------------------------------
-
-    def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
-        return dict(self._specs)
-
-    def live_checksums(self) -> dict[str, str]:
-        """What SGLang reports for every live parameter (`/weights_checker` checksum, one TP rank)."""
-        body = self.http.post("/weights_checker", json={"action": "checksum"})
-        ranks = body.get("ranks")
-        if not isinstance(ranks, list) or len(ranks) != 1:
-            raise EngineError(f"rank {self.rank}: SGLang /weights_checker: expected one TP rank, got {ranks!r:.200}")
-        return {str(k): str(v) for k, v in (ranks[0].get("checksums") or {}).items()}
-
-    def _verify_live(self, want: _Loaded) -> None:
-        bad = differing(want.checksums, self.live_checksums())
-        if bad:
-            param, names, what = bad[0]
-            tensor = names[0] if names else param
-            raise WeightValidationError(
-                tensor, f"v{want.version} not live on SGLang rank {self.rank}: {param} {what} ({len(bad)} differ)"
-            )
-
-    def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
-        """Read and verify the staged update, validate it against the serving model, write its checkpoint directory;
-        return its digest. The live weights keep serving."""
-        self._check_awake(f"prepare v{version}")
-        live = self._st.live
-        tensors = dict(load_verified(uri, version, manifest, base=DeltaBase(live.version, live.tensors)))
-        return self.stage_weights(version, tensors)
-
-    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
-        self._check_awake(f"stage v{version}")
-        tensors = dict(tensors)
-        try:
-            drop_tied_head(tensors, self.hf_config)
-        except TiedHeadDiffers as e:
-            raise WeightValidationError(e.tensor, e.reason) from None
-        torch_weights.validate_update(self._specs, tensors)
-        live = self._st.live
-        full = {n: tensors.get(n, live.tensors[n]) for n in self._specs}  # an update of some tensors keeps the rest
-        with self._cond:
-            self._st.staged = None
-        directory = write_checkpoint(self.staging_dir / f"v{version}", full, self.model_dir)
-        staged = self._loaded(version, directory, full)
-        with self._cond:
-            self._st.staged = staged
-        return staged.digest
-
-    def _check_awake(self, what: str) -> None:
-        self._st.sleep.check_weights_awake(what, self.rank)
-
-    def _load(self, target: _Loaded) -> None:
-        """Make the server serve `target` (verified); on failure load and verify what served before, then raise."""
-        before = self._st.live
-        body: dict[str, Any] = {
-            "model_path": str(target.directory),
-            "weight_version": str(target.version),
-            "flush_cache": True,
-            "abort_all_requests": False,
-            "keep_pause": self._st.paused,
-        }
-        try:
-            resp = self.http.request("POST", "/update_weights_from_disk", json=body)
-            if not resp.json().get("success"):
-                raise EngineError(f"rank {self.rank}: SGLang /update_weights_from_disk: {resp.json()!r:.300}")
-            self._verify_live(target)
-        except EngineError as failure:
-            self._restore(before, failure)
-            raise
-        with self._cond:
-            self._st.cache_generation += 1  # flush_cache=True: the update succeeds only if the cache was flushed
-        self._set_label(target.version)
-
-    def _restore(self, before: _Loaded, failure: EngineError) -> None:
-        try:
-            self.http.post(
-                "/update_weights_from_disk",
-                json={
-                    "model_path": str(before.directory),
-                    "weight_version": str(before.version),
-                    "flush_cache": True,
-                    "keep_pause": self._st.paused,
-                },
-            )
-            self._verify_live(before)
-        except EngineError as e:
-            raise EngineError(
-                f"rank {self.rank}: {failure}; restoring v{before.version} failed too ({e}): the server's weights are "
-                "unknown, restart it"
-            ) from failure
-        self._set_label(before.version)
-
-    def _set_label(self, version: int) -> None:
-        got = self.http.get("/model_info").get("weight_version")
-        if got != str(version):
-            self.http.post("/update_weight_version", json={"new_version": str(version), "abort_all_requests": False})
-
-    def commit_weights(self, version: int) -> CommitReport:
-        self._check_awake(f"commit v{version}")
-        with self._cond:
-            staged = self._st.staged
-            if staged is None or staged.version != version:
-                raise IllegalEngineOrder(
-                    f"rank {self.rank}: commit of version {version} but staged is "
-                    f"{None if staged is None else staged.version}"
-                )
-            self._st.staged = None
-        self._load(staged)
-        old = self._st.live
-        with self._cond:
-            self._st.previous, self._st.live = old, staged
-            self._st.sleep = self._st.sleep.committed()
-        self._collect()
-        return CommitReport(version, staged.digest, self._st.cache_generation, 0, False)
-
-    def rollback_weights(self) -> CommitReport:
-        """Back to the version before the last commit (loaded and verified), label and prefix cache following."""
-        self._check_awake("rollback")
-        previous = self._st.previous
-        if previous is None:
-            raise IllegalEngineOrder(f"rank {self.rank}: rollback with no earlier version loaded")
-        self._load(previous)
-        with self._cond:
-            self._st.previous, self._st.live = None, previous
-            self._st.sleep = self._st.sleep.committed()
-        return CommitReport(previous.version, previous.digest, self._st.cache_generation, 0, False)
-
-    def _collect(self) -> None:
-        """Delete prepared directories that are neither live, previous nor staged (never the model directory)."""
-        keep = {x.directory for x in (self._st.live, self._st.previous, self._st.staged) if x is not None}
-        for d in self.staging_dir.glob("v*"):
-            if d.is_dir() and d not in keep:
-                shutil.rmtree(d, ignore_errors=True)
-
-    def discard_weights(self) -> None:
-        with self._cond:
-            staged, self._st.staged = self._st.staged, None
-        if staged is not None and staged.directory != self.model_dir:
-            shutil.rmtree(staged.directory, ignore_errors=True)
-
-    @property
-    def staged_version(self) -> int | None:
-        staged = self._st.staged
-        return None if staged is None else staged.version
+    # -- the prefix cache and health ------------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> int:
         """POST /flush_cache until it succeeds (it answers 400 while requests run), within reset_deadline_s."""
@@ -578,14 +403,6 @@ class SglangEngine:
         with self._cond:
             self._st.cache_generation += 1
             return self._st.cache_generation
-
-    def weights_digest(self) -> str:
-        """The digest of the version the server's live checksums match (live, or a previous one), measured."""
-        live = self.live_checksums()
-        for candidate in (self._st.live, self._st.previous):
-            if candidate is not None and not differing(candidate.checksums, live):
-                return candidate.digest
-        raise EngineError(f"rank {self.rank}: the SGLang server's live weights match no version this rank loaded")
 
     def health(self) -> HealthReport:
         """Greedy 4-token probe through /generate. A rank probes after its commit while still paused; the server is
@@ -612,11 +429,7 @@ class SglangEngine:
             sample = _sample(item, self.rank, self._st.live.version)
         except (EngineError, KeyError, IndexError, ValueError) as e:
             return HealthReport(ok=False, detail=f"rank {self.rank}: {e}")
-        if not all(math.isfinite(x) for x in sample.logprobs):
-            return HealthReport(ok=False, detail=f"rank {self.rank}: probe logprobs not finite: {sample.logprobs}")
-        h = xxhash.xxh3_128()
-        h.update(json.dumps([sample.token_ids, [round(x, 3) for x in sample.logprobs]]).encode())
-        return HealthReport(ok=True, detail=f"rank {self.rank}: probe ok", probe_digest=h.hexdigest())
+        return probe_report(self.rank, sample)
 
     def close(self) -> None:
         self.http.close()

@@ -16,16 +16,8 @@ How time is simulated (`SimulatedConfig`, config section `simulated`; all times 
   virtual time: it runs (at wall-clock speed) while any sequence is in flight and stands still while the engine is
   idle or paused with "keep"; `sim_steps` counts its decode steps (busy time / step). A group's prompt is prefilled
   once (a shared prefix) in `prefill_s_per_token` x prompt tokens, beside the decode batch; its samples then decode.
-- A sample's length is declared, never computed: `lengths[i % len(lengths)]` when given per sample, else lognormal
-  around `length_median`: a prompt factor exp(prompt_sigma * z_p), z_p seeded by the prompt's token ids (a prompt's
-  own difficulty, what a length estimate can learn), times a sample factor exp(length_sigma * z_s), z_s seeded by
-  (the group's sampling seed, the sample index); rounded, at least 1, capped at `sampling.max_tokens` (finish
-  "length" at the cap, else "stop" with <eos> as the last token). The same prompt and seed give the same lengths in
-  every configuration of a benchmark.
-- Token ids are arbitrary task characters (never <pad>/<bos>; <eos> only last) and logprobs plausible finite
-  negative numbers, drawn from the seed, the index and the digest of the weights the sample started on (other
-  weights serve other tokens): NOT a model's. A trainer cannot check agreement against them; a benchmark
-  that goes through the trainer API must say that agreement was not measured.
+- What each sample is, drawn and never computed (its declared length, its tokens and logprobs, NOT a model's):
+  workers.engines.simulated_samples.
 
 Control, as TorchEngine's rules (IllegalEngineOrder otherwise): generate is refused while paused, asleep or before
 new weights were committed after a level-2 sleep. `should_cancel(i)` is polled every `cancel_poll_steps` decode steps
@@ -46,15 +38,13 @@ tokens wasted by cancellation or abort, the most sequences in flight at once.
 from __future__ import annotations
 
 import math
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
-import xxhash
 
 from rolledger.schemas.config import SamplingParams, SimulatedConfig
 from rolledger.schemas.weights import WeightManifest
@@ -74,23 +64,8 @@ from rolledger.workers.engines.protocol import (
     WakeTag,
     refuse_unless_serving,
 )
+from rolledger.workers.engines.simulated_samples import FinishReason, sample_length, sample_tokens
 from rolledger.workers.engines.torch_engine import TorchEngine
-
-FinishReason = Literal["stop", "length", "abort"]
-_FIRST_TOKEN = 3  # ids 0..2 are <pad>, <bos>, <eos> in the project's tokenizer (workers.policy.policy_model)
-
-
-def sample_length(cfg: SimulatedConfig, prompt: Sequence[int], seed: int | None, index: int, cap: int) -> int:
-    """The declared length of sample `index` of a group of `prompt` drawn with `seed` (see the module docstring)."""
-    if cfg.lengths:
-        return max(1, min(cap, cfg.lengths[index % len(cfg.lengths)]))
-    z_prompt = 0.0
-    if cfg.prompt_sigma > 0:
-        h = xxhash.xxh64(",".join(map(str, prompt)).encode()).intdigest()
-        z_prompt = random.Random(h).gauss(0.0, 1.0)
-    z_sample = random.Random(f"{seed}/{index}").gauss(0.0, 1.0) if cfg.length_sigma > 0 else 0.0
-    length = cfg.length_median * math.exp(cfg.prompt_sigma * z_prompt + cfg.length_sigma * z_sample)
-    return max(1, min(cap, round(length)))
 
 
 @dataclass(eq=False)
@@ -418,12 +393,7 @@ class SimulatedEngine:
         self, s: _Sample, sampling: SamplingParams, index: int, tokens: int, reason: FinishReason
     ) -> SampleOutput:
         """Caller holds self._cv: the sample's first `tokens` tokens, counted (and as wasted when it was cut short)."""
-        rng = random.Random(f"tokens/{sampling.seed}/{index}/{s.spans[0][2]}")  # other weights, other tokens
-        span = self._vocab - _FIRST_TOKEN
-        ids = [_FIRST_TOKEN + rng.randrange(span) for _ in range(tokens)]
-        logprobs = [-0.05 - 2.0 * rng.random() for _ in range(tokens)]
-        if reason == "stop" and ids:
-            ids[-1] = self._eos_id
+        ids, logprobs = sample_tokens(sampling.seed, index, s.spans[0][2], tokens, self._vocab, self._eos_id, reason)
         if reason == "abort":
             self.tokens_wasted += tokens
         spans = (s.spans[0], *(sp for sp in s.spans[1:] if sp[0] < tokens))  # no empty span at the end

@@ -1,5 +1,10 @@
 """The built-in torch engine: one inference rank running a Hugging Face causal LM in-process.
 
+This module is one concept that reads better whole (about 580 lines): the rules below are one state machine over two
+locks. Every public method checks and changes the same flags under them (a parked generation releases the model
+lock, sleep and commit take both), so cutting it further would spread one locking invariant over several modules;
+the work each rule guards already lives in the modules named below.
+
 `TorchEngine` composes, from the modules beside it in workers/engines/: KV-cache generation of groups and sampling
 (torch_decode), one group per call or, with `batch_groups`, the groups of concurrent calls in one decode batch run by
 the engine's decode thread (torch_batch; `max_batch_groups` bounds the groups one step decodes, the rest wait for
@@ -29,11 +34,6 @@ Rules this engine enforces (IllegalEngineOrder otherwise):
 - stage/commit: allowed whenever the "weights" tag is awake (never while the weights are asleep), even if
   "kv_cache" still sleeps — that is how new weights arrive after a level-2 sleep. sleep() is refused while a
   staged buffer is pending; commit needs the staged version.
-
-Over 400 lines (about 580) for a reason: the rules above are one state machine over those two locks. Every public
-method checks and changes the same flags under them (a parked generation releases the model lock, sleep and commit
-take both), so cutting it further would spread one locking invariant over several modules; the work each rule
-guards already lives in the modules named above.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The vLLM engine: one inference rank, a vLLM server driven over HTTP (workers.engines.vllm_http).
+"""The vLLM engine: one inference rank, a vLLM server driven over HTTP (workers.engines.vllm_http). This module
+connects to the server and owns identity, pause/resume, sleep/wake and the health probe; generation is
+workers.engines.vllm_generate's, the weight update workers.engines.vllm_update's (both parts of `VllmEngine`).
 
 `VllmEngine` implements workers.engines.protocol.Engine against a vLLM OpenAI server started with VLLM_SERVER_DEV_MODE=1 and
 `--worker-extension-cls rolledger.workers.weights.vllm_extension.RolledgerWorkerExtension` (workers.engines.vllm_server
@@ -27,58 +29,33 @@ launches one):
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import replace
 
-import torch
-import xxhash
-
-from rolledger.schemas.config import SamplingParams
-from rolledger.schemas.weights import WeightManifest
 from rolledger.workers.engines.protocol import (
-    CommitReport,
     EngineCapabilities,
     EngineError,
     EngineStats,
-    GroupOutput,
     HealthReport,
-    IllegalEngineOrder,
     PauseMode,
-    SampleOutput,
     SleepReport,
-    TensorSpec,
     WakeReport,
     WakeTag,
-    WeightValidationError,
     cut_until_answered,
-    refuse_unless_serving,
 )
+from rolledger.workers.engines.server_engine import probe_report, refuse_level_2
 from rolledger.workers.engines.sleep_state import SleepState, level_2_refusal
-from rolledger.workers.engines.vllm_completions import StreamedChoice, completion_request, parse_choice, probe_request
+from rolledger.workers.engines.spec_counters import acceptance
+from rolledger.workers.engines.vllm_completions import parse_choice, probe_request
 from rolledger.workers.engines.vllm_facts import parse_version, server_facts
+from rolledger.workers.engines.vllm_generate import VllmGeneration
 from rolledger.workers.engines.vllm_http import VllmHttp
+from rolledger.workers.engines.vllm_state import VllmRankState
+from rolledger.workers.engines.vllm_update import VllmUpdate
 from rolledger.workers.runtime.netguard import check_engine_address
-
-
-@dataclass
-class _RankState:
-    policy_version: int = 0
-    cache_generation: int = 0
-    graph_generation: int = 0
-    paused: bool = False
-    pause_mode: PauseMode | None = None  # how the engine was paused (None while it generates)
-    in_flight: int = 0  # completion requests counted before they were sent, whose answer has not come back yet
-    sleep: SleepState = field(default_factory=SleepState)  # per tag (workers/engines/sleep_state)
-    staged_version: int | None = None
-    weights_digest: str = ""
-    stats: EngineStats = field(default_factory=EngineStats)
 
 
 def kv_cache_tokens(metrics: str) -> int | None:
@@ -95,21 +72,9 @@ def kv_cache_tokens(metrics: str) -> int | None:
 _STRAGGLER_POLL_S = 0.1  # how often a pause asks the server again while a request of ours is unanswered
 
 
-@dataclass
-class _GroupRun:
-    """One generate call's samples as they stream in, across the requests that continue them after interruptions."""
-
-    prompt: list[int]
-    sampling: SamplingParams
-    streams: list[StreamedChoice]
-    spans: list[list[tuple[int, int, str]]]  # per sample: (first token, version, digest) where each version begins
-    continued: int = 0  # continuation requests so far
-    prefill_computed: int = 0
-    prefill_saved: int = 0
-
-
-class VllmEngine:
-    """One rank: a vLLM server reached over HTTP. See the module docstring for what each method sends."""
+class VllmEngine(VllmGeneration, VllmUpdate):
+    """One rank: a vLLM server reached over HTTP. See the module docstring for what each method sends; generation is
+    VllmGeneration's (vllm_generate.py), the weight update VllmUpdate's (vllm_update.py)."""
 
     def __init__(
         self,
@@ -128,7 +93,7 @@ class VllmEngine:
         self.timeout_s = timeout_s
         self.reset_deadline_s = reset_deadline_s
         self.http = VllmHttp(self.base_url, timeout_s)
-        self._st = _RankState()
+        self._st = VllmRankState()
         self._stats_lock = threading.Lock()  # generate runs in several rollout slots at once
         self._resumed = threading.Condition()  # guards paused/pause_mode; notified by resume() (parked samples wait)
         self._kv_tokens: int | None = None  # kv_cache_tokens, once read (0: the server does not say)
@@ -165,180 +130,15 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         return self._st.stats
 
-    # -- generation ---------------------------------------------------------------------------------------------
+    @property
+    def cache_generation(self) -> int:
+        return self._st.cache_generation
 
-    def completion_request(self, prompt_token_ids: Sequence[int], n: int, sampling: SamplingParams) -> dict[str, Any]:
-        """The /v1/completions body generate sends (public so benchmarks can send the same request directly)."""
-        return completion_request(self.model_name, prompt_token_ids, n, sampling)
+    @property
+    def graph_generation(self) -> int:
+        return self._st.graph_generation
 
-    def generate(
-        self,
-        prompt_token_ids: Sequence[int],
-        n: int,
-        sampling: SamplingParams,
-        *,
-        should_cancel: Callable[[int], bool] | None = None,
-        on_sample: Callable[[int, SampleOutput], None] | None = None,
-        expect_version: int | None = None,
-    ) -> GroupOutput:
-        """N samples in one request (vLLM prefills the shared prompt once with its prefix cache).
-
-        With `on_sample` (a group that can complete before all its samples end: first k, a deadline) the request is
-        streamed: each sample is handed over as it ends, and `should_cancel(i)` is polled at every streamed event.
-        Once every sample still running is cancelled (the first k finished, the group closed), the connection is
-        closed: vLLM aborts the request, its sequences leave the batch, and the cancelled samples come back with the
-        tokens they had (finish_reason "abort"; `stats.cancelled_*` count them). Without it, one plain request:
-        streaming would cost a parsed event per token for nothing. Samples cancelled before the request are not sent.
-
-        Interruptible: a `pause("keep")` aborts what the server runs (the server then holds nothing, so the update
-        can reset its cache and swap the weights); each sample it cut waits here, parked, until `resume()`, then
-        continues from its tokens so far in a new request (prompt + those tokens, the rest of its `max_tokens`),
-        under whatever weights serve then, with a span recording where each version begins. Parked past the
-        engine's timeout, the samples are returned cut short.
-        """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling.logprob_mode != self.facts.logprob_mode:
-            raise EngineError(
-                f"rank {self.rank}: sampling.logprob_mode={sampling.logprob_mode!r} but the vLLM server computes "
-                f"{self.facts.logprobs_mode_raw} (restart it with --logprobs-mode to change)"
-            )
-        cancel = should_cancel or (lambda _i: False)
-        pending = [i for i in range(n) if not cancel(i)]
-        with self._resumed:  # checked and counted at once: a pause from here on waits for the request to come back
-            self._st.sleep.check_serving("generate", self.rank)
-            if self._st.paused:
-                raise IllegalEngineOrder(f"rank {self.rank}: generate while paused")
-            refuse_unless_serving(expect_version, self._st.policy_version, self.rank)
-            self._st.in_flight += bool(pending)
-            run = _GroupRun(
-                prompt=list(prompt_token_ids),
-                sampling=sampling,
-                streams=[StreamedChoice(sampling.max_tokens) for _ in range(n)],
-                spans=[[(0, self._st.policy_version, self._st.weights_digest)] for _ in range(n)],
-            )
-        while pending:
-            try:
-                closed = self._stream(run, pending, cancel, on_sample)
-            finally:
-                self._came_back()
-            if closed:
-                break  # every sample still running was cancelled: the request is aborted
-            cut = [i for i in pending if run.streams[i].finish == "abort"]
-            if not cut or not self._wait_resumed():  # True: resumed, the continuation's request already counted
-                break  # all done; or cut by a plain abort (or parked too long): returned cut short
-            version, digest = self._st.policy_version, self._st.weights_digest
-            for i in cut:
-                run.streams[i].reopen()
-                start = len(run.streams[i].token_ids)
-                if run.spans[i][-1][1:] == (version, digest):
-                    continue  # resumed on the same weights (the update aborted): one span goes on
-                if run.spans[i][-1][0] == start:
-                    run.spans[i][-1] = (start, version, digest)  # cut before its first token there: no empty span
-                else:
-                    run.spans[i].append((start, version, digest))
-            run.continued += 1
-            pending = cut
-        samples = []
-        for i in range(n):
-            s = run.streams[i].output()
-            samples.append(replace(s, spans=tuple(run.spans[i])) if len(run.spans[i]) > 1 else s)
-        st = self._st
-        with self._stats_lock:
-            st.stats.groups += 1
-            st.stats.generated_tokens += sum(len(s.token_ids) for s in samples)
-            st.stats.prefill_tokens_computed += run.prefill_computed
-            st.stats.prefill_tokens_saved += run.prefill_saved
-            st.stats.cancelled_samples += sum(1 for s in samples if s.finish_reason == "abort")
-            st.stats.cancelled_tokens += sum(len(s.token_ids) for s in samples if s.finish_reason == "abort")
-        return GroupOutput(
-            samples=samples,
-            policy_version=run.spans[0][0][1],
-            weights_digest=run.spans[0][0][2],
-            cache_generation=st.cache_generation,
-            graph_generation=st.graph_generation,
-            prefill_tokens_computed=run.prefill_computed,
-            prefill_tokens_saved=run.prefill_saved,
-        )
-
-    def _stream(
-        self,
-        run: _GroupRun,
-        pending: list[int],
-        cancel: Callable[[int], bool],
-        on_sample: Callable[[int, SampleOutput], None] | None,
-    ) -> bool:
-        """One streamed request for the `pending` samples: the group's first (one prompt, n = len(pending)), or a
-        continuation (each sample's prompt + tokens so far, n = 1, the most tokens any of them may still take; each
-        is cut at its own budget here). True when it was closed early because every running sample was cancelled."""
-        if run.continued == 0:
-            body = self.completion_request(run.prompt, len(pending), run.sampling)
-        else:
-            left = max(run.sampling.max_tokens - len(run.streams[i].token_ids) for i in pending)
-            body = self.completion_request(run.prompt, 1, run.sampling.model_copy(update={"max_tokens": left}))
-            body["prompt"] = [run.prompt + run.streams[i].token_ids for i in pending]
-            if run.sampling.seed is not None:  # the same seed would replay the first request's draws
-                body["seed"] = (run.sampling.seed * 1_000_003 + run.continued) % 2**31
-        if on_sample is None:  # nobody waits for a sample before the group ends: one plain request
-            return self._request(run, pending, body)
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-        with self.http.stream_events("/v1/completions", body) as events:
-            for chunk in events:
-                if usage := chunk.get("usage"):
-                    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                    run.prefill_saved += cached
-                    run.prefill_computed += int(usage.get("prompt_tokens") or 0) - cached
-                for c in chunk.get("choices") or ():
-                    j = int(c.get("index", -1))
-                    if not 0 <= j < len(pending):
-                        raise EngineError(f"rank {self.rank}: vLLM streamed choice {j} of {len(pending)}")
-                    ended = run.streams[pending[j]].add(c, self.rank)
-                    if ended is not None and ended.finish_reason != "abort" and on_sample is not None:
-                        i = pending[j]
-                        on_sample(i, replace(ended, spans=tuple(run.spans[i])) if len(run.spans[i]) > 1 else ended)
-                running = [i for i in pending if run.streams[i].finish is None]
-                if running and all(cancel(i) for i in running):
-                    return True  # leaving the block closes the connection: vLLM aborts the request
-        if any(run.streams[i].finish is None for i in pending):
-            raise EngineError(f"rank {self.rank}: vLLM's stream ended before every sample finished")
-        return False
-
-    def _request(self, run: _GroupRun, pending: list[int], body: dict[str, Any]) -> bool:
-        """`_stream` without streaming: the whole answer at once (samples cut by a pause come back "abort")."""
-        answer = self.http.post("/v1/completions", json=body)
-        usage = answer.get("usage") or {}
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        run.prefill_saved += cached
-        run.prefill_computed += int(usage.get("prompt_tokens") or 0) - cached
-        choices = sorted(answer.get("choices", []), key=lambda c: c["index"])
-        if len(choices) != len(pending):
-            raise EngineError(f"rank {self.rank}: asked vLLM for {len(pending)} samples, got {len(choices)}")
-        for i, c in zip(pending, choices, strict=True):
-            run.streams[i].add(c, self.rank)
-        return False
-
-    def _wait_resumed(self) -> bool:
-        """Samples were cut by the server. Parked by pause("keep"): wait for resume() (True: continue them, the
-        continuation's request counted in flight under the same lock, as generate's first one is), unless the engine
-        is paused another way meanwhile or its timeout passes (False). Not parked (a plain abort): False."""
-        deadline = time.monotonic() + self.timeout_s
-        with self._resumed:
-            if not (self._st.paused and self._st.pause_mode == "keep"):
-                return False
-            while self._st.paused:
-                left = deadline - time.monotonic()
-                if self._st.pause_mode != "keep" or left <= 0:
-                    return False
-                self._resumed.wait(timeout=left)
-            self._st.in_flight += 1
-            return True
-
-    def _came_back(self) -> None:
-        """A completion request's answer came back (or the request failed): one fewer the server may hold."""
-        with self._resumed:
-            self._st.in_flight -= 1
-            self._resumed.notify_all()
+    # -- pause / sleep ------------------------------------------------------------------------------------------
 
     def _abort_stragglers(self) -> None:
         """After the server's pause aborted what it ran: wait until every request of ours has come back. A request
@@ -355,8 +155,6 @@ class VllmEngine:
             timeout_s=self.timeout_s,
             what=f"the vLLM server of rank {self.rank}",
         )
-
-    # -- pause / sleep ------------------------------------------------------------------------------------------
 
     def pause(self, mode: PauseMode) -> None:
         """Stop generation: "wait" lets what runs finish, "abort" cuts it short, "keep" parks it (interruptible: the
@@ -408,8 +206,7 @@ class VllmEngine:
     def sleep(self, level: int) -> SleepReport:
         if not self.facts.sleep_mode:
             raise self._sleep_unavailable("sleep")
-        if level == 2 and self.level_2_refused:
-            raise EngineError(f"rank {self.rank}: sleep(2) refused: {self.level_2_refused}; sleep at level 1")
+        refuse_level_2(self.rank, level, self.level_2_refused)
         with self._resumed:
             after = self._st.sleep.slept(level, self.rank)  # ValueError / IllegalEngineOrder before the server
         self.http.post("/sleep", params={"level": level, "mode": "wait"})
@@ -451,146 +248,6 @@ class VllmEngine:
 
     # -- weights ------------------------------------------------------------------------------------------------
 
-    def _answers(self, results: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
-        bad = [r for r in results if not r.get("ok")]
-        if bad:
-            r = bad[0]
-            tensor = r.get("tensor")
-            reason = f"worker {r.get('rank')} {what}: {r.get('error')}"
-            if tensor and tensor != "*" and what == "prepare":
-                raise WeightValidationError(
-                    str(tensor), f"{r.get('reason')} (rank {self.rank}, vLLM worker {r.get('rank')}, prepare)"
-                )
-            raise EngineError(f"rank {self.rank} {reason}")
-        return results
-
-    def _one_digest(self, results: list[dict[str, Any]], key: str) -> str:
-        digests = {str(r.get(key, "")) for r in results}
-        if len(digests) != 1:
-            raise EngineError(f"rank {self.rank}: vLLM workers disagree on {key}: {sorted(digests)}")
-        return digests.pop()
-
-    def live_tensor_specs(self) -> Mapping[str, TensorSpec]:
-        specs = self._answers(self.http.rpc("rolledger_specs"), "specs")[0]["specs"]
-        return {name: TensorSpec(shape=tuple(shape), dtype=str(dtype)) for name, (shape, dtype) in specs.items()}
-
-    @property
-    def cache_generation(self) -> int:
-        return self._st.cache_generation
-
-    @property
-    def graph_generation(self) -> int:
-        return self._st.graph_generation
-
-    def prepare(self, version: int, uri: str, manifest: WeightManifest) -> str:
-        """The Engine prepare path: the server's own workers read and verify the staged files (prepare_from_uri)."""
-        return self.prepare_from_uri(version, uri, manifest)
-
-    def prepare_from_uri(self, version: int, uri: str, manifest: Any) -> str:
-        """Every vLLM worker reads and validates the staged update at `uri`; returns the staged weights digest.
-
-        `manifest`: a schemas.weights.WeightManifest, its JSON string, or a dict. Raises WeightValidationError naming
-        the tensor (or EngineError); the live weights keep serving either way.
-        """
-        self._st.sleep.check_weights_awake(f"prepare v{version}", self.rank)
-        if hasattr(manifest, "model_dump_json"):
-            manifest_json = manifest.model_dump_json()
-        elif isinstance(manifest, str):
-            manifest_json = manifest
-        else:
-            manifest_json = json.dumps(manifest)
-        self._st.staged_version = None
-        results = self._answers(self.http.rpc("rolledger_prepare", version, uri, manifest_json), "prepare")
-        self._st.staged_version = version
-        return self._one_digest(results, "staged_digest")
-
-    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
-        """Write `tensors` to a private temporary staging directory, then prepare_from_uri (local servers only)."""
-        from rolledger.workers.weights.staging_store import DirectoryStagingStore
-
-        self._st.sleep.check_weights_awake(f"stage v{version}", self.rank)
-        if self._tmp_staging is None:
-            self._tmp_staging = tempfile.TemporaryDirectory(prefix=f"rolledger-vllm-rank{self.rank}-")
-        store = DirectoryStagingStore(self._tmp_staging.name)
-        if version in store.versions():
-            import shutil
-
-            shutil.rmtree(store.version_dir(version))
-        staged = store.stage(version, self._st.policy_version, tensors)
-        return self.prepare_from_uri(version, staged.uri, staged.manifest)
-
-    def commit_weights(self, version: int) -> CommitReport:
-        self._st.sleep.check_weights_awake(f"commit v{version}", self.rank)
-        if self._st.staged_version != version:
-            raise IllegalEngineOrder(
-                f"rank {self.rank}: commit of version {version} but staged is {self._st.staged_version}"
-            )
-        self._st.staged_version = None
-        results = self._answers(self.http.rpc("rolledger_commit", version), "commit")
-        digest = self._one_digest(results, "digest")
-        self._publish(version, digest)
-        return CommitReport(
-            policy_version=version,
-            weights_digest=digest,
-            cache_generation=self._st.cache_generation,
-            graph_generation=self._st.graph_generation,
-            graphs_invalidated=False,  # same shapes, reloaded in place: vLLM keeps its graphs
-        )
-
-    def rollback_weights(self) -> CommitReport:
-        """Back to the version before the last commit, on every worker; version label and prefix cache follow."""
-        self._st.sleep.check_weights_awake("rollback", self.rank)
-        results = self._answers(self.http.rpc("rolledger_rollback"), "rollback")
-        digest = self._one_digest(results, "digest")
-        version = int(results[0]["version"])
-        self._publish(version, digest)
-        return CommitReport(version, digest, self._st.cache_generation, self._st.graph_generation, False)
-
-    def _publish(self, version: int, digest: str) -> None:
-        """After the weights changed: version label (checked), prefix cache reset, local state."""
-        with self._resumed:
-            self._st.sleep = self._st.sleep.committed()
-        self._st.weights_digest = digest
-        self._st.policy_version = version
-        self.http.post("/update_weight_version", json={"new_version": str(version)})
-        got = self.http.get("/weight_info").get("weight_version")
-        if got != str(version):
-            raise EngineError(f"rank {self.rank}: /weight_info says {got!r} after setting version {version}")
-        self.reset_prefix_cache()
-
-    def discard_weights(self) -> None:
-        self._answers(self.http.rpc("rolledger_discard"), "discard")
-        self._st.staged_version = None
-
-    def inject(self, spec: str) -> None:
-        """Arm a one-shot fault in every worker (tests/demos): see workers.weights.vllm_extension.FAULTS."""
-        self._answers(self.http.rpc("rolledger_inject", spec), "inject")
-
-    def reset_prefix_cache(self) -> int:
-        """POST /reset_prefix_cache until it says success (it answers 200 success:false while blocks are held)."""
-        deadline = time.monotonic() + self.reset_deadline_s
-        delay = 0.01
-        while True:
-            body = self.http.post("/reset_prefix_cache")
-            if body.get("success") is True:
-                break
-            if time.monotonic() + delay > deadline:
-                raise EngineError(
-                    f"rank {self.rank}: /reset_prefix_cache still answers success:false after "
-                    f"{self.reset_deadline_s}s (requests still hold cache blocks; pause first)"
-                )
-            time.sleep(delay)  # retry backoff, bounded by the deadline above
-            delay = min(delay * 2, 0.5)
-        self._st.cache_generation += 1
-        return self._st.cache_generation
-
-    def weights_digest(self) -> str:
-        return self._one_digest(self._answers(self.http.rpc("rolledger_digest"), "digest"), "digest")
-
-    def live_digest(self) -> str:
-        """Digest of what actually serves (live parameters and repacked kernels); comparable within one server."""
-        return self._one_digest(self._answers(self.http.rpc("rolledger_live_digest"), "live digest"), "live_digest")
-
     def health(self) -> HealthReport:
         """Greedy probe through /v1/completions. A rank probes right after its commit, while it is still paused for
         the update (it resumes on PolicyPublished); a paused vLLM scheduler would never run the probe, so the server
@@ -613,11 +270,12 @@ class VllmEngine:
             sample = parse_choice(body["choices"][0], self.rank)
         except (EngineError, KeyError, IndexError) as e:
             return HealthReport(ok=False, detail=f"rank {self.rank}: {e}")
-        if not all(math.isfinite(x) for x in sample.logprobs):
-            return HealthReport(ok=False, detail=f"rank {self.rank}: probe logprobs not finite: {sample.logprobs}")
-        h = xxhash.xxh3_128()
-        h.update(json.dumps([sample.token_ids, [round(x, 3) for x in sample.logprobs]]).encode())
-        return HealthReport(ok=True, detail=f"rank {self.rank}: probe ok", probe_digest=h.hexdigest())
+        report = probe_report(self.rank, sample)
+        if not self.facts.speculative:
+            return report
+        now = self._spec_counters()
+        rate, self._st.spec_mark = acceptance(self._st.spec_mark, now), now
+        return replace(report, spec_acceptance_rate=rate, spec_acceptance_before=self._st.spec_before)
 
     def close(self) -> None:
         self.http.close()

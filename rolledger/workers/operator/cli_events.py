@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from rolledger.workers.operator.cli import CliError, _open, _scan
+from rolledger.workers.operator.cli_errors import CliError
+from rolledger.workers.operator.cli_read import _open, _scan
 
 if TYPE_CHECKING:
     import redis

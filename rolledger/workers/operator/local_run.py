@@ -46,7 +46,8 @@ import structlog
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rolledger.events.archive import Archiver, archive_dir, iter_run
+from rolledger.events.archive import archive_dir, iter_run
+from rolledger.events.archiver import Archiver
 from rolledger.events.connection import connect
 from rolledger.events.disk_full import DiskFull, is_disk_full
 from rolledger.events.embedded import EmbeddedRedis
@@ -141,6 +142,11 @@ def check_fits(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, max_positions
         raise RunRefused(
             f"sampling.max_tokens={cfg.sampling.max_tokens} with the longest prompt ({longest} tokens) does not fit "
             f"{limit_name}={max_positions}: lower sampling.max_tokens to at most {max_positions - longest}"
+        )
+    if cfg.task.env is not None and longest + cfg.task.max_episode_tokens > max_positions:
+        raise RunRefused(
+            f"task.max_episode_tokens={cfg.task.max_episode_tokens} with the longest prompt ({longest} tokens) does "
+            f"not fit {limit_name}={max_positions}: lower task.max_episode_tokens to at most {max_positions - longest}"
         )
 
 
@@ -316,7 +322,12 @@ class LocalRun:
         for r, engine in enumerate(engines):
             self.workers.append(
                 RankWorker(
-                    client, self.run_id, r, wrap_engine(engine, r, injector), initial_weights=lambda: dict(initial)
+                    client,
+                    self.run_id,
+                    r,
+                    wrap_engine(engine, r, injector),
+                    initial_weights=lambda: dict(initial),
+                    tokenizer=tokenizer,
                 )
             )
         self.workers.append(RewardWorker(client, self.run_id, "reward", tokenizer))

@@ -4,7 +4,7 @@ Each process reads what it needs from the run's log (RunStarted: the config and 
 part, and runs until the run finishes or it receives SIGTERM/SIGINT. `rollout` and `rank` are the same worker: an
 inference rank generates and takes part in updates through one engine.
 
-A Redis outage is ridden out by the client (events/connection.py: backoff up to ROLLEDGER_REDIS_DEADLINE_S, one
+A Redis outage is ridden out by the client (events/outage.py: backoff up to ROLLEDGER_REDIS_DEADLINE_S, one
 warning line); when it lasts past the deadline the process exits with code 3 and one line on stderr, and if Redis
 answers again by then it first appends the fact `WorkerLost` ("redis unreachable for N s") so the log says why.
 """
@@ -23,8 +23,9 @@ import redis
 import structlog
 
 from rolledger.events.archive import iter_run
-from rolledger.events.connection import RedisUnavailable, connect
+from rolledger.events.connection import connect
 from rolledger.events.envelope import make_event
+from rolledger.events.outage import RedisUnavailable
 from rolledger.events.store import EventLog, RunClosed
 from rolledger.schemas import events as ev
 from rolledger.schemas.config import RunConfig
@@ -158,7 +159,15 @@ def _run_worker(
             from rolledger.workers.engines.factory import torch_engine
 
             engine = torch_engine(cfg, model, tokenizer, rank=rank)
-        worker = RankWorker(client, run_id, rank, engine, claim_idle_ms=claim_idle_ms, initial_weights=lambda: initial)
+        worker = RankWorker(
+            client,
+            run_id,
+            rank,
+            engine,
+            claim_idle_ms=claim_idle_ms,
+            initial_weights=lambda: initial,
+            tokenizer=tokenizer,
+        )
         if name:
             worker.name = name
     elif kind == "reward":

@@ -167,8 +167,8 @@ def grpo_step(
         [list(s.logprobs) + [0.0] * (width - len(s.logprobs)) for s in batch], dtype=torch.float32
     ).to(new_lp.device)
     advantages = torch.tensor(adv, dtype=torch.float32, device=new_lp.device)[:, None]
-    # the task's loss mask over the generated tokens (e.g. a tool's output inside a multi-turn completion): 0 = not
-    # trained on; the agreement statistics below still cover every generated token
+    # the task's loss mask over the generated tokens (an environment's reply inside an episode): 0 = not trained on,
+    # and left out of the statistics below too (such a token has no engine logprob to compare with)
     lm = mask.clone()
     for b, s in enumerate(batch):
         given = getattr(s, "loss_mask", None)
@@ -195,9 +195,9 @@ def grpo_step(
     model.eval()
 
     with torch.no_grad():
-        valid = mask.bool()
+        valid = lm.bool()
         gaps = diff.detach().abs()[valid]
-        seq_gap = diff.detach().sum(dim=1).abs().max().item()
+        seq_gap = (diff.detach() * lm).sum(dim=1).abs().max().item()
         clip_active = ((ratio.detach() - 1.0).abs() > cfg.clip_eps)[valid]
     return GrpoStats(
         loss=float(loss.item()),

@@ -82,13 +82,17 @@ def check_port_free(port: int, addr: str = "127.0.0.1") -> None:
 
 def check_task(cfg: RunConfig) -> None:
     """Refuse a task whose prompts cannot be loaded (a missing or malformed file, no `datasets` package) or whose
-    reward functions cannot be imported (naming `task.rewards[i].fn`), before anything starts. Imports the reward
-    functions' modules, and `datasets` for a dataset task; nothing of the project's heavy parts."""
+    reward functions or environment cannot be imported (naming `task.rewards[i].fn`, `task.env`), before anything
+    starts. Imports the reward functions' and the environment's modules, and `datasets` for a dataset task; nothing of
+    the project's heavy parts."""
+    from rolledger.workers.policy.envs import import_env
     from rolledger.workers.policy.rewards import resolve
     from rolledger.workers.policy.task_plugins import load_prompts
 
     try:
         resolve(cfg.task)
+        if cfg.task.env is not None:
+            import_env("task.env", cfg.task.env)
         load_prompts(cfg.task, cfg.seed)
-    except ValueError as exc:  # RewardRefused, TaskRefused
+    except ValueError as exc:  # RewardRefused, EnvRefused, TaskRefused
         raise RunRefused(" ".join(str(exc).split())) from None

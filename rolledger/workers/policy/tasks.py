@@ -1,6 +1,7 @@
 """The verifiable task: two-operand addition ("23+19=" -> "42"), its prompts, its checker and its warm-start data.
 
-Owns prompt generation (deterministic per seed), the reward function and the supervised examples. Nothing here
+Owns prompt generation (deterministic per seed), the reward function, the supervised examples, and a calculator
+tool an episode of the task may call (`calculator_env`, issue 40). Nothing here
 knows about tokens: the policy's tokenizer turns text into ids.
 
 Reward (`score`): the completion's answer is the run of digits at its start (after leading spaces), ended by
@@ -16,11 +17,13 @@ Reward (`score`): the completion's answer is the run of digits at its start (aft
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rolledger.schemas.config import TaskConfig
+from rolledger.schemas.episode import EnvHistory, EnvReply
 
 EOS_TEXT = "<eos>"
 
@@ -101,3 +104,18 @@ def addition_reward(completions: Sequence[str], answer: Sequence[str], **_: Any)
     """`score` as a reward function (`rolledger.workers.policy.tasks:addition_reward`, the addition task's default):
     TRL's shape, a batch of completions and the rows' `answer` column in, one float per completion out."""
     return [score(c, str(a)) for c, a in zip(completions, answer, strict=True)]
+
+
+_CALL = re.compile(r"\s*(\d+)\+(\d+)\s*")
+
+
+def calculator_env(history: EnvHistory) -> EnvReply:
+    """A calculator tool for the addition task (`rolledger.workers.policy.tasks:calculator_env`, task.env): a policy
+    turn that is a sum, `a+b`, is a call, answered with `=<a+b>`; any other turn is the policy's answer, which ends
+    the episode (scored, as every episode, on the policy's last turn). One call per episode: after its answer, the
+    policy's next turn ends it whatever it is."""
+    called = any(t.source == "env" for t in history.turns)
+    m = _CALL.fullmatch(history.last.text)
+    if m is None or called:
+        return EnvReply(done=True)
+    return EnvReply(text=f"={int(m.group(1)) + int(m.group(2))}")

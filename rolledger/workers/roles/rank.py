@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import redis
 import torch
@@ -40,6 +40,7 @@ from rolledger.workers.runtime.runtime import Worker, shared_follower
 from rolledger.workers.weights.staging_format import StagingError
 from rolledger.workers.weights.transport import read_manifest
 from rolledger.workflows import rank as rd
+from rolledger.workflows.health import acceptance_drop
 from rolledger.workflows.state import RunState
 
 _ANNOUNCE_WITHIN_S = 5.0  # how long a failed prepare's report waits for running groups' SampleStarted
@@ -57,10 +58,14 @@ class RankWorker(Worker):
         *,
         claim_idle_ms: int | None = None,
         initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         super().__init__(client, run_id, f"rank-{rank}")
         self.rank = rank
         self.engine = engine
+        # the policy's tokenizer: an episode's turns as text for its environment, and its text replies as tokens
+        # (None: an environment must answer token ids; workers/roles/episodes.py)
+        self.tokenizer = tokenizer
         self.incarnation = uuid.uuid4().hex[:12]  # this rank process; announced in its RankJoined
         self.initial_weights = initial_weights
         self.follower = shared_follower(self.log)  # the process's ranks share one fold and its lock
@@ -327,18 +332,29 @@ class RankWorker(Worker):
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run failed
             self.emit(ev.HealthFailed(rank=self.rank, version=version, reason=f"probe failed: {exc}"), cause=cause)
             return
-        if health.ok:
-            self.emit(
-                ev.HealthPassed(
-                    rank=self.rank,
-                    version=version,
-                    weights_digest=self.engine.weights_digest(),
-                    probe_digest=health.probe_digest,
-                ),
-                cause=cause,
-            )
-        else:
+        if not health.ok:
             self.emit(ev.HealthFailed(rank=self.rank, version=version, reason=health.detail), cause=cause)
+            return
+        with self.lock:  # the run's threshold, from the config the log's RunStarted holds
+            cfg = self.state.config
+        max_drop = cfg.update.max_spec_acceptance_drop if cfg is not None else 1.0
+        dropped = acceptance_drop(health.spec_acceptance_before, health.spec_acceptance_rate, max_drop)
+        if dropped:
+            self.emit(
+                ev.HealthFailed(rank=self.rank, version=version, reason=f"rank {self.rank}: {dropped}"), cause=cause
+            )
+            return
+        self.emit(
+            ev.HealthPassed(
+                rank=self.rank,
+                version=version,
+                weights_digest=self.engine.weights_digest(),
+                probe_digest=health.probe_digest,
+                spec_acceptance_rate=health.spec_acceptance_rate,
+                spec_acceptance_before=health.spec_acceptance_before,
+            ),
+            cause=cause,
+        )
 
     def _wake(self, tags: tuple[rd.WakeTag, ...], cause: str) -> None:
         report = self.engine.wake(tags)

@@ -5,7 +5,8 @@ Stateless apart from a follower used to skip samples already scored (a reclaimed
 process's one fold, shared with its ranks, `runtime.shared_follower`: read under its lock), and the task it loads
 once the run's config is folded: the prompts by id (their rows are the reward functions' columns)
 and the functions imported from their paths (workers/policy/rewards.py, workers/policy/task_plugins.py). Each read's finished
-samples are scored as one batch. Faults wrap `scorer` (workers/operator/faults.py).
+samples are scored as one batch. An episode (a task with an environment) is scored on its final answer, the text of
+the policy's last turn (`answer_tokens`). Faults wrap `scorer` (workers/operator/faults.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import redis
 from rolledger.events.consumer import GroupConsumer
 from rolledger.schemas import events as ev
 from rolledger.schemas.statuses import SampleStatus
+from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.policy.rewards import Rewards, resolve
 from rolledger.workers.policy.task_plugins import load_prompts
 from rolledger.workers.policy.tasks import Prompt
@@ -108,7 +110,7 @@ class RewardWorker(Worker):
         prompts, rewards = self.load_task()
         ids = [dataset_prompt_id(p.trajectory.prompt_id) for p in finished]
         known = [i for i, pid in enumerate(ids) if pid in prompts]
-        texts = [self.completion_text(list(finished[i].trajectory.token_ids)) for i in known]
+        texts = [self.completion_text(answer_tokens(finished[i].trajectory)) for i in known]
         rows = [prompts[ids[i]] for i in known]
         results = dict(zip(known, rewards.score(texts, rows), strict=True))
         out: list[ev.SampleScored | ev.SampleFailed] = []
@@ -141,3 +143,12 @@ class RewardWorker(Worker):
         g = state.groups.get(p.trajectory.group_id)
         smp = g.samples.get(p.trajectory.index) if g else None
         return smp is not None and (smp.reward is not None or smp.status != SampleStatus.FINISHED)
+
+
+def answer_tokens(t: Trajectory) -> list[int]:
+    """The tokens a sample is scored on: its completion, or for an episode (a task with an environment) the
+    policy's last turn, its final answer (the environment's replies and the policy's earlier turns are context)."""
+    if not t.turns:
+        return list(t.token_ids)
+    last = next((turn for turn in reversed(t.turns) if turn.source == "policy"), None)
+    return [] if last is None else list(t.token_ids[last.start : last.end])

@@ -27,7 +27,8 @@ from rolledger.schemas.config import TrainerConfig
 from rolledger.schemas.trajectory import Trajectory
 from rolledger.workers.policy.grpo import GrpoStats, grpo_step, make_optimizer, sequence_logprobs
 from rolledger.workers.policy.policy_model import load_policy, policy_state
-from rolledger.workers.roles.trainer_client import Batch, RunOver, StepRefused, TrainerClient, gap_stats
+from rolledger.workers.roles.trainer_api import Batch, RunOver, StepRefused, gap_stats
+from rolledger.workers.roles.trainer_client import TrainerClient
 from rolledger.workers.runtime.runtime import Follower, Worker
 from rolledger.workers.weights.staging_store import StagingStore
 from rolledger.workers.weights.tensors import state_digest

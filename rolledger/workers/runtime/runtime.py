@@ -24,10 +24,10 @@ import redis
 import structlog
 
 from rolledger.events.archive import trimmed_before
-from rolledger.events.connection import RedisUnavailable
 from rolledger.events.envelope import make_event
+from rolledger.events.outage import RedisUnavailable
 from rolledger.events.snapshots import latest_snapshot
-from rolledger.events.store import ConcurrencyConflict, EventLog, RunClosed, StoredEvent
+from rolledger.events.store import ConcurrencyConflict, EventLog, LogLostEntries, RunClosed, StoredEvent
 from rolledger.schemas import events as ev
 from rolledger.workers.runtime.shared_tail import PerRun, shared_tail
 from rolledger.workflows.reducer import fold
@@ -268,6 +268,9 @@ class Worker:
         except RedisUnavailable as exc:  # one line, no traceback: the outage outlasted the deadline
             self.error = exc
             self.logger.error("giving up: redis unavailable", error=str(exc))
+        except LogLostEntries as exc:  # one line: the log is behind what this worker read (its restart folds it anew)
+            self.error = exc
+            self.logger.error("the log lost entries", error=str(exc))
         except BaseException as exc:  # a crash is reported, never swallowed
             self.error = exc
             self.logger.exception("worker crashed")

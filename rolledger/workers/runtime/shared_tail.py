@@ -14,13 +14,14 @@ Only one thread reads the log at a time (`_fetch`); the others wait for it with 
 its entries in the buffer, so N followers cost one read and one decode per entry, not N. A follower behind the
 buffer (one created late, starting from the first entry) reads that gap itself, then joins the buffer. Entries every
 registered follower has folded leave the buffer. Decoded events are shared between followers: events are frozen
-models and the reducer copies what it keeps, so no follower can change another's.
+records and the reducer copies what it keeps, so no follower can change another's. A work consumer of the same process
+(the reward worker's SampleFinished, a rank's GroupAdmitted) gets the very event the tail decoded, or the tail the one
+it decoded (events/codec.SharedDecodes): one decode per event per process.
 
 Trust: the tail reads the run's own live log, which only rolledger's processes write (every append goes through
-`events.codec.encode`, which takes validated models only), so it decodes with `Trust.OWN_LOG`: the events (every
-type but RunStarted) are built without running pydantic's validators a second time. An entry of any other shape is
-still validated, and a malformed one is still dead-lettered. `replay`, `audit` and `lineage` read with full
-validation (they may be given a log from anywhere).
+`events.codec.encode`), and says so (`Trust.OWN_LOG`); since events became msgspec records both trusts decode alike,
+every field checked, and a malformed entry is still dead-lettered. `replay`, `audit` and `lineage` read with
+`Trust.VALIDATE` (they may be given a log from anywhere).
 """
 
 from __future__ import annotations
@@ -105,9 +106,12 @@ class SharedTail:
 
     def _append(self, got: list[StoredEvent], scanned: str | None) -> None:
         with self._lock:
+            last_id, key = "", (0, 0)
             for stored in got:
+                if stored.stream_id != last_id:  # the events of one entry (an append's, ~18 in a run) share its id
+                    last_id, key = stored.stream_id, position(stored.stream_id)
                 self._events.append(stored)
-                self._keys.append(position(stored.stream_id))
+                self._keys.append(key)
             if scanned is not None and position(scanned) > position(self._scanned):
                 self._scanned = scanned
             self._trim()

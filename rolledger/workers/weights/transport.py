@@ -4,7 +4,7 @@ dispatch by URI scheme, so the update transaction above it is the same whatever 
 - `directory` (`file://` URIs): the trainer writes each version into a directory every rank reads
   (workers.weights.staging_store); it needs a filesystem the trainer and the ranks share.
 - `dist` (`dist://` URIs): the trainer writes each version into its own directory and serves it over
-  torch.distributed (workers.weights.transport_dist); nothing is shared but the network.
+  torch.distributed (workers.weights.transport_dist and its siblings); nothing is shared but the network.
 
 Either way the rank checks the manifest against the digest the coordinator announced and every tensor's bytes
 against the manifest before it reports prepared (`read_manifest`, `load_verified`), and a failure names the tensor.
@@ -29,11 +29,12 @@ import torch
 from rolledger.events.disk_full import DiskFull, free_bytes, has_room
 from rolledger.schemas.config import RunConfig
 from rolledger.schemas.weights import DEFAULT_CHECKSUM_ALGO, ChecksumAlgo, WeightManifest
-from rolledger.workers.weights import staging_loader, staging_store, transport_dist
+from rolledger.workers.weights import staging_loader, staging_store, transport_dist, transport_dist_receive
 from rolledger.workers.weights.staging_format import FREE_FILE, version_dir
 from rolledger.workers.weights.staging_loader import VerifiedWeights
 from rolledger.workers.weights.staging_store import DirectoryStagingStore, StagedUpdate, StageTimings, StagingStore
-from rolledger.workers.weights.transport_dist import DeltaBase
+from rolledger.workers.weights.transport_dist_delta import DeltaBase
+from rolledger.workers.weights.transport_dist_server import WeightServer
 
 log = structlog.get_logger("rolledger.transport")
 
@@ -48,7 +49,7 @@ def read_manifest(uri: str, version: int, *, expected_digest: str | None = None)
     """The manifest of `version` where its URI says (a directory, or a weight server), checked to be for that version
     and, when given, the announced digest; StagingError otherwise."""
     if _is_dist(uri):
-        return transport_dist.read_manifest(uri, version, expected_digest=expected_digest)
+        return transport_dist_receive.read_manifest(uri, version, expected_digest=expected_digest)
     return staging_store.read_manifest(uri, version, expected_digest=expected_digest)
 
 
@@ -66,8 +67,10 @@ def load_verified(
     says. `base` (dist only): the weights the rank serves, which the server may send a delta against.
     `noop_transport` (fault injection, dist only): the transfer moves nothing, as a disabled communicator."""
     if _is_dist(uri):
-        comm = transport_dist.NoOpCommunicatorFake if noop_transport else transport_dist.GroupCommunicator
-        return transport_dist.receive_verified(
+        comm = (
+            transport_dist_receive.NoOpCommunicatorFake if noop_transport else transport_dist_receive.GroupCommunicator
+        )
+        return transport_dist_receive.receive_verified(
             uri, version, manifest, corrupt=corrupt, out=out, communicator=comm, base=base
         )
     if noop_transport:
@@ -111,7 +114,7 @@ class DistStagingStore:
         # fault injection (kill-trainer@copy): called with the version once its durable copy is written and before
         # the server records it; the chaos harness's hook sets it in a trainer process (it SIGKILLs the process)
         self.on_copied: Callable[[int], None] | None = None
-        self.server = transport_dist.WeightServer(
+        self.server = WeightServer(
             self.local.root,
             host,
             port,

@@ -156,7 +156,7 @@ def install_armed_injections(arm_dir: str) -> None:
     def serve(worker: Any) -> int:
         from rolledger.workers.roles.rank import RankWorker
         from rolledger.workers.roles.trainer import TrainerWorker
-        from rolledger.workers.weights import transport_dist
+        from rolledger.workers.weights import transport_dist_receive
         from rolledger.workers.weights.transport import DistStagingStore
 
         if isinstance(worker, RankWorker):
@@ -169,7 +169,7 @@ def install_armed_injections(arm_dir: str) -> None:
                 if inj is not None:
                     die(inj, f"bucket {tag} received")
 
-            transport_dist.on_bucket_received = received
+            transport_dist_receive.on_bucket_received = received
         elif isinstance(worker, TrainerWorker):
             worker.train = slow_and_mortal_trainer(worker.train, injector)
             if isinstance(worker.staging, DistStagingStore):
