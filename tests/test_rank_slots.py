@@ -112,8 +112,19 @@ def test_a_sigkilled_rank_with_several_groups_in_flight_loses_nothing_and_counts
     run = Run(redis_url, run_id, tmp_path, groups=groups, rank_slots=SLOTS, max_tokens=24)
     a = _worker(redis_url, run_id, 0, "A", tmp_path / "a.log")
     try:
-        # kill A once it has several groups in flight: each holds a pending entry of one of its slots
-        _wait_for(lambda: running_now(run.events(), rank=0) > 1, 120, "rank A to run several groups at once")
+        # kill A once it has several groups in flight: each holds a pending entry of one of its slots. A is stopped
+        # (SIGSTOP) before the log is read, so no group of it can end between that reading and the kill; if one
+        # ended before the stop, A goes on and the wait starts again
+        def stopped_with_several_in_flight() -> bool:
+            if running_now(run.events(), rank=0) <= 1:
+                return False
+            a.send_signal(signal.SIGSTOP)
+            if running_now(run.events(), rank=0) > 1:
+                return True
+            a.send_signal(signal.SIGCONT)
+            return False
+
+        _wait_for(stopped_with_several_in_flight, 120, "rank A to run several groups at once")
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=30)
     finally:
