@@ -10,6 +10,7 @@ for both ranks, and a staging store whose URIs the servers can read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -231,25 +232,35 @@ class LoopServers:
         self.restarts += 1
 
 
-@pytest.fixture(scope="module")
-def vllm_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopServers]:
-    """Two servers started by `rolledger run`'s own launcher (workers.engines.factory) from a loop policy."""
+@contextlib.contextmanager
+def started_loop_servers(
+    tmp_path_factory: pytest.TempPathFactory, name: str, config: dict[str, object]
+) -> Iterator[LoopServers]:
+    """`config.ranks` servers started by `rolledger run`'s own launcher (workers.engines.factory) from a loop policy
+    built with `config` (its sampling's logprob mode is the servers' --logprobs-mode), closed on exit."""
     if vllm_import_error():
         pytest.skip(skip_reason())
     from rolledger.schemas.config import RunConfig
     from rolledger.workers.engines.factory import start_rank_servers
     from rolledger.workers.operator.local_run import prepare_policy
 
-    root = tmp_path_factory.mktemp("vllm_loop")
-    cfg = RunConfig.model_validate(LOOP_CONFIG)
+    root = tmp_path_factory.mktemp(name)
+    cfg = RunConfig.model_validate(config)
     prepare_policy(cfg, root / "model")
     servers = LoopServers(root / "model", root, start_rank_servers(cfg, root / "model", root))
-    print(f"\nvLLM loop servers ready: start {[round(s.start_s, 1) for s in servers.servers]} s")
+    print(f"\nvLLM {name} servers ready: start {[round(s.start_s, 1) for s in servers.servers]} s")
     try:
         yield servers
     finally:
         for s in servers.servers:
             s.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_loop_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopServers]:
+    """Two servers started by `rolledger run`'s own launcher (workers.engines.factory) from a loop policy."""
+    with started_loop_servers(tmp_path_factory, "vllm_loop", LOOP_CONFIG) as servers:
+        yield servers
 
 
 @pytest.fixture

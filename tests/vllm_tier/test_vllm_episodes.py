@@ -17,7 +17,7 @@ from rolledger.schemas import events as ev
 from rolledger.workers.policy.policy_model import load_policy
 from rolledger.workflows.audit import audit
 
-from .conftest import LOOP_CONFIG, LoopServers, skip_reason, vllm_import_error
+from .conftest import LOOP_CONFIG, LoopServers, started_loop_servers
 from .test_vllm_loop import execute, of
 
 pytestmark = pytest.mark.vllm
@@ -38,21 +38,8 @@ EPISODES: dict[str, object] = {
 
 @pytest.fixture(scope="module")
 def episode_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopServers]:
-    if vllm_import_error():
-        pytest.skip(skip_reason())
-    from rolledger.schemas.config import RunConfig
-    from rolledger.workers.engines.factory import start_rank_servers
-    from rolledger.workers.operator.local_run import prepare_policy
-
-    root = tmp_path_factory.mktemp("vllm_episodes")
-    cfg = RunConfig.model_validate(EPISODES)
-    prepare_policy(cfg, root / "model")
-    servers = LoopServers(root / "model", root, start_rank_servers(cfg, root / "model", root))
-    try:
+    with started_loop_servers(tmp_path_factory, "vllm_episodes", EPISODES) as servers:
         yield servers
-    finally:
-        for s in servers.servers:
-            s.close()
 
 
 def test_one_multi_turn_episode_runs_end_to_end_through_vllm(
