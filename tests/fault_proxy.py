@@ -337,10 +337,10 @@ class FaultProxy:
                     with self._lock:
                         self._stats.dropped[direction] += len(data)
                     continue
+                with self._lock:  # counted before it is handed on: whoever received it reads it counted
+                    self._stats.forwarded[direction] += len(data)
                 out.write(data)
                 await out.drain()
-                with self._lock:
-                    self._stats.forwarded[direction] += len(data)
         except (ConnectionError, OSError):
             pass
         finally:  # one side ended: end the other (a half-open proxy would hide the fault it models)

@@ -174,9 +174,9 @@ def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_th
     """drain_mode "abort" cuts the samples in flight at every update. With `recycle_aborted` each one is continued
     from its own tokens once its rank serves the new version: it finishes with a span per version, none is cancelled
     mid-generation (but as the run ends), and the run audits clean. Without it the same cuts are cancelled samples (the baseline)."""
-    cfg = small(
+    cfg = small(  # six updates: whether a drain finds a sample in flight depends on when its update lands
         recycle_aborted=recycle,
-        steps=4,
+        steps=6,
         sampling={"max_tokens": 40, "stop_token_ids": []},
         trainer={"warm_start_steps": 0, "groups_per_step": 2},
         update={"drain_mode": "abort", "prepare_deadline_s": 20, "drain_deadline_s": 20, "commit_deadline_s": 20},

@@ -160,9 +160,13 @@ def test_a_version_the_server_does_not_have(staged) -> None:
     assert e.value.kind == "not_found"
 
 
-def test_a_server_that_is_gone_fails_the_transfer_at_once_not_at_the_deadline(staged) -> None:
+def test_a_server_that_is_gone_fails_the_transfer_at_once_not_at_the_deadline(
+    staged, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """c10d retries a refused connection until its timeout; a rank would sit out the whole deadline (and miss the
-    run's end) waiting for a trainer that died. The receiver probes the address first."""
+    run's end) waiting for a trainer that died. The receiver connects with a short deadline of its own first (10 s;
+    1 s here, so the test does not sit out the 10 s either: what is checked is that the URI's 120 s are not taken)."""
+    monkeypatch.setattr(transport_dist_receive, "CONNECT_TIMEOUT_S", 1.0)
     _, _, v2, _ = staged
     server = WeightServer(staged[0].root, timeout_s=120)
     uri = server.uri(_dirname(v2))
@@ -181,7 +185,7 @@ def test_a_server_that_is_gone_fails_the_transfer_at_once_not_at_the_deadline(st
     with pytest.raises(StagingError) as e:
         receive_verified(uri, 2, manifest)
     assert e.value.kind == "transport" and "unreachable" in str(e.value)
-    assert time.monotonic() - t0 < 60  # the URI's deadline is 120 s
+    assert time.monotonic() - t0 < 60  # the URI's deadline is 120 s (the connect's, 1 s)
 
 
 class _DiesAfterFirstBucket:
@@ -318,10 +322,24 @@ def _offer(server: WeightServer, root: Path, version: int, state: dict[str, torc
     return server.offer(dirname, manifest, tensors), dirname
 
 
+class _SaysWhenWaitedOn(threading.Event):
+    """An offered version's durable-copy event that says when a transfer first waits on it: the sender holds the
+    version's last bucket back there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited_on = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited_on.set()
+        return super().wait(timeout)
+
+
 def test_an_offered_version_is_held_back_until_the_trainers_copy_is_written(tmp_path: Path) -> None:
     want = _state(3)
     with WeightServer(tmp_path, bucket_bytes=1000, timeout_s=60) as server:
         uri, dirname = _offer(server, tmp_path, 1, want)
+        durable = server._held[dirname].durable = _SaysWhenWaitedOn()
         manifest = read_manifest(uri, 1, timeout_s=60)
         got: list[object] = []
         done = threading.Event()
@@ -334,7 +352,9 @@ def test_an_offered_version_is_held_back_until_the_trainers_copy_is_written(tmp_
             done.set()
 
         threading.Thread(target=fetch, daemon=True).start()
-        assert not done.wait(2.0), "the last bucket went out before the trainer's copy was written"
+        # the sender reached the last bucket and holds it (an event, not a fixed wait); the receiver cannot finish
+        assert durable.waited_on.wait(60), "the transfer never reached its last bucket"
+        assert not done.wait(0.5), "the last bucket went out before the trainer's copy was written"
         server.persisted(dirname)
         assert done.wait(60)
     assert isinstance(got[0], VerifiedWeights), got[0]
