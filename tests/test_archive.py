@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 import redis
 from logbuilder import LogBuilder
@@ -24,9 +25,10 @@ from rolledger.events.archive import (
     successor,
 )
 from rolledger.events.archiver import Archiver
+from rolledger.events.entries import RunClosed
 from rolledger.events.keys import dedupe_key, log_key
 from rolledger.events.snapshots import latest_snapshot, take_snapshot
-from rolledger.events.store import EventLog
+from rolledger.events.store import EventLog, as_str
 from rolledger.schemas import events as ev
 from rolledger.workers.operator.cli import main
 from rolledger.workers.runtime.runtime import Follower
@@ -359,3 +361,42 @@ def test_archive_and_trim_through_a_cluster_client(redis_cluster: Any, run_id: s
         assert scan_run(client, run_id, archive_dir(runs / run_id)).problems == []
     finally:
         client.close()
+
+
+def test_single_writer_keys_go_with_the_trim_and_a_pruned_step_or_version_stays_refused(
+    redis_client: redis.Redis, run_id: str, runs: Path
+) -> None:
+    """The trainer's `append_once` keys (a step, its staged version, each group it consumes) are pruned behind the
+    trim like event ids, so the dedupe hash stays bounded on a long run; a step or a version is refused afterwards
+    all the same (its sequence's floor was raised past it before its key went), and the run's end stays recorded."""
+    events = build_log()
+    log = EventLog(redis_client, run_id)
+    ids = []
+    claimed: list[str] = []
+    for e in events:
+        if isinstance(e.payload, ev.BatchConsumed):
+            step = e.payload.step
+            keys = [f"step:{step}", f"UpdateStaged:v{step}", *(f"group:{g}" for g in e.payload.group_ids)]
+            got = log.append_once([e], keys)
+            assert got is not None
+            ids.append(got[0])
+            claimed += keys
+        else:
+            ids.append(log.append(e))
+    k = int(len(events) * 0.75)
+    take_snapshot(redis_client, run_id, replay(events[:k]), ids[k - 1])
+    archiver(redis_client, runs, run_id, keep_live=5, archive_every=10).run_once()
+
+    fields = {as_str(f) for f in redis_client.hkeys(dedupe_key(run_id))}
+    left = [key for key in claimed if f"once:{key}" in fields]
+    assert 0 < len(left) < len(claimed), left  # those behind the trim went, those in the live window stay
+    assert "once:run-finished" in fields
+    floor = int(redis_client.hget(dedupe_key(run_id), "floor:once:step:") or -1)
+    assert floor >= 1 and "once:step:1" not in fields
+    assert int(redis_client.hget(dedupe_key(run_id), "floor:once:UpdateStaged:v") or -1) == floor
+    # an event not yet recorded: the keys are checked before the run's end is
+    late = [msgspec.structs.replace(events[-1], event_id=f"01LATE{i:020d}") for i in range(4)]
+    for e, key in zip(late, (f"step:{floor}", "step:1", f"UpdateStaged:v{floor}"), strict=False):
+        assert log.append_once([e], [key]) is None, key  # still taken
+    with pytest.raises(RunClosed):  # past the floor the key is free: the append reaches the run-ended check
+        log.append_once([late[3]], [f"step:{floor + 1000}"])

@@ -21,7 +21,14 @@ nothing:
 
 Idempotent appends after pruning: an append retried while its original entry is still in the live window returns
 the original stream id, as before; a retry of an event already archived and trimmed (at least `keep_live` entries
-and a snapshot ago) would be written again. `once:` keys (append_once guards, one per staged version) are kept.
+and a snapshot ago) would be written again. `once:` keys (append_once's single-writer guards: a step, a staged version,
+a group consumed or dropped) are pruned by the same rule, but for the run's end (`once:run-finished`), which stays.
+A step and a staged version are numbered and their numbers only grow: before their keys go, the sequence's floor
+field (`floor:once:step:`, `floor:once:UpdateStaged:v`) is raised past them, and the append script refuses any key at
+or below it, so no trainer, however stale its view, takes a step or stages a version twice. A group's key has no
+order to keep; it goes like an event id, a retry of it possible only from a view older than the live window and the
+latest snapshot. Without this the hash grew by three fields per step (`./dev chaos --soak 4`: 1.8 KB -> 789 KB in 2,742
+steps, Redis x1.56).
 """
 
 from __future__ import annotations
@@ -55,11 +62,26 @@ from rolledger.events.archive import (
     successor,
 )
 from rolledger.events.disk_full import DiskFull, is_disk_full
+from rolledger.events.entries import FINISHED_FIELD
 from rolledger.events.keys import archive_key, dedupe_key, log_key
 from rolledger.events.snapshots import latest_snapshot
 from rolledger.events.store import as_str
+from rolledger.events.store_scripts import FLOOR_PREFIX, ONCE_SEQUENCES, RAISE_FLOOR_LUA
 
 log = structlog.get_logger("archive")
+
+_FLOOR = FLOOR_PREFIX.encode()
+_FINISHED = FINISHED_FIELD.encode()
+_SEQUENCES = tuple(f"once:{p}".encode() for p in ONCE_SEQUENCES)
+
+
+def _numbered(name: bytes) -> tuple[str, int] | None:
+    """(its sequence's floor field, its number) for a `once:` key of a growing sequence, else None."""
+    for prefix in _SEQUENCES:
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            return (_FLOOR + prefix).decode(), int(name[len(prefix) :])
+    return None
+
 
 # KEYS: manifest. ARGV: expected last archived id ('' = none yet), segment field, "<count> <digest>", new last id,
 # count, directory. Records the segment only if nobody recorded another since the caller read the manifest.
@@ -115,6 +137,7 @@ class Archiver:
         self.archive_every = archive_every
         self.key = log_key(run_id)
         self._record = client.register_script(_RECORD_LUA)
+        self._raise_floor = client.register_script(RAISE_FLOOR_LUA)
 
     # ------------------------------------------------------------------ the safe point
     def safe_point(self) -> str:
@@ -241,24 +264,39 @@ class Archiver:
         return trimmed, minid, self._prune_dedupe(minid)
 
     def _prune_dedupe(self, minid: str) -> int:
+        """Delete the dedupe fields whose stream id fell below `minid`: event ids, and `once:` keys but the run's end.
+        A numbered key of a growing sequence (a step, a staged version) goes only after its sequence's floor was
+        raised past it, so the append script still refuses it (a crash between the two leaves both: harmless)."""
         limit = position(minid)
         stale: list[bytes] = []
+        floored: list[bytes] = []
+        floors: dict[str, int] = {}
         pruned = 0
         key = dedupe_key(self.run_id)
         for name, value in self.client.hscan_iter(key, count=1000):
-            if name.startswith(b"once:"):
+            if name.startswith(_FLOOR) or name == _FINISHED:
                 continue
             try:
                 below = position(as_str(value)) < limit
             except ValueError:
                 continue
-            if below:
-                stale.append(name)
+            if not below:
+                continue
+            numbered = _numbered(name)
+            if numbered is not None:
+                field, number = numbered
+                floors[field] = max(number, floors.get(field, -1))
+                floored.append(name)
+                continue
+            stale.append(name)
             if len(stale) >= 1000:
                 pruned += int(self.client.hdel(key, *stale))
                 stale = []
-        if stale:
-            pruned += int(self.client.hdel(key, *stale))
+        for field, number in floors.items():
+            self._raise_floor(keys=[key], args=[field, number])
+        for batch in (stale, *(floored[i : i + 1000] for i in range(0, len(floored), 1000))):
+            if batch:
+                pruned += int(self.client.hdel(key, *batch))
         return pruned
 
     def _remove_orphans(self, manifest: Manifest) -> None:

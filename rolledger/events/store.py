@@ -15,12 +15,12 @@ Layout of one run (every key shares the hash tag `{<run-id>}`, see events/keys.p
   retried append (a reply lost to a dropped connection, then redis-py's retry) returns the original stream id
   instead of writing a duplicate. Redis 7.0 has no idempotent XADD (IDMP arrived in 8.6), hence the scripts.
   `append_once` records its batch key there as `once:<key>`. The archiver (events/archiver.py) deletes the event ids
-  whose stream id it trimmed; `once:` keys stay.
+  and the `once:` keys whose stream id it trimmed; a pruned step or staged version stays refused through its
+  sequence's floor (`floor:once:step:`, `floor:once:UpdateStaged:v`, events/store_scripts.ONCE_SEQUENCES).
 - the run's end: field `once:run-finished` (FINISHED_FIELD) of the dedupe hash, set by the script that appends the
   run's RunFinished (to its stream id). Any later append of an event not already recorded is refused (`RunClosed`)
   and nothing of its batch is written. It sits in the dedupe hash so that the HMGET each append makes of its ids
-  reads it too (a GET per append was a tenth of Redis's commands, bench_scale); the archiver's pruning keeps every
-  `once:` field.
+  reads it too (a GET per append was a tenth of Redis's commands, bench_scale); the archiver's pruning keeps it.
 - `work_key(run, group)`: for each consumer group of events/work.py, the events it must act on, written by the same
   append script as the log entry (a copy, with the log stream id); its consumer deletes an entry once acknowledged.
 - `dead_letter_key(run)`: entries nobody could process, each with `source` (stream id), `raw` (the bytes), `reason`,

@@ -169,9 +169,18 @@ return write(n, 2, ids)
 """
 )
 
+# Numbered once-keys whose numbers only grow (a step, a staged version: workflows/trainer.TrainPlan.once_keys): the
+# archiver prunes their fields behind its trim and raises the sequence's floor first (the field FLOOR_PREFIX +
+# "once:" + the prefix, events/archiver.py), so a key numbered at or below the floor counts as taken however old it is.
+ONCE_SEQUENCES = ("step:", "UpdateStaged:v")
+FLOOR_PREFIX = "floor:"
+_FLOORS_LUA = ", ".join(f"'{FLOOR_PREFIX}once:{p}'" for p in ONCE_SEQUENCES)
+_SEQUENCES_LUA = ", ".join(f"'once:{p}'" for p in ONCE_SEQUENCES)
+
 # ARGV: k, then k once-keys, then (event id, bytes, type) triples. Returns {1 or 2, id...} when the batch was appended (and
 # every key recorded) or when every event of it was recorded before (a retry of a call that succeeded: the original
-# ids), {0, the first key already taken} when any key was taken before, {-1, marker} after the run's end.
+# ids), {0, the first key already taken} when any key was taken before (or is numbered at or below its sequence's
+# floor), {-1, marker} after the run's end.
 APPEND_ONCE_LUA = (
     APPEND_COMMON_LUA
     + """
@@ -189,6 +198,23 @@ for lo = 2, k + 1, CHUNK do  -- one HMGET of the keys (a step's keys name every 
     if taken[i - lo + 1] then return {0, ARGV[i]} end
   end
 end
+local floors = redis.call('HMGET', KEYS[2], """
+    + _FLOORS_LUA
+    + """)
+local sequences = {"""
+    + _SEQUENCES_LUA
+    + """}
+for j = 1, #sequences do
+  if floors[j] then
+    local p, floor = sequences[j], tonumber(floors[j])
+    for i = 2, k + 1 do
+      if string.sub(ARGV[i], 1, #p) == p then
+        local num = tonumber(string.sub(ARGV[i], #p + 1))
+        if num and num <= floor then return {0, ARGV[i]} end
+      end
+    end
+  end
+end
 if closed then return {-1, closed} end
 ids = write(n, k + 2, ids)
 local claimed = {}
@@ -200,3 +226,10 @@ remember(claimed)
 return ids
 """
 )
+
+# KEYS: the dedupe hash. ARGV: a floor field, a number. Raises the field to the number (never lowers it).
+RAISE_FLOOR_LUA = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return cur
+"""

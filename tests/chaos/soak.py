@@ -8,8 +8,8 @@ fault on one process's path to Redis (latency, reset, stall, partition, through 
 rank for 6-9 s. Kills and Redis restarts are left out: a restarted process (or server) starts its memory afresh and
 would hide the growth the soak is there to see.
 
-Every `sample_every_s` (a minute by default) from the trainer's first step (before it the processes are still
-loading) the soak samples each process's RSS (/proc/<pid>/statm) and Redis's `used_memory` (INFO memory). The run's log archives and trims behind a small live window (`[log] keep_live` and
+Every `sample_every_s` (a minute by default) from the trainer's first step and the log's first trim (before them
+the processes are still loading and Redis's live window is still filling) the soak samples each process's RSS (/proc/<pid>/statm) and Redis's `used_memory` (INFO memory). The run's log archives and trims behind a small live window (`[log] keep_live` and
 `archive_every` of 200 entries), so Redis holds a bounded window, not the run: its memory must stay flat like the
 processes'. Flat: the mean of the last quarter of the samples is at most 1.1 x the mean of the first quarter
 (`flatness`), for every process and for Redis. A process restarted during the soak (it crashed) is reported, its
@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
+from rolledger.events.archive import M_TRIMMED
+from rolledger.events.keys import archive_key
 
 from .checks import Ending
 from .harness import Harness, Result, prepare_model
@@ -84,6 +87,7 @@ class Sample:
     t_s: float  # since the workers started
     rss: dict[str, tuple[int, int]]  # process -> (incarnation, bytes)
     redis_used: int | None
+    redis_keys: dict[str, int] = field(default_factory=dict)  # key -> MEMORY USAGE bytes: which key grows
 
 
 @dataclass
@@ -128,8 +132,8 @@ class SoakHarness(Harness):
 
     def tick(self, now: float) -> None:
         if self._next is None:
-            if self.counts["TrainStepFinished"] == 0:
-                return  # still starting: loading the model, warming its caches, joining
+            if self.counts["TrainStepFinished"] == 0 or not self._trimmed():
+                return  # still starting (loading the model, joining), or the live window not yet full
             self._next = now
         if now < self._next:
             return
@@ -141,7 +145,7 @@ class SoakHarness(Harness):
                 got = rss_bytes(p.popen.pid)
                 if got is not None:
                     rss[name] = (p.incarnation, got)
-        sample = Sample(now - self.t0, rss, self._redis_used())
+        sample = Sample(now - self.t0, rss, self._redis_used(), self._redis_keys())
         self.samples.append(sample)
         parts = [f"{n} {b / 2**20:.1f}" + (f"#{i}" if i > 1 else "") for n, (i, b) in rss.items()]
         redis_mb = "?" if sample.redis_used is None else f"{sample.redis_used / 2**20:.2f}"
@@ -155,6 +159,37 @@ class SoakHarness(Harness):
         except (redis.RedisError, OSError, KeyError):
             self._memory_client = None
             return None
+
+    def _trimmed(self) -> bool:
+        """Whether the archiver has trimmed the log once: from then on Redis holds a full live window, the size it
+        should keep (before it, the window is still filling and Redis grows as it must)."""
+        try:
+            if self._memory_client is None:
+                self._memory_client = redis.Redis.from_url(self.redis.url, socket_timeout=2.0)
+            return bool(self._memory_client.hexists(archive_key(self.run_id), M_TRIMMED))
+        except (redis.RedisError, OSError):
+            self._memory_client = None
+            return False
+
+    def _redis_keys(self) -> dict[str, int]:
+        """Every key's MEMORY USAGE (SAMPLES 0: all of a stream's or a hash's entries counted), so a growing
+        used_memory names the key it grows in; empty when Redis does not answer."""
+        try:
+            if self._memory_client is None:
+                self._memory_client = redis.Redis.from_url(self.redis.url, socket_timeout=2.0)
+            client = self._memory_client
+            return {k.decode(): int(client.memory_usage(k, samples=0) or 0) for k in client.scan_iter(count=1000)}
+        except (redis.RedisError, OSError):
+            self._memory_client = None
+            return {}
+
+    def key_growth(self, top: int = 5) -> list[str]:
+        """The keys whose memory grew most from the first sample to the last, a line each."""
+        if len(self.samples) < 2:
+            return []
+        first, last = self.samples[0].redis_keys, self.samples[-1].redis_keys
+        grown = sorted(((last[k] - first.get(k, 0), k) for k in last), reverse=True)[:top]
+        return [f"  {k}: {first.get(k, 0) / 1024:.1f} -> {last[k] / 1024:.1f} KB" for d, k in grown if d > 0]
 
     def series(self) -> list[Series]:
         out = []
@@ -242,6 +277,11 @@ def run_soak(
     out(f"memory over {report.samples} samples (flat: last quarter <= {FLAT_LIMIT:g} x first quarter):")
     for s in series:
         out(s.line())
+    growth = harness.key_growth()
+    if growth:
+        out("redis keys that grew most, first sample -> last (MEMORY USAGE):")
+        for line in growth:
+            out(line)
     if report.samples < 2:
         out("  fewer than 2 samples: nothing to compare (a longer --soak, or a shorter --sample-every)")
     totals = Totals()
