@@ -166,17 +166,69 @@ def assert_recycled_across_updates(events: list[ev.Event], engine: str, max_toke
     return len(recycled)
 
 
+class HeldMidGroupUntilADrain:
+    """A test double around a real engine: its first group is held after its first tokens until the engine is paused
+    (the next update's drain), so that drain finds it in flight, whenever the update lands. The hold is in the
+    group's `should_cancel`, which the decoder asks once per sample per token, between two tokens; what cuts the
+    group is the engine's own abort."""
+
+    def __init__(self, inner: object, deadline_s: float = 120.0) -> None:
+        self.inner = inner
+        self.deadline_s = deadline_s
+        self.held = False
+        self.prompt: list[int] = []  # the held group's
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def generate(self, prompt: object, n: int, *args: object, **kwargs: object) -> GroupOutput:
+        should_cancel = kwargs.get("should_cancel")
+        if self.held or n < 2 or not callable(should_cancel):
+            return self.inner.generate(prompt, n, *args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+        self.held = True
+        self.prompt = [int(t) for t in prompt]  # type: ignore[attr-defined]
+        asked = 0
+
+        def hold_after_the_first_tokens(i: int) -> bool:
+            nonlocal asked
+            asked += 1
+            if asked == 2 * n + 1:  # every sample has two tokens: wait for the drain's pause
+                deadline = time.monotonic() + self.deadline_s
+                while not self.inner.is_paused:  # type: ignore[attr-defined]
+                    assert time.monotonic() < deadline, f"no drain paused the engine within {self.deadline_s:g} s"
+                    time.sleep(0.01)  # polling the engine's pause flag, with a deadline
+            return bool(should_cancel(i))
+
+        kwargs["should_cancel"] = hold_after_the_first_tokens
+        return self.inner.generate(prompt, n, *args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recycle", [True, False])
 def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_the_run_recycles_them(
-    redis_url: str, run_id: str, tmp_path: Path, recycle: bool
+    redis_url: str, run_id: str, tmp_path: Path, recycle: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """drain_mode "abort" cuts the samples in flight at every update. With `recycle_aborted` each one is continued
     from its own tokens once its rank serves the new version: it finishes with a span per version, none is cancelled
-    mid-generation (but as the run ends), and the run audits clean. Without it the same cuts are cancelled samples (the baseline)."""
-    cfg = small(  # six updates: whether a drain finds a sample in flight depends on when its update lands
+    mid-generation (but as the run ends), and the run audits clean. Without it the same cuts are cancelled samples (the baseline).
+    Rank 0's first group is held in flight until the first drain (HeldMidGroupUntilADrain), so some drain cuts
+    something however the updates fall (a loaded fresh-clone run once saw six drains cut nothing)."""
+    from rolledger.workers.operator import local_run
+
+    real_wrap = local_run.wrap_engine
+    held: list[HeldMidGroupUntilADrain] = []
+
+    def wrap(engine: object, rank: int, injector: object) -> object:
+        inner = real_wrap(engine, rank, injector)  # type: ignore[arg-type]
+        if rank != 0:
+            return inner
+        held.append(HeldMidGroupUntilADrain(inner))
+        return held[-1]
+
+    monkeypatch.setattr(local_run, "wrap_engine", wrap)
+    cfg = small(
         recycle_aborted=recycle,
-        steps=6,
+        steps=4,
         sampling={"max_tokens": 40, "stop_token_ids": []},
         trainer={"warm_start_steps": 0, "groups_per_step": 2},
         update={"drain_mode": "abort", "prepare_deadline_s": 20, "drain_deadline_s": 20, "commit_deadline_s": 20},
@@ -187,6 +239,13 @@ def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_th
     assert report.ok, report.render()
     cut = [p for p in of(events, ev.SampleCancelled) if p.reason == "cancelled while generating"]
     recycled = [p.trajectory for p in of(events, ev.SampleFinished) if p.trajectory.spans]
+    [double] = held
+    group = {p.group_id for p in of(events, ev.GroupAdmitted) if list(p.prompt_token_ids) == double.prompt}
+    assert double.held and group, "rank 0 never generated a group"
+    if recycle:  # the held group's samples were cut by the first drain and continued
+        assert {t.group_id for t in recycled} & group, [(t.group_id, t.spans) for t in recycled]
+    else:
+        assert {p.group_id for p in cut} & group
     if recycle:
         assert_cut_samples_cancelled_only_in_groups_closed_first(events)
         assert recycled, "no sample was cut by an update: the test did not exercise recycling"
