@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from rolledger.workers.engines.torch_engine import TorchEngine
 from rolledger.workers.policy.grpo import sequence_logprobs
 from rolledger.workers.policy.policy_model import build_model, build_tokenizer, policy_state
 from rolledger.workflows.audit import audit
+
+T = TypeVar("T")
 
 
 def test_a_parked_sample_continues_on_the_new_weights_with_stamped_spans() -> None:
@@ -213,19 +217,7 @@ def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_th
     mid-generation (but as the run ends), and the run audits clean. Without it the same cuts are cancelled samples (the baseline).
     Rank 0's first group is held in flight until the first drain (HeldMidGroupUntilADrain), so some drain cuts
     something however the updates fall (a loaded fresh-clone run once saw six drains cut nothing)."""
-    from rolledger.workers.operator import local_run
-
-    real_wrap = local_run.wrap_engine
-    held: list[HeldMidGroupUntilADrain] = []
-
-    def wrap(engine: object, rank: int, injector: object) -> object:
-        inner = real_wrap(engine, rank, injector)  # type: ignore[arg-type]
-        if rank != 0:
-            return inner
-        held.append(HeldMidGroupUntilADrain(inner))
-        return held[-1]
-
-    monkeypatch.setattr(local_run, "wrap_engine", wrap)
+    held = double_rank_0(monkeypatch, HeldMidGroupUntilADrain)
     cfg = small(
         recycle_aborted=recycle,
         steps=4,
@@ -257,6 +249,25 @@ def test_samples_an_abort_drain_cuts_are_continued_under_the_new_version_when_th
         assert cut and not recycled
 
 
+def double_rank_0(monkeypatch: pytest.MonkeyPatch, make: Callable[[object], T]) -> list[T]:
+    """Put the test double `make` builds around rank 0's engine (inside the run's own fault wrapper) for the runs
+    this test starts; the doubles it made, one per engine rank 0 opened."""
+    from rolledger.workers.operator import local_run
+
+    real_wrap = local_run.wrap_engine
+    made: list[T] = []
+
+    def wrap(engine: object, rank: int, injector: object) -> object:
+        inner = real_wrap(engine, rank, injector)  # type: ignore[arg-type]
+        if rank != 0:
+            return inner
+        made.append(make(inner))
+        return made[-1]
+
+    monkeypatch.setattr(local_run, "wrap_engine", wrap)
+    return made
+
+
 class PausedBeforeItsFirstRequest:
     """A test double around a real engine: its first `generate` finds the engine paused, as when a drain's pause lands
     between a group's start (its SampleStarted) and its request to the engine. The rank, which did not ask for that
@@ -284,15 +295,7 @@ def test_a_group_whose_request_finds_the_engine_paused_is_cut_not_failed(
     """The rollout slot started the group, then the engine refused its request (paused): its samples are cut before
     their first token, as the pause would have cut them a moment later. Recycled, they are continued once the rank
     serves again and the group completes; otherwise they are cancelled. None fails as if the engine had broken."""
-    from rolledger.workers.operator import local_run
-
-    real_wrap = local_run.wrap_engine
-
-    def wrap(engine: object, rank: int, injector: object) -> object:
-        inner = real_wrap(engine, rank, injector)  # type: ignore[arg-type]
-        return PausedBeforeItsFirstRequest(inner) if rank == 0 else inner
-
-    monkeypatch.setattr(local_run, "wrap_engine", wrap)
+    double_rank_0(monkeypatch, PausedBeforeItsFirstRequest)
     cfg = small(recycle_aborted=recycle, steps=2, update={"drain_mode": "abort"})
     events, summary = execute(redis_url, run_id, tmp_path, cfg)
     assert summary.status == "completed"
@@ -345,19 +348,7 @@ def test_a_group_whose_request_reaches_the_engine_after_a_whole_update_runs_on_t
     spans of their own) for every token.
     Before, the request ran on v+1 and its trajectories said v with no span: tokens from weights their stamp does not
     name, which the audit could not see."""
-    from rolledger.workers.operator import local_run
-
-    real_wrap = local_run.wrap_engine
-    doubles: list[UpdatedBeforeItsFirstRequest] = []
-
-    def wrap(engine: object, rank: int, injector: object) -> object:
-        inner = real_wrap(engine, rank, injector)  # type: ignore[arg-type]
-        if rank != 0:
-            return inner
-        doubles.append(UpdatedBeforeItsFirstRequest(inner))
-        return doubles[-1]
-
-    monkeypatch.setattr(local_run, "wrap_engine", wrap)
+    doubles = double_rank_0(monkeypatch, UpdatedBeforeItsFirstRequest)
     cfg = small(
         interruptible=True,
         # steps: while the held group runs on after the update it waited out, rank 1 feeds the trainer; the run must
